@@ -1,0 +1,125 @@
+"""The frozen, printable facts a plan records (kept apart from the planner's search and the executor)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from wsitrain.memory import format_bytes
+
+
+@dataclass(frozen=True)
+class SegmentPlan:
+    """One segment: consecutive layers between two checkpoints, run tiled or plain."""
+
+    index: int
+    layers: tuple[str, ...]
+    mode: str  # "tiled" | "plain"
+    tile_grid: tuple[int, int]  # (rows, cols)
+    tile_edge: int  # tile edge in the segment's output pixels (halo excluded)
+    tile_shape: tuple[int, int]  # largest tile's input region incl. halo, in segment-input pixels
+    halo: tuple[int, int]  # halo per side (h, w) of an interior tile, in segment-input pixels
+    input_shape: tuple[int, ...]
+    output_shape: tuple[int, ...]
+    checkpoint_bytes: int  # the segment input kept for backward (0 when it lives on the host)
+    checkpoint_location: str  # "device" | "host"
+    tile_activation_bytes: int  # one tile's working set while recomputed and back-propagated
+    peak_bytes: int  # estimated peak while this segment runs
+    flops: float  # forward + recompute + backward FLOPs of this segment
+    start: int = field(default=0, repr=False)  # node index of the segment input (a cut)
+    end: int = field(default=0, repr=False)  # node index of the segment output (a cut)
+
+    @property
+    def n_tiles(self) -> int:
+        return self.tile_grid[0] * self.tile_grid[1]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["n_tiles"] = self.n_tiles
+        for k in ("tile_grid", "tile_shape", "halo", "input_shape", "output_shape", "layers"):
+            d[k] = list(d[k])
+        return d
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a model runs on one input shape within a memory budget, and what that costs."""
+
+    model_name: str
+    input_shape: tuple[int, ...]
+    dtype: str
+    input_dtype: str
+    device: str
+    budget_bytes: int
+    estimated_peak_bytes: int
+    fits: bool
+    segments: tuple[SegmentPlan, ...]
+    breakdown: dict[str, int]
+    baseline_peak_bytes: int
+    checkpoint_peak_bytes: int
+    checkpoint_segments: int
+    flops_plain: float
+    flops_sft: float
+    recomputed_tiles: int
+    input_on_host: bool
+    feature_map_bytes: int = 0  # the paper's accounting: every feature map (and the image) once
+    notes: tuple[str, ...] = ()
+
+    @property
+    def overhead(self) -> float:
+        """Extra compute of recomputation and halos, as a fraction of plain training."""
+        return self.flops_sft / self.flops_plain - 1.0 if self.flops_plain else 0.0
+
+    @property
+    def tiled_segments(self) -> tuple[SegmentPlan, ...]:
+        return tuple(s for s in self.segments if s.mode == "tiled")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model_name,
+            "input_shape": list(self.input_shape),
+            "dtype": self.dtype,
+            "input_dtype": self.input_dtype,
+            "device": self.device,
+            "input_on_host": self.input_on_host,
+            "fits": self.fits,
+            "budget_bytes": self.budget_bytes,
+            "estimated_peak_bytes": self.estimated_peak_bytes,
+            "baseline_peak_bytes": self.baseline_peak_bytes,
+            "checkpoint_peak_bytes": self.checkpoint_peak_bytes,
+            "checkpoint_segments": self.checkpoint_segments,
+            "feature_map_bytes": self.feature_map_bytes,
+            "flops_plain": self.flops_plain,
+            "flops_sft": self.flops_sft,
+            "overhead": self.overhead,
+            "recomputed_tiles": self.recomputed_tiles,
+            "breakdown": dict(self.breakdown),
+            "segments": [s.to_dict() for s in self.segments],
+            "notes": list(self.notes),
+        }
+
+    def __str__(self) -> str:
+        shape = "x".join(str(s) for s in self.input_shape)
+        verdict = "fits" if self.fits else "DOES NOT FIT"
+        lines = [
+            f"SFT plan for {self.model_name} on {shape} ({self.dtype}, {self.device}): {verdict}",
+            f"  budget {format_bytes(self.budget_bytes)}, estimated peak {format_bytes(self.estimated_peak_bytes)}",
+            f"  plain PyTorch would need {format_bytes(self.baseline_peak_bytes)}; best checkpoint_sequential "
+            f"({self.checkpoint_segments} segments) {format_bytes(self.checkpoint_peak_bytes)}",
+            f"  extra compute vs plain: {100 * self.overhead:+.1f}% ({self.recomputed_tiles} tiles recomputed per step)",
+        ]
+        for s in self.segments:
+            first, last = s.layers[0], s.layers[-1]
+            span = first if first == last else f"{first} .. {last}"
+            if s.mode == "tiled":
+                desc = (
+                    f"tiled {s.tile_grid[0]}x{s.tile_grid[1]}, tile {s.tile_shape[0]}x{s.tile_shape[1]} px with halo "
+                    f"{s.halo[0]}/{s.halo[1]}, checkpoint {format_bytes(s.checkpoint_bytes)} on {s.checkpoint_location}"
+                )
+            else:
+                desc = "plain autograd (activations kept, no recompute)"
+            lines.append(f"  segment {s.index}: {len(s.layers)} layers [{span}] {desc}; peak {format_bytes(s.peak_bytes)}")
+        parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.breakdown.items() if v)
+        lines.append(f"  memory parts: {parts}")
+        lines.extend(f"  note: {n}" for n in self.notes)
+        return "\n".join(lines)

@@ -1,0 +1,88 @@
+"""Tile regions: which slice of every tensor in a segment one output tile needs, per axis.
+
+H and W are independent, so a tile (i, j) of a grid is the product of row interval i and column
+interval j. Walking the segment backwards from the output tile, each operator asks its inputs for
+the exact interval it reads (halos shrink layer by layer: each layer computes only what later layers
+need). Running the *original* layer on that crop and keeping the needed outputs is exact:
+the crop is aligned to the layer's stride and starts at 0 only at the true image border.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from wsitrain.sft.ops import WINDOW, OpSpec
+
+Interval = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class AxisTile:
+    """One tile's intervals along one axis, for every node of a segment."""
+
+    need: dict[int, Interval]  # node -> interval of its output that consumers need (incl. the segment input)
+    req: dict[tuple[int, int], Interval]  # (consumer, producer) -> interval the consumer reads from the producer
+    computed: dict[int, Interval]  # node -> interval its operator produces before narrowing
+
+
+def _hull(a: Interval | None, b: Interval) -> Interval:
+    return b if a is None else (min(a[0], b[0]), max(a[1], b[1]))
+
+
+def axis_tile(
+    seg_nodes: list[int],
+    seg_input: int,
+    inputs: dict[int, tuple[int, ...]],
+    specs: list[OpSpec],
+    sizes: dict[int, int],
+    axis: int,
+    out_interval: Interval,
+) -> AxisTile:
+    """Intervals for one tile along ``axis`` (0 = H, 1 = W) of the segment whose last node is ``seg_nodes[-1]``.
+
+    ``sizes`` maps each node (and the segment input) to its extent along this axis.
+    """
+    need: dict[int, Interval] = {seg_nodes[-1]: out_interval}
+    req: dict[tuple[int, int], Interval] = {}
+    computed: dict[int, Interval] = {}
+    for u in reversed(seg_nodes):
+        a, b = need[u]
+        spec = specs[u]
+        for v in inputs[u]:
+            if spec.kind == WINDOW:
+                assert spec.windows is not None
+                r = spec.windows[axis].input_interval(a, b, sizes[v])
+            else:
+                r = (a, b)
+            req[(u, v)] = r
+            need[v] = _hull(need.get(v), r)
+        if spec.kind == WINDOW:
+            assert spec.windows is not None
+            w = spec.windows[axis]
+            lo, hi = req[(u, inputs[u][0])]
+            n_out = (hi - lo + 2 * w.padding - w.dilation * (w.kernel - 1) - 1) // w.stride + 1
+            g0 = w.first_output(lo)
+            computed[u] = (g0, g0 + max(n_out, b - g0))
+        else:
+            computed[u] = (a, b)
+    computed[seg_input] = need[seg_input]
+    return AxisTile(need, req, computed)
+
+
+def split_axis(length: int, tile: int) -> list[Interval]:
+    """Split ``[0, length)`` into consecutive tiles of ``tile`` (the last one ragged)."""
+    tile = max(1, min(tile, length))
+    return [(s, min(length, s + tile)) for s in range(0, length, tile)]
+
+
+def representative_tiles(intervals: list[Interval]) -> list[tuple[int, int]]:
+    """(index, multiplicity) of tiles whose regions stand for all others.
+
+    With tile edges a multiple of every cumulative stride in the segment, interior tiles are
+    translates of one another: the first, a middle one (far from both borders, so its halo is never
+    clipped) and the last tile describe the grid.
+    """
+    n = len(intervals)
+    if n <= 3:
+        return [(i, 1) for i in range(n)]
+    return [(0, 1), (n // 2, n - 2), (n - 1, 1)]
