@@ -334,7 +334,7 @@ def _search(
         here = _prune(states.get(a, []), minimize_peak)
         if not here:
             continue
-        for b in cands[ai + 1 :]:
+        for b in cands[ai + 1 : ai + 2] if forced_cuts is not None else cands[ai + 1 :]:
             plain = ctx.plain_option(a, b) if forced_tile is None else None
             can_tile = ignore_tileability or ctx.tileable(a, b) is None
             edges = ctx.edge_candidates(b, forced_tile) if can_tile else []
