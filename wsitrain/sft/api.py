@@ -94,8 +94,9 @@ def max_square_size(
             return False
         from wsitrain.sft.planner import _replay, _search
 
-        st = _search(ctx, float(budget), None, None)
-        return st is not None and _replay(ctx, st.path).peak <= budget
+        limit = ctx.effective_budget(budget)
+        st = _search(ctx, limit, None, None)
+        return st is not None and _replay(ctx, st.path).peak <= limit
 
     lo, hi = 0, stride * 2
     while hi <= limit and fits(hi):
