@@ -1,0 +1,51 @@
+"""Shared fixtures: where the real test slides are, and the repository root."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# Real slides live beside the checkout (../shared/slides), never inside the repository.
+SHARED_SLIDES = Path(__file__).resolve().parents[2] / "shared" / "slides"
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    """The repository root (where configs/ and pyproject.toml are)."""
+    return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def shared_slides() -> Path:
+    """The folder of small real slides; skips the test, saying why, when it is absent."""
+    if not SHARED_SLIDES.is_dir():
+        pytest.skip(f"real test slides not found at {SHARED_SLIDES} (beside the checkout, in ../shared/slides)")
+    return SHARED_SLIDES
+
+
+@pytest.fixture
+def write_yaml(tmp_path: Path):
+    """Write a YAML text to a file under tmp_path and return its path: ``write_yaml("model: {name: tiny}")``."""
+
+    def _write(text: str, name: str = "config.yaml") -> Path:
+        path = tmp_path / name
+        path.write_text(text, encoding="utf-8")
+        return path
+
+    return _write
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``gpu`` are skipped, with the reason shown, where CUDA is not available."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    import torch  # only when a gpu test was collected: keeps collection of the rest light
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False on this machine)")
+    for item in gpu_items:
+        item.add_marker(skip)

@@ -1,0 +1,190 @@
+"""The command line: help for every command, version, validate, error formatting and exit codes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from wsitrain import __version__
+from wsitrain.cli import app
+
+COMMANDS = ["fit", "predict", "plan", "bench", "synth", "validate", "info"]
+runner = CliRunner()
+
+
+def invoke(*args: str):
+    # COLUMNS: rich wraps at the terminal width; a wide one keeps each message on one line for the asserts.
+    return runner.invoke(app, list(args), env={"COLUMNS": "200", "NO_COLOR": "1"})
+
+
+def test_app_help_lists_every_command() -> None:
+    result = invoke("--help")
+    assert result.exit_code == 0, result.output
+    for name in COMMANDS:
+        assert name in result.output
+    for option in ("--version", "--quiet", "--verbose"):
+        assert option in result.output
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_command_help(command: str) -> None:
+    result = invoke(command, "--help")
+    assert result.exit_code == 0, result.output
+    assert "Usage:" in result.output
+    assert "Example" in result.output  # every command's help shows how to call it
+
+
+def test_no_arguments_shows_help() -> None:
+    result = invoke()
+    assert "Usage:" in result.output and "fit" in result.output
+
+
+def test_version() -> None:
+    result = invoke("--version")
+    assert result.exit_code == 0
+    assert result.output.strip() == f"wsitrain {__version__}"
+
+
+def test_validate_demo_config(repo_root: Path) -> None:
+    path = repo_root / "configs" / "demo.yaml"
+    result = invoke("validate", str(path))
+    assert result.exit_code == 0, result.output
+    assert f"{path} is valid" in result.output
+    assert "tiny" in result.output and "24 synthetic slides" in result.output
+
+
+def test_validate_with_override(repo_root: Path) -> None:
+    result = invoke("validate", str(repo_root / "configs" / "demo.yaml"), "--set", "train.lr=1e-4")
+    assert result.exit_code == 0, result.output
+    assert "lr 0.0001" in result.output
+
+
+def test_validate_reports_all_three_mistakes(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("model:\n  name: vgg61\n  colour: red\ntrain:\n  lr: fast\n")
+    result = invoke("validate", str(path))
+    assert result.exit_code == 2, result.output
+    out = result.output
+    assert "error:" in out and "3 problems" in out and str(path) in out
+    assert "model.colour: unknown key; valid keys here: name, num_classes" in out
+    assert "model.name: 'vgg61' is not a valid choice; choose one of tiny, vgg16" in out
+    assert "train.lr: expected a number, got 'fast'" in out
+    assert "hint:" in out
+    assert "Traceback" not in out
+
+
+def test_validate_bad_override_exits_2(repo_root: Path) -> None:
+    result = invoke("validate", str(repo_root / "configs" / "demo.yaml"), "--set", "train.nope=1")
+    assert result.exit_code == 2
+    assert "train.nope" in result.output and "valid keys here" in result.output
+
+
+def test_validate_missing_config_exits_2(tmp_path: Path) -> None:
+    path = tmp_path / "absent.yaml"
+    result = invoke("validate", str(path))
+    assert result.exit_code == 2
+    assert "file not found" in result.output and "absent.yaml" in result.output
+
+
+def test_errors_go_to_stderr(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("train: {lr: fast}\n")
+    result = invoke("--quiet", "validate", str(path))
+    assert result.exit_code == 2
+    assert "train.lr" in result.stderr  # --quiet hides progress, never errors
+    assert result.stdout == ""
+
+
+def test_quiet_hides_normal_output(repo_root: Path) -> None:
+    result = invoke("-q", "validate", str(repo_root / "configs" / "demo.yaml"))
+    assert result.exit_code == 0
+    assert result.output == ""
+
+
+def test_info_missing_slide_exits_2_naming_the_path(tmp_path: Path) -> None:
+    path = tmp_path / "no-such-slide.svs"
+    result = invoke("info", str(path))
+    assert result.exit_code == 2, result.output
+    assert "no-such-slide.svs" in result.output
+    assert "error:" in result.output
+
+
+def test_info_real_slide_table_and_json(shared_slides: Path) -> None:
+    path = shared_slides / "cmu-1-small-region.svs"
+    table = invoke("info", str(path))
+    assert table.exit_code == 0, table.output
+    assert "aperio" in table.output and "2220" in table.output and "2967" in table.output
+    as_json = invoke("info", str(path), "--json")
+    assert as_json.exit_code == 0, as_json.output
+    facts = json.loads(as_json.stdout)
+    assert facts["vendor"] == "aperio" and facts["dimensions"] == [2220, 2967]
+
+
+def test_info_broken_slide_exits_2(shared_slides: Path) -> None:
+    result = invoke("info", str(shared_slides / "broken.svs"))
+    assert result.exit_code == 2, result.output
+    assert "broken.svs" in result.output
+
+
+def test_internal_error_exits_1_without_traceback(monkeypatch: pytest.MonkeyPatch, repo_root: Path) -> None:
+    import wsitrain.config
+
+    def boom(*_args, **_kwargs):
+        raise RuntimeError("kaboom")
+
+    monkeypatch.setattr(wsitrain.config, "load_config", boom)
+    result = invoke("validate", str(repo_root / "configs" / "demo.yaml"))
+    assert result.exit_code == 1
+    assert "internal error: RuntimeError: kaboom" in result.output
+    assert "Traceback" not in result.output and "--verbose" in result.output
+    verbose = invoke("--verbose", "validate", str(repo_root / "configs" / "demo.yaml"))
+    assert verbose.exit_code == 1
+    assert "Traceback" in verbose.output and "kaboom" in verbose.output
+
+
+def test_missing_module_is_reported_as_not_available(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    # A None entry in sys.modules makes `import wsitrain.slides.synth` raise ModuleNotFoundError, as if it were absent.
+    monkeypatch.setitem(sys.modules, "wsitrain.slides.synth", None)
+    result = invoke("synth", "out")
+    assert result.exit_code == 3
+    assert "`wsitrain synth` is not available yet" in result.output
+
+
+def test_python_dash_m_runs_the_cli() -> None:
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "wsitrain", "--version"], capture_output=True, text=True, check=False, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"wsitrain {__version__}"
+
+
+def test_jsonl_writer_appends_one_object_per_line(tmp_path: Path) -> None:
+    from wsitrain.log import JsonlWriter
+
+    path = tmp_path / "sub" / "metrics.jsonl"
+    with JsonlWriter(path) as w:
+        w.write(step=1, loss=0.5, where=Path("a/b"))
+        assert path.read_text().count("\n") == 1  # flushed at once: a crash keeps what was written
+    with JsonlWriter(path) as w:  # a second writer appends (resume), never truncates
+        w.write(step=2, loss=0.25)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert rows == [{"step": 1, "loss": 0.5, "where": "a/b"}, {"step": 2, "loss": 0.25}]
+
+
+def test_quiet_console_prints_nothing_but_warnings_still_show(capsys: pytest.CaptureFixture[str]) -> None:
+    from wsitrain.log import info, make_console, warn
+
+    info(make_console(quiet=True), "progress [not markup]")
+    info(make_console(quiet=False), "shown [not markup]")
+    warn("careful")
+    out, err = capsys.readouterr()
+    assert out.strip() == "shown [not markup]"
+    assert "warning: careful" in err

@@ -1,0 +1,338 @@
+"""The ``wsitrain`` command line: parse options, call the module that does the work, print its errors.
+
+Kept thin on purpose: each command imports its module lazily, so ``wsitrain --help`` does not load torch and a
+module that is missing or broken only breaks its own command.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from wsitrain import __version__, log
+from wsitrain.errors import NotAvailableError, WsiTrainError
+
+app = typer.Typer(
+    name="wsitrain",
+    help="Train CNNs end-to-end on whole-slide images with slide-level labels, with exact tiled (SFT) execution.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,  # errors are printed by _handled below, tracebacks only with --verbose
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+# Set by the app callback before any command runs.
+_state: dict[str, Any] = {"quiet": False, "verbose": False, "console": None}
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+SET_HELP = "Override a config key, e.g. --set train.lr=1e-4 --set data.level=1 (repeatable; values are YAML)."
+
+
+def _console() -> Console:
+    if _state["console"] is None:
+        _state["console"] = log.make_console(_state["quiet"], _state["verbose"])
+    return _state["console"]
+
+
+def _handled(fn: F) -> F:
+    """Print a WsiTrainError as `error:` + `hint:` and exit with its code; anything else is an internal error."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (typer.Exit, typer.Abort, typer.BadParameter):
+            raise
+        except WsiTrainError as err:
+            log.error(err.message, err.hint)
+            raise typer.Exit(err.exit_code) from None
+        except Exception as err:
+            log.internal_error(err, verbose=_state["verbose"])
+            raise typer.Exit(1) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _entry(module: str, attr: str, command: str) -> Callable[..., Any]:
+    """Import ``module.attr`` for ``wsitrain command``; a missing wsitrain module means the command is not built yet."""
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        missing = e.name or "?"
+        if missing == "wsitrain" or missing.startswith("wsitrain."):
+            raise NotAvailableError(
+                f"`wsitrain {command}` is not available yet: module {missing} is missing from this installation",
+                hint="update wsitrain (git pull && pip install -e .); the other commands work without it",
+            ) from e
+        raise WsiTrainError(
+            f"`wsitrain {command}` needs the Python package {missing!r}, which is not installed",
+            hint="reinstall the dependencies: pip install -e . (or `make test`, which creates .venv)",
+        ) from e
+    fn = getattr(mod, attr, None)
+    if fn is None:
+        raise NotAvailableError(
+            f"`wsitrain {command}` is not available yet: {module}.{attr} does not exist",
+            hint="update wsitrain (git pull && pip install -e .)",
+        )
+    return fn
+
+
+def _load_config(config: Path, overrides: list[str] | None) -> Any:
+    from wsitrain.config import load_config  # lazy: config imports torch (via wsitrain.memory)
+
+    return load_config(config, overrides or [])
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        typer.echo(f"wsitrain {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: bool = typer.Option(
+        False, "--version", callback=_show_version, is_eager=True, help="Print the version and exit."
+    ),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only warnings and errors."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Print debug messages and full tracebacks."),
+) -> None:
+    """Train CNNs end-to-end on whole-slide images with slide-level labels.
+
+    The SFT engine tiles each slide so it fits your GPU and still gives exactly the gradients of plain PyTorch.
+    Start with `wsitrain fit configs/demo.yaml`; see README.md for the config reference.
+    """
+    _state.update(quiet=quiet, verbose=verbose, console=None)
+
+
+@app.command()
+@_handled
+def fit(
+    config: Path = typer.Argument(..., metavar="CONFIG", help="YAML config file (see configs/ and README.md)."),
+    set_: list[str] | None = typer.Option(None, "--set", "-s", metavar="KEY=VALUE", help=SET_HELP),
+    resume: Path | None = typer.Option(
+        None, "--resume", metavar="RUN_DIR", help="Continue the run in this folder from its last checkpoint."
+    ),
+    force: bool = typer.Option(False, "--force", help="With --resume: continue even if the config has changed."),
+    name: str | None = typer.Option(
+        None, "--name", help="Run folder name under log.dir (default: config key `name`, else config file name + time)."
+    ),
+) -> None:
+    """Train a slide-level classifier on whole slides.
+
+    Writes a new run folder (config, metrics, checkpoints); an existing folder is never overwritten.
+
+    Examples:
+
+      wsitrain fit configs/demo.yaml
+
+      wsitrain fit my.yaml --set train.lr=1e-4 --set train.epochs=20 --name lr-1e-4
+
+      wsitrain fit my.yaml --resume runs/lr-1e-4
+    """
+    cfg = _load_config(config, set_)
+    run_fit = _entry("wsitrain.train.fit", "run_fit", "fit")
+    run_fit(cfg, resume=resume, force=force, name=name, console=_console(), quiet=_state["quiet"])
+
+
+@app.command()
+@_handled
+def predict(
+    config: Path = typer.Argument(..., metavar="CONFIG", help="The YAML config the model was trained with."),
+    checkpoint: Path = typer.Option(..., "--checkpoint", help="Checkpoint file, e.g. runs/NAME/best.pt."),
+    slides: Path = typer.Option(..., "--slides", help="Folder of slides to predict (every slide file in it)."),
+    out: Path = typer.Option(..., "--out", help="CSV to write: one row per slide with class probabilities."),
+    set_: list[str] | None = typer.Option(None, "--set", "-s", metavar="KEY=VALUE", help=SET_HELP),
+) -> None:
+    """Predict slide-level class probabilities with a trained checkpoint.
+
+    Example:
+
+      wsitrain predict configs/demo.yaml --checkpoint runs/demo/best.pt --slides new-slides/ --out preds.csv
+    """
+    cfg = _load_config(config, set_)
+    run_predict = _entry("wsitrain.train.predict", "run_predict", "predict")
+    run_predict(cfg, checkpoint=checkpoint, slides=slides, out=out, console=_console())
+
+
+@app.command()
+@_handled
+def plan(
+    model: str = typer.Option(..., "--model", help="Model name: tiny, vgg16, vgg19, darknet19, resnet18/34/50."),
+    size: str = typer.Option(..., "--size", help="Input edge in pixels (20480) or HxW (20480x10240)."),
+    gpu: str | None = typer.Option(None, "--gpu", help="Plan for a known card, e.g. 2080ti, v100, a100, h100."),
+    memory: str | None = typer.Option(None, "--memory", help="Plan for this memory budget instead, e.g. 24GiB."),
+    batch: int = typer.Option(1, "--batch", min=1, help="Images per step."),
+    precision: str = typer.Option("fp32", "--precision", help="Activation precision: fp32, bf16 or fp16."),
+    tile: int | None = typer.Option(None, "--tile", min=1, help="Force this tile edge in input pixels."),
+    as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
+) -> None:
+    """Show how the SFT engine would tile a model for an image size and memory budget (allocates nothing).
+
+    Exits 0 when the plan fits the budget, non-zero when it does not.
+
+    Examples:
+
+      wsitrain plan --model vgg16 --size 20480 --gpu 2080ti
+
+      wsitrain plan --model resnet50 --size 40000 --memory 80GiB --precision bf16 --json
+    """
+    run_plan = _entry("wsitrain.plan_cmd", "run_plan", "plan")
+    code = run_plan(
+        model=model,
+        size=size,
+        gpu=gpu,
+        memory=memory,
+        batch=batch,
+        precision=precision,
+        tile=tile,
+        as_json=as_json,
+        console=_console(),
+    )
+    if code:
+        raise typer.Exit(int(code))
+
+
+@app.command()
+@_handled
+def bench(
+    gpu: str | None = typer.Option(None, "--gpu", help="Emulate a known card's memory, e.g. 2080ti."),
+    model: str = typer.Option("vgg16", "--model", help="Model name: tiny, vgg16, vgg19, darknet19, resnet18/34/50."),
+    sizes: str = typer.Option("512,1024", "--sizes", help="Comma-separated image edges in pixels."),
+    strategies: str = typer.Option(
+        "base,checkpoint,sft", "--strategies", help="Comma-separated: base (plain), checkpoint, sft."
+    ),
+    runs: int = typer.Option(5, "--runs", min=1, help="Timed steps per configuration (after one warm-up)."),
+    out: Path | None = typer.Option(None, "--out", help="Output folder for bench.csv/json/png."),
+    memory: str | None = typer.Option(None, "--memory", help="Memory budget, e.g. 11GiB (default: the device's)."),
+    precision: str = typer.Option("fp32", "--precision", help="fp32, bf16 or fp16."),
+) -> None:
+    """Time training steps of plain PyTorch, checkpointing and SFT across image sizes; mark out-of-memory.
+
+    Examples:
+
+      wsitrain bench --model tiny --sizes 256,512 --runs 2
+
+      wsitrain bench --gpu 2080ti --model vgg16 --sizes 2048,4096,8192,16384 --out bench-out/
+    """
+    run_bench = _entry("wsitrain.bench", "run_bench", "bench")
+    run_bench(
+        gpu=gpu,
+        model=model,
+        sizes=sizes,
+        strategies=strategies,
+        runs=runs,
+        out=out,
+        memory=memory,
+        precision=precision,
+        console=_console(),
+    )
+
+
+@app.command()
+@_handled
+def synth(
+    out_dir: Path = typer.Argument(..., metavar="OUT_DIR", help="Folder to write the slides and labels.csv into."),
+    n: int = typer.Option(8, "--n", min=1, help="Number of slides."),
+    size: int = typer.Option(4096, "--size", min=64, help="Slide edge in pixels."),
+    seed: int = typer.Option(0, "--seed", help="Random seed (same seed, same slides)."),
+    positive_fraction: float = typer.Option(
+        0.5, "--positive-fraction", min=0.0, max=1.0, help="Fraction of slides labelled positive."
+    ),
+) -> None:
+    """Write a synthetic labelled dataset of pyramidal SVS slides (for demos and tests).
+
+    Example:
+
+      wsitrain synth data/synthetic --n 24 --size 2048
+    """
+    write = _entry("wsitrain.slides.synth", "write_synthetic_dataset", "synth")
+    csv_path = write(out_dir, n=n, size=size, seed=seed, positive_fraction=positive_fraction)
+    _console().print(f"wrote {n} slides; labels: {csv_path}", soft_wrap=True)
+
+
+@app.command()
+@_handled
+def validate(
+    config: Path = typer.Argument(..., metavar="CONFIG", help="YAML config file to check."),
+    set_: list[str] | None = typer.Option(None, "--set", "-s", metavar="KEY=VALUE", help=SET_HELP),
+) -> None:
+    """Check a config file (and overrides) without running anything; list every problem found.
+
+    Example:
+
+      wsitrain validate configs/demo.yaml --set train.lr=1e-4
+    """
+    from wsitrain.config import config_summary
+
+    cfg = _load_config(config, set_)
+    console = _console()
+    console.print(f"[green]{config} is valid[/]", soft_wrap=True)
+    table = Table(show_header=False, box=None, pad_edge=False)
+    for key, value in config_summary(cfg).items():
+        table.add_row(f"[bold]{key}[/]", value)
+    console.print(table)
+
+
+@app.command()
+@_handled
+def info(
+    slide: Path = typer.Argument(..., metavar="SLIDE", help="Slide file (SVS, NDPI, MRXS, TIFF, ...)."),
+    as_json: bool = typer.Option(False, "--json", help="Print as JSON."),
+) -> None:
+    """Show a slide's vendor, reader, dimensions, pyramid levels, mpp, objective power and associated images.
+
+    Examples:
+
+      wsitrain info slides/CMU-1.svs
+
+      wsitrain info slides/CMU-1.svs --json
+    """
+    slide_info = _entry("wsitrain.slides.info", "slide_info", "info")
+    facts = slide_info(slide).to_dict()
+    if as_json:
+        typer.echo(json.dumps(facts, indent=2))  # the result itself: printed even with --quiet
+        return
+    _console().print(_slide_table(facts))
+
+
+def _slide_table(facts: dict[str, Any]) -> Table:
+    table = Table(title=str(facts.get("path", "")), show_header=False, title_justify="left")
+    mpp = facts.get("mpp")
+    dims = facts.get("dimensions") or []
+    rows = {
+        "vendor": facts.get("vendor") or "unknown",
+        "reader": facts.get("reader"),
+        "dimensions": " x ".join(map(str, dims)) + " px (width x height)" if dims else "-",
+        "mpp": f"{mpp[0]:.4g} x {mpp[1]:.4g} µm/px" if mpp else "not in the metadata",
+        "objective power": f"{facts['objective_power']:g}x" if facts.get("objective_power") else "not in the metadata",
+        "associated images": ", ".join(facts.get("associated_images") or []) or "none",
+    }
+    for key, value in rows.items():
+        table.add_row(f"[bold]{key}[/]", str(value))
+    levels = zip(facts.get("level_dimensions") or [], facts.get("level_downsamples") or [], strict=False)
+    for i, (level_dims, down) in enumerate(levels):
+        table.add_row(f"[bold]level {i}[/]", f"{level_dims[0]} x {level_dims[1]} px, downsample {down:g}")
+    return table
+
+
+def main() -> None:
+    """Console-script entry point (``wsitrain``)."""
+    try:
+        app(prog_name="wsitrain")
+    except WsiTrainError as err:  # raised outside a command (e.g. while parsing); commands handle their own
+        log.error(err.message, err.hint)
+        raise SystemExit(err.exit_code) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,452 @@
+"""The run config: a YAML file validated by pydantic models, with dotted ``--set`` overrides.
+
+Every section forbids unknown keys, so a typo fails loudly instead of silently using a default.
+All problems in a file (and in its overrides) are collected and raised as one ``ConfigError``.
+
+Relative paths (``data.labels``, ``data.slides_dir``, ``model.weights``, ``log.dir`` ...) are resolved against the
+current working directory, not the config file's folder: users run ``wsitrain`` from the project root, and the
+example configs in ``configs/`` are written for that.
+
+To add a key: add a field to the section class below (with a default, so old configs stay valid) and document it
+in README.md's config reference.
+"""
+
+from __future__ import annotations
+
+import re
+import types
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
+
+import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from wsitrain.errors import ConfigError, WsiTrainError
+from wsitrain.memory import format_bytes, parse_bytes
+
+# ``~`` is expanded; relative paths stay relative (to the working directory, see module docstring).
+UserPath = Annotated[Path, AfterValidator(lambda p: p.expanduser())]
+
+MODEL_NAMES = ("tiny", "vgg16", "vgg19", "darknet19", "resnet18", "resnet34", "resnet50")
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class SyntheticConfig(Section):
+    n: int = Field(24, ge=2)
+    size: int = Field(1024, ge=64)
+    seed: int = 0
+    positive_fraction: float = Field(0.5, gt=0, lt=1)
+    cache_dir: UserPath = Path(".cache/wsitrain/synthetic")
+
+
+class AugmentConfig(Section):
+    flips: bool = True
+    rot90: bool = True
+    color_jitter: Literal["none", "hsv", "hed"] = "none"
+    jitter_strength: float = Field(0.05, ge=0)
+
+
+class DataConfig(Section):
+    labels: UserPath | None = None
+    slides_dir: UserPath | None = None
+    synthetic: SyntheticConfig | None = None
+    level: int | None = Field(None, ge=0)
+    mpp: float | None = Field(None, gt=0)
+    magnification: float | None = Field(None, gt=0)
+    fallback_mpp: float | None = Field(None, gt=0)
+    region: Literal["whole", "tissue", "fixed"] = "tissue"
+    size: Annotated[int, Field(gt=0)] | tuple[Annotated[int, Field(gt=0)], Annotated[int, Field(gt=0)]] | None = None
+    background: tuple[
+        Annotated[int, Field(ge=0, le=255)], Annotated[int, Field(ge=0, le=255)], Annotated[int, Field(ge=0, le=255)]
+    ] = (255, 255, 255)
+    val_fraction: float = Field(0.25, ge=0, lt=1)
+    augment: AugmentConfig = Field(default_factory=AugmentConfig)
+    prefetch: bool = True
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> DataConfig:
+        chosen = [k for k in ("level", "mpp", "magnification") if getattr(self, k) is not None]
+        if len(chosen) > 1:
+            raise ValueError(
+                f"{' and '.join(chosen)} are both set; set exactly one of level, mpp, magnification "
+                "(or none, which reads level 0)"
+            )
+        if self.region == "fixed" and self.size is None:
+            raise ValueError("region is 'fixed' but size is not set; set data.size (e.g. 20480 or [20480, 10240])")
+        if self.labels is not None and self.synthetic is not None:
+            raise ValueError("labels and synthetic are both set; use a labels CSV or synthetic slides, not both")
+        return self
+
+
+class ModelConfig(Section):
+    name: Literal["tiny", "vgg16", "vgg19", "darknet19", "resnet18", "resnet34", "resnet50"] = "tiny"
+    num_classes: int | None = Field(None, ge=1)
+    weights: UserPath | None = None
+    pool: Literal["avg", "max"] = "avg"
+    freeze_bn: bool = True
+
+
+class EngineConfig(Section):
+    memory_budget: int | str | None = None
+    tile_size: int | None = Field(None, gt=0)
+    checkpoints: list[str] | None = None
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    @field_validator("memory_budget")
+    @classmethod
+    def _check_budget(cls, value: int | str | None) -> int | str | None:
+        if value is not None:
+            try:
+                parse_bytes(value, what="memory_budget")
+            except WsiTrainError as err:
+                raise ValueError(f"cannot read {value!r} as a size; write e.g. 11GiB, 24GB or 512MiB") from err
+        return value
+
+    @property
+    def memory_budget_bytes(self) -> int | None:
+        """The budget in bytes, or None when it should be detected from the device."""
+        return None if self.memory_budget is None else parse_bytes(self.memory_budget, what="engine.memory_budget")
+
+
+class TrainConfig(Section):
+    epochs: int = Field(10, ge=1)
+    optimizer: Literal["sgd", "adam", "adamw"] = "adamw"
+    lr: float = Field(1e-3, gt=0)
+    momentum: float = Field(0.9, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    schedule: Literal["constant", "cosine"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    loss: Literal["cross_entropy", "mse"] = "cross_entropy"
+    accumulate: int = Field(1, ge=1)
+    clip_grad_norm: float | None = Field(None, gt=0)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    val_every: int = Field(1, ge=1)
+    # Also write last.pt every N optimizer steps (not only at each epoch's end), so a killed run loses little.
+    checkpoint_every: int | None = Field(None, ge=1)
+
+
+class LogConfig(Section):
+    dir: UserPath = Path("runs")
+    tiles: Literal["all", "summary", "off"] = "summary"
+    tensorboard: bool = False
+    every: int = Field(1, ge=1)
+
+    @field_validator("tiles", mode="before")
+    @classmethod
+    def _unquoted_off(cls, value: Any) -> Any:
+        # YAML 1.1 reads a bare `off` as false; the user meant the choice "off".
+        return "off" if value is False else value
+
+
+class DistributedConfig(Section):
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    bucket_mb: float = Field(25.0, gt=0)
+
+
+class WsiTrainConfig(Section):
+    name: str | None = None
+    seed: int = Field(0, ge=0)
+    deterministic: bool = False
+    data: DataConfig = Field(default_factory=DataConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+
+    _source: Path | None = PrivateAttr(default=None)
+
+    @property
+    def source(self) -> Path | None:
+        """The file this config was loaded from (None when built in code)."""
+        return self._source
+
+
+# --------------------------------------------------------------------------------------------------- loading
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate keys: PyYAML would silently keep the last one."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        err = ConfigError([f"file not found ({path.resolve()})"], source=str(path))
+        err.hint = "check the path; example configs are in configs/, e.g. configs/demo.yaml"
+        raise err
+    if path.is_dir():
+        raise ConfigError(["is a directory, not a YAML file"], source=str(path))
+    try:
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e)
+        raise ConfigError([f"YAML syntax error at {where}{problem}"], source=str(path)) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError([f"not a text file ({e.reason})"], source=str(path)) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            [f"the file must hold a mapping of sections (data:, model:, train: ...), got {type(data).__name__}"],
+            source=str(path),
+        )
+    return data
+
+
+def _submodel(annotation: Any) -> type[BaseModel] | None:
+    """The BaseModel class inside ``Model`` or ``Model | None``, else None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if get_origin(annotation) in (Union, types.UnionType):
+        for arg in get_args(annotation):
+            found = _submodel(arg)
+            if found is not None:
+                return found
+    return None
+
+
+def _takes_text_only(annotation: Any) -> bool:
+    """True for str/Path fields that do not also accept numbers (so ``name=2024`` stays the text '2024')."""
+    members = get_args(annotation) if get_origin(annotation) in (Union, types.UnionType) else (annotation,)
+    # UserPath is Annotated[Path, ...]: compare its base type.
+    args = {get_args(a)[0] if get_origin(a) is Annotated else a for a in members}
+    return bool(args & {str, Path}) and not args & {int, float}
+
+
+def _apply_override(data: dict[str, Any], item: str) -> str | None:
+    """Apply one ``a.b.c=value`` to ``data`` in place; return a problem text instead of raising."""
+    if "=" not in item:
+        return f"--set {item!r}: expected KEY=VALUE, e.g. train.lr=1e-4"
+    key, raw = item.split("=", 1)
+    parts = key.strip().split(".")
+    model: type[BaseModel] = WsiTrainConfig
+    node = data
+    for i, part in enumerate(parts):
+        where = ".".join(parts[: i + 1])
+        if part not in model.model_fields:
+            return f"--set {key}: unknown key {where!r}; valid keys here: {', '.join(model.model_fields)}"
+        annotation = model.model_fields[part].annotation
+        if i == len(parts) - 1:
+            try:
+                value = yaml.safe_load(raw) if raw.strip() else None
+            except yaml.YAMLError:
+                value = raw
+            if _takes_text_only(annotation) and isinstance(value, (int, float)) and not isinstance(value, bool):
+                value = raw
+            node[part] = value
+            return None
+        sub = _submodel(annotation)
+        if sub is None:
+            return f"--set {key}: {where!r} is a value, not a section; write --set {where}=VALUE"
+        if not isinstance(node.get(part), dict):
+            node[part] = {}  # absent or null section (e.g. data.synthetic: null): start an empty one
+        node = node[part]
+        model = sub
+    return None
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> WsiTrainConfig:
+    """Read a YAML config, apply ``KEY=VALUE`` overrides, validate; raise one ConfigError listing every problem."""
+    path = Path(path)
+    data = _read_yaml(path)
+    problems = [p for p in (_apply_override(data, item) for item in overrides) if p]
+    try:
+        cfg = WsiTrainConfig.model_validate(data)
+    except ValidationError as e:
+        problems += format_validation_errors(e, data)
+        cfg = None
+    if problems or cfg is None:
+        raise ConfigError(problems, source=str(path))
+    cfg._source = path
+    return cfg
+
+
+# --------------------------------------------------------------------------------------------------- errors
+
+_UNION_TAGS = {"int": "a whole number", "float": "a number", "str": "text", "bool": "true or false"}
+_LIMITS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+
+
+def _split_loc(loc: tuple[Any, ...]) -> tuple[list[str], list[int], bool]:
+    """Split a pydantic error location into (field path, list indices, went through a union branch)."""
+    model: type[BaseModel] | None = WsiTrainConfig
+    fields: list[str] = []
+    indices: list[int] = []
+    union = False
+    for part in loc:
+        if model is not None and isinstance(part, str) and part in model.model_fields:
+            fields.append(part)
+            model = _submodel(model.model_fields[part].annotation)
+        elif isinstance(part, int):
+            indices.append(part)
+        else:  # a union member tag such as 'int' or 'tuple[int, int]'
+            model = None
+            union = True
+    return fields, indices, union
+
+
+def _lookup(data: Any, keys: Iterable[str]) -> Any:
+    for k in keys:
+        data = data.get(k) if isinstance(data, Mapping) else None
+    return data
+
+
+def _describe(err: Mapping[str, Any]) -> str:
+    """One pydantic error as a sentence a user can act on."""
+    kind, ctx, got = err["type"], err.get("ctx") or {}, f"got {err.get('input')!r}"
+    if kind == "missing":  # a tuple too short is "missing" at its first absent index
+        too_short = bool(err["loc"]) and isinstance(err["loc"][-1], int)
+        return "too few items in the list" if too_short else "required key is missing"
+    if kind in ("float_parsing", "float_type", "finite_number"):
+        return f"expected a number, {got}"
+    if kind in ("int_parsing", "int_type", "int_from_float"):
+        return f"expected a whole number, {got}"
+    if kind in ("bool_parsing", "bool_type"):
+        return f"expected true or false, {got}"
+    if kind == "string_type":
+        return f"expected text, {got}"
+    if kind in ("path_type",):
+        return f"expected a file path, {got}"
+    if kind == "literal_error":
+        choices = re.findall(r"'([^']*)'", str(ctx.get("expected", "")))
+        return f"{err.get('input')!r} is not a valid choice; choose one of {', '.join(choices)}"
+    if kind in _LIMITS:
+        limit = next(iter(ctx.values()), "?")
+        return f"must be {_LIMITS[kind]} {limit}, {got}"
+    if kind in ("model_type", "model_attributes_type", "dict_type"):
+        return f"expected a section of keys (a YAML mapping), {got}"
+    if kind in ("tuple_type", "list_type"):
+        return f"expected a list, {got}"
+    if kind == "too_short":
+        return f"expected at least {ctx.get('min_length', '?')} items, {got}"
+    if kind == "too_long":
+        return f"expected at most {ctx.get('max_length', '?')} items, {got}"
+    if kind == "value_error":
+        return str(ctx.get("error", err["msg"]))
+    return f"{err['msg']}, {got}"
+
+
+def _is_type_mismatch(err: Mapping[str, Any]) -> bool:
+    """The input had the wrong kind (text for a number), as opposed to a right kind with a bad value (-5 for size)."""
+    return err["type"].endswith(("_type", "_parsing")) or err["type"] == "int_from_float"
+
+
+def _describe_union(key: str, branches: list[Mapping[str, Any]], data: Mapping[str, Any]) -> list[str]:
+    """One field of type ``A | B`` failed in every branch: report the branch whose kind matched, else what fits."""
+    # A branch went past the kind check when its value was wrong (-5) or it failed inside a list item ([5, 'x']).
+    matched = [b for b in branches if not _is_type_mismatch(b) or _split_loc(tuple(b["loc"]))[1]]
+    if matched:
+        return [f"{key}{''.join(f'[{i}]' for i in _split_loc(tuple(b['loc']))[1])}: {_describe(b)}" for b in matched]
+    wanted: list[str] = []
+    for b in branches:
+        fields = _split_loc(tuple(b["loc"]))[0]
+        tag = next((p for p in b["loc"] if isinstance(p, str) and p not in fields), "")
+        tag = tag.removeprefix("constrained-")  # pydantic's tag for Annotated[int, Field(gt=0)]
+        text = _UNION_TAGS.get(tag, "a list" if tag.startswith(("tuple", "list")) else tag)
+        if text not in wanted:
+            wanted.append(text)
+    return [f"{key}: expected {' or '.join(wanted)}, got {_lookup(data, key.split('.'))!r}"]
+
+
+def format_validation_errors(error: ValidationError, data: Mapping[str, Any]) -> list[str]:
+    """Turn pydantic's errors into ``dotted.key: message`` lines; the branches of a union become one report."""
+    problems: list[str | list[str]] = []  # a list entry is a union's slot, filled in once all its branches are seen
+    unions: dict[str, list[Mapping[str, Any]]] = {}
+    for err in error.errors():
+        loc = tuple(err["loc"])
+        if err["type"] == "extra_forbidden":
+            model: type[BaseModel] | None = WsiTrainConfig
+            for part in _split_loc(loc[:-1])[0]:
+                model = _submodel(model.model_fields[part].annotation) if model else None
+            valid = ", ".join(model.model_fields) if model else "?"
+            problems.append(f"{'.'.join(map(str, loc))}: unknown key; valid keys here: {valid}")
+            continue
+        fields, indices, union = _split_loc(loc)
+        key = ".".join(fields) or "config"
+        if union:
+            if key not in unions:
+                unions[key] = []
+                problems.append([key])
+            unions[key].append(err)
+            continue
+        problems.append(f"{key}{''.join(f'[{i}]' for i in indices)}: {_describe(err)}")
+    out: list[str] = []
+    for p in problems:
+        out += _describe_union(p[0], unions[p[0]], data) if isinstance(p, list) else [p]
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- helpers
+
+
+def config_to_dict(cfg: WsiTrainConfig) -> dict[str, Any]:
+    """Plain JSON/YAML-able dict of every key (defaults included): paths as strings, tuples as lists."""
+    return cfg.model_dump(mode="json")
+
+
+def diff_configs(a: Mapping[str, Any], b: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two config dicts (keys present in only one count as different)."""
+    out: list[str] = []
+    for key in sorted(set(a) | set(b), key=str):
+        va, vb = a.get(key), b.get(key)
+        dotted = f"{prefix}{key}"
+        if isinstance(va, Mapping) and isinstance(vb, Mapping):
+            out += diff_configs(va, vb, prefix=f"{dotted}.")
+        elif key not in a or key not in b or va != vb:
+            out.append(dotted)
+    return out
+
+
+def config_summary(cfg: WsiTrainConfig) -> dict[str, str]:
+    """A few lines that say what a config will do, for ``wsitrain validate``."""
+    d, e, t = cfg.data, cfg.engine, cfg.train
+    if d.synthetic is not None:
+        source = f"{d.synthetic.n} synthetic slides of {d.synthetic.size} px (cache {d.synthetic.cache_dir})"
+    elif d.labels is not None:
+        source = f"labels {d.labels}" + (f", slides in {d.slides_dir}" if d.slides_dir else "")
+    else:
+        source = "none set (set data.labels or data.synthetic before `wsitrain fit`)"
+    scale = (
+        f"level {d.level}"
+        if d.level is not None
+        else f"{d.mpp} µm/px"
+        if d.mpp is not None
+        else f"{d.magnification}x"
+        if d.magnification is not None
+        else "level 0"
+    )
+    budget = format_bytes(e.memory_budget_bytes) if e.memory_budget is not None else "detected from the device"
+    return {
+        "model": f"{cfg.model.name} (pool {cfg.model.pool}, classes {cfg.model.num_classes or 'from labels'})",
+        "data": source,
+        "read": f"{scale}, region {d.region}" + (f" {d.size}" if d.size is not None else ""),
+        "engine": f"budget {budget}, tile {e.tile_size or 'planned'}, device {e.device}",
+        "train": f"{t.epochs} epochs, {t.optimizer} lr {t.lr:g} ({t.schedule}), {t.precision}, loss {t.loss}",
+        "log": f"{cfg.log.dir} (tiles: {cfg.log.tiles})",
+    }

@@ -1,0 +1,82 @@
+"""Console output: one rich Console per command, warnings and errors on stderr, and JSON-lines logs."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.markup import escape
+
+# Resolves sys.stderr at print time (rich looks it up on each write), so test runners that swap it still capture it.
+_stderr = Console(stderr=True, highlight=False)
+
+
+def make_console(quiet: bool = False, verbose: bool = False) -> Console:
+    """The command's stdout console (silent when quiet); also routes the ``wsitrain`` logger to stderr.
+
+    quiet: only warnings and errors are shown. verbose: ``logging.debug`` from wsitrain modules is shown too.
+    """
+    logger = logging.getLogger("wsitrain")
+    logger.handlers[:] = [RichHandler(console=_stderr, show_time=False, show_path=verbose, markup=False)]
+    logger.setLevel(logging.WARNING if quiet else logging.DEBUG if verbose else logging.INFO)
+    logger.propagate = False
+    console = Console(quiet=quiet, highlight=False)
+    # Redirected to a file (Slurm logs, CI): don't hard-wrap lines at rich's default 80 columns.
+    console.soft_wrap = not console.is_terminal
+    return console
+
+
+def info(console: Console, message: str) -> None:
+    """A progress line for people (hidden by --quiet). ``message`` is plain text, not rich markup."""
+    console.print(escape(message))
+
+
+def warn(message: str) -> None:
+    """A warning on stderr, shown even with --quiet."""
+    _stderr.print(f"[yellow]warning:[/] {escape(message)}", soft_wrap=True)
+
+
+def error(message: str, hint: str | None = None) -> None:
+    """An error and its hint on stderr, one line each; long paths are not wrapped so they can be copied."""
+    _stderr.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
+    if hint:
+        _stderr.print(f"[cyan]hint:[/] {escape(hint)}", soft_wrap=True)
+
+
+def internal_error(exc: BaseException, verbose: bool) -> None:
+    """A bug, not bad input: say so, and show the traceback only when asked (call inside ``except``)."""
+    if verbose:
+        _stderr.print_exception()
+    _stderr.print(f"[bold red]internal error:[/] {escape(type(exc).__name__)}: {escape(str(exc))}", soft_wrap=True)
+    if not verbose:
+        _stderr.print("[cyan]hint:[/] run again with --verbose for the traceback, and report it", soft_wrap=True)
+
+
+class JsonlWriter:
+    """Appends one JSON object per line and flushes each, so a crashed run keeps every line written so far."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a", encoding="utf-8")
+
+    def write(self, **fields: Any) -> None:
+        # default=str: Paths, dtypes and numpy scalars are logged readably instead of failing mid-run.
+        self._file.write(json.dumps(fields, default=str) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> JsonlWriter:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
