@@ -1,0 +1,93 @@
+"""Checkpoints written atomically (temp file + fsync + rename): a kill at any moment leaves the previous
+complete file or the new complete file, never a torn one."""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from wsitrain.errors import WsiTrainError
+
+CHECKPOINT_FORMAT = 1
+
+
+def atomic_torch_save(obj: Any, path: Path) -> None:
+    """torch.save into a temp file in the same folder, fsync, then os.replace (atomic on POSIX)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        # Also on KeyboardInterrupt: never leave temp files behind; the old checkpoint stays intact.
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    # fsync the folder so the rename itself survives a power cut.
+    try:
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass
+
+
+def rng_states() -> dict[str, Any]:
+    """Every RNG the training loop draws from, so a resume continues the same random streams."""
+    states: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    """Restore what ``rng_states`` captured."""
+    torch.set_rng_state(states["torch"])
+    np.random.set_state(states["numpy"])
+    random.setstate(states["python"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def save_checkpoint(path: Path, **state: Any) -> None:
+    """Save a training checkpoint: model, optimizer, scheduler, scaler, counters, RNG states, config."""
+    atomic_torch_save({"format": CHECKPOINT_FORMAT, **state}, path)
+
+
+def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Load a checkpoint written by ``save_checkpoint``; clear errors for missing or foreign files."""
+    path = Path(path)
+    if not path.is_file():
+        raise WsiTrainError(
+            f"checkpoint {path} does not exist",
+            hint="pass a file written by `wsitrain fit`, e.g. runs/NAME/best.pt or runs/NAME/last.pt",
+        )
+    try:
+        # Our checkpoints hold numpy RNG state and plain dicts; they are files this tool wrote itself.
+        ckpt = torch.load(path, map_location=map_location, weights_only=False)
+    except Exception as exc:  # torch raises many types for a corrupt file
+        raise WsiTrainError(
+            f"checkpoint {path} cannot be read: {exc}", hint="use last.pt or best.pt from a wsitrain run folder"
+        ) from exc
+    if not isinstance(ckpt, dict) or "model" not in ckpt or "format" not in ckpt:
+        raise WsiTrainError(
+            f"checkpoint {path} was not written by `wsitrain fit` (no model/format entries)",
+            hint="use last.pt or best.pt from a wsitrain run folder",
+        )
+    return ckpt

@@ -1,0 +1,96 @@
+"""The fit's data: labels (or synthetic slides), the train/val split, datasets and the per-epoch slide order."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from wsitrain.errors import ConfigError
+
+
+@dataclass
+class FitData:
+    train: list[Any]
+    val: list[Any]
+    class_names: list[str]
+    labels_csv: Path
+    slides_dir: Path | None
+
+
+def resolve_labels(cfg: Any) -> tuple[Path, Path | None]:
+    """The labels CSV and slides folder: the config's, or a synthetic dataset generated (once) into its cache."""
+    d = cfg.data
+    if d.synthetic is not None:
+        from wsitrain.slides.synth import write_synthetic_dataset
+
+        s = d.synthetic
+        labels = write_synthetic_dataset(
+            Path(s.cache_dir), n=s.n, size=s.size, seed=s.seed, positive_fraction=s.positive_fraction
+        )
+        return Path(labels), None
+    if d.labels is None:
+        raise ConfigError(
+            ["data.labels: not set; give a CSV of slide,label rows (or set data.synthetic for generated slides)"]
+        )
+    return Path(d.labels), Path(d.slides_dir) if d.slides_dir is not None else None
+
+
+def load_fit_data(cfg: Any) -> FitData:
+    """Read and check every slide's label (missing/unreadable slides fail here, before training), then split."""
+    from wsitrain.slides.dataset import load_labels, split_records
+
+    labels_csv, slides_dir = resolve_labels(cfg)
+    records, class_names = load_labels(labels_csv, slides_dir)
+    class_names = list(class_names)
+    n_cls = cfg.model.num_classes
+    if n_cls is not None and n_cls != len(class_names):
+        raise ConfigError(
+            [
+                f"model.num_classes is {n_cls} but {labels_csv} has {len(class_names)} classes "
+                f"({', '.join(map(str, class_names))}); set model.num_classes: {len(class_names)} or leave it unset"
+            ]
+        )
+    if len(class_names) < 2:
+        raise ConfigError([f"data.labels: {labels_csv} has only one class ({class_names}); a classifier needs two"])
+    train, val = split_records(records, cfg.data.val_fraction, cfg.seed)
+    if not train:
+        raise ConfigError(
+            [f"data.val_fraction: {cfg.data.val_fraction} leaves no training slides out of {len(records)}"]
+        )
+    return FitData(list(train), list(val), class_names, labels_csv, slides_dir)
+
+
+def read_kwargs(cfg: Any, stride: int) -> dict[str, Any]:
+    """Arguments for the slide reader: scale, region and padding to the model's stride (whole output pixels)."""
+    d = cfg.data
+    size = tuple(d.size) if isinstance(d.size, (list, tuple)) else d.size
+    return dict(
+        level=d.level,
+        mpp=d.mpp,
+        magnification=d.magnification,
+        fallback_mpp=d.fallback_mpp,
+        region=d.region,
+        size=size,
+        background=tuple(d.background),
+        pad_multiple=stride,
+    )
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    """The epoch's slide order: a permutation that depends only on (seed, epoch), so a resume reproduces it."""
+    g = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(epoch))
+    return torch.randperm(n, generator=g).tolist()
+
+
+def augment_settings(cfg: Any) -> Any:
+    """data.augment as the slide reader's AugmentConfig; None when every augmentation is off."""
+    from wsitrain.slides.augment import AugmentConfig
+
+    a = cfg.data.augment
+    jitter = None if a.color_jitter in (None, "none") else a.color_jitter
+    if not (a.flips or a.rot90 or jitter):
+        return None
+    return AugmentConfig(flips=a.flips, rot90=a.rot90, color_jitter=jitter, strength=a.jitter_strength)

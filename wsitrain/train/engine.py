@@ -1,0 +1,71 @@
+"""Build the model and wrap it in the SFT engine; device choice; seeds and deterministic mode."""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from wsitrain.errors import ConfigError
+from wsitrain.train.distributed import DistInfo
+
+
+def resolve_device(name: str, dist: DistInfo | None = None) -> torch.device:
+    """engine.device: auto (CUDA if present), cpu, or cuda (one GPU per rank under torchrun)."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(["engine.device: 'cuda' but no CUDA GPU is visible; use device: auto or cpu"])
+        return torch.device("cuda", dist.local_rank if dist is not None else 0)
+    return torch.device("cpu")
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    """Seed python, numpy and torch; deterministic mode also asks torch for deterministic kernels."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if deterministic:
+        # cuBLAS needs a fixed workspace for reproducible matmuls; must be set before the first cuBLAS call.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+
+
+def build_model(cfg: Any, num_classes: int) -> nn.Module:
+    from wsitrain.models import build
+
+    m = cfg.model
+    return build(m.name, num_classes, weights=m.weights, pool=m.pool, freeze_bn=m.freeze_bn)
+
+
+def batchnorm_note(model: nn.Module, freeze_bn: bool) -> str:
+    """One log line saying what happens to BatchNorm, since it changes what training does."""
+    n = sum(isinstance(mod, nn.modules.batchnorm._BatchNorm) for mod in model.modules())
+    if n == 0:
+        return "BatchNorm: the model has none"
+    if freeze_bn:
+        return (
+            f"BatchNorm: {n} layers frozen (running statistics fixed, affine trained; model.freeze_bn: false to change)"
+        )
+    return f"BatchNorm: {n} layers in training mode (batch statistics per tile; results are not tiling-exact)"
+
+
+def wrap_engine(model: nn.Module, cfg: Any, device: torch.device) -> nn.Module:
+    """The SFT engine around ``model`` (moved to ``device``): plans per input shape within the memory budget."""
+    from wsitrain.sft import SFT
+
+    e = cfg.engine
+    return SFT(
+        model.to(device),
+        memory_budget=e.memory_budget,
+        tile_size=e.tile_size,
+        checkpoints=e.checkpoints,
+        optimizer=cfg.train.optimizer,
+    )

@@ -1,0 +1,160 @@
+"""One slide forward/backward through the engine, one optimizer step, one evaluation pass.
+
+A "batch" is one slide (slides differ in shape); ``train.accumulate`` slides make one optimizer step, each slide's
+loss scaled by 1/(slides in that window) so the step equals the mean gradient over the window.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from wsitrain.train.distributed import DistInfo, allreduce_gradients
+from wsitrain.train.optim import compute_loss, probabilities
+
+_AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class SlideStep:
+    """What one slide's forward (+ backward) produced and cost."""
+
+    loss: float
+    probs: torch.Tensor  # (C,) float32 on the host
+    forward_s: float
+    backward_s: float
+    peak_bytes: int | None
+    stats: Any  # the engine's StepStats (per-tile timings), None if the engine gave none
+
+
+class Trainer:
+    """Holds the engine-wrapped model, optimizer, schedule and scaler; knows precision, loss and clipping."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        *,
+        device: torch.device,
+        precision: str = "fp32",
+        loss: str = "cross_entropy",
+        clip_grad_norm: float | None = None,
+        dist: DistInfo | None = None,
+        bucket_mb: float = 25.0,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.device = device
+        self.precision = precision
+        self.loss_name = loss
+        self.clip_grad_norm = clip_grad_norm
+        self.dist = dist or DistInfo()
+        self.bucket_mb = bucket_mb
+        # fp16 gradients underflow without loss scaling; bf16 has fp32's exponent range and needs none.
+        self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+        self.params = [p for p in optimizer.param_groups[0]["params"]] + [
+            p for g in optimizer.param_groups[1:] for p in g["params"]
+        ]
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.precision in _AUTOCAST_DTYPES:
+            return torch.autocast(self.device.type, dtype=_AUTOCAST_DTYPES[self.precision])
+        return contextlib.nullcontext()
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _reset_peak(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _peak(self, stats: Any) -> int | None:
+        # The engine resets CUDA's peak counter per tile and folds each tile's peak into stats.peak_bytes,
+        # so the step's peak is the larger of that and what the counter saw since the last tile (head, loss).
+        engine_peak = getattr(stats, "peak_bytes", None)
+        if self.device.type == "cuda":
+            return max(int(engine_peak or 0), int(torch.cuda.max_memory_allocated(self.device)))
+        return int(engine_peak) if engine_peak is not None else None
+
+    def train_slide(self, image: torch.Tensor, label: int, scale: float) -> SlideStep:
+        """Forward + backward of one slide; gradients accumulate into .grad (scaled by ``scale``)."""
+        self.model.train()
+        x = image.unsqueeze(0) if image.dim() == 3 else image
+        target = torch.tensor([label], dtype=torch.long, device=self.device)
+        self._reset_peak()
+        t0 = time.perf_counter()
+        with self.autocast():
+            logits = self.model(x)
+        loss = compute_loss(logits, target, self.loss_name)
+        self._sync()
+        t1 = time.perf_counter()
+        self.scaler.scale(loss * scale).backward()
+        self._sync()
+        t2 = time.perf_counter()
+        stats = getattr(self.model, "last_stats", None)
+        probs = probabilities(logits.detach(), self.loss_name)[0].cpu()
+        return SlideStep(float(loss.detach()), probs, t1 - t0, t2 - t1, self._peak(stats), stats)
+
+    def optimizer_step(self) -> dict[str, float | None]:
+        """Average gradients over ranks, unscale, clip, step, advance the schedule; returns timing and norm."""
+        t0 = time.perf_counter()
+        allreduce_gradients(self.params, self.dist, self.bucket_mb)
+        grad_norm = None
+        if self.clip_grad_norm is not None:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the fp16-scaled ones
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.clip_grad_norm))
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():
+            # fp16: the scaler skips the first steps while it finds its scale (inf gradients); the schedule
+            # still advances, as intended, and torch's "scheduler before optimizer" warning is noise here.
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+            self.scheduler.step()
+        self._sync()
+        return {"optimizer_s": time.perf_counter() - t0, "grad_norm": grad_norm}
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    @torch.no_grad()
+    def eval_slide(self, image: torch.Tensor, label: int | None) -> SlideStep:
+        """Forward only (no graph kept): loss against ``label`` when given, and class probabilities."""
+        self.model.eval()
+        x = image.unsqueeze(0) if image.dim() == 3 else image
+        self._reset_peak()
+        t0 = time.perf_counter()
+        with self.autocast():
+            logits = self.model(x)
+        loss = float("nan")
+        if label is not None:
+            target = torch.tensor([label], dtype=torch.long, device=logits.device)
+            loss = float(compute_loss(logits, target, self.loss_name))
+        self._sync()
+        t1 = time.perf_counter()
+        stats = getattr(self.model, "last_stats", None)
+        probs = probabilities(logits, self.loss_name)[0].cpu()
+        return SlideStep(loss, probs, t1 - t0, 0.0, self._peak(stats), stats)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])

@@ -1,0 +1,78 @@
+"""Optimizers (SGD, Adam, AdamW), learning-rate schedules (constant, cosine, warmup) and losses."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+
+from wsitrain.errors import ConfigError
+
+OPTIMIZERS = ("sgd", "adam", "adamw")
+SCHEDULES = ("constant", "cosine", "warmup")
+LOSSES = ("cross_entropy", "mse")
+
+
+def build_optimizer(
+    params: Iterable[torch.nn.Parameter], name: str, lr: float, momentum: float = 0.9, weight_decay: float = 0.0
+) -> torch.optim.Optimizer:
+    """The optimizer named by ``train.optimizer``, over the parameters that require gradients."""
+    params = [p for p in params if p.requires_grad]
+    key = str(name).lower()
+    if key == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    if key == "adam":
+        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+    if key == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    raise ConfigError([f"train.optimizer: unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}"])
+
+
+def lr_factor(step: int, schedule: str, total_steps: int, warmup_steps: int = 0) -> float:
+    """Multiplier of the base learning rate for optimizer step ``step`` (0-based).
+
+    Every schedule starts with a linear warmup over ``warmup_steps`` when that is > 0; then "constant" (or
+    "warmup") stays at 1 and "cosine" decays from 1 to 0 over the remaining steps.
+    """
+    key = str(schedule).lower()
+    if key not in SCHEDULES:
+        raise ConfigError([f"train.schedule: unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}"])
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if key in ("constant", "warmup"):
+        return 1.0
+    decay_steps = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / decay_steps)
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, schedule: str, total_steps: int, warmup_steps: int = 0
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """A LambdaLR (its state is just the step count, so it checkpoints and resumes exactly)."""
+    lr_factor(0, schedule, total_steps, warmup_steps)  # validate the name now, before training starts
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, schedule, total_steps, warmup_steps)
+    )
+
+
+def compute_loss(logits: torch.Tensor, target: torch.Tensor, loss: str) -> torch.Tensor:
+    """Cross-entropy on class indices, or MSE between softmax-free outputs and one-hot targets (the paper's benchmark).
+
+    Computed in float32 so bf16/fp16 autocast does not lose the loss's precision.
+    """
+    logits = logits.float()
+    key = str(loss).lower()
+    if key == "cross_entropy":
+        return F.cross_entropy(logits, target)
+    if key == "mse":
+        onehot = F.one_hot(target, num_classes=logits.shape[1]).to(logits.dtype)
+        return F.mse_loss(logits, onehot)
+    raise ConfigError([f"train.loss: unknown loss {loss!r}; choose one of {', '.join(LOSSES)}"])
+
+
+def probabilities(logits: torch.Tensor, loss: str) -> torch.Tensor:
+    """Class probabilities from the model's outputs: softmax for both losses (MSE outputs are scores too)."""
+    return torch.softmax(logits.float(), dim=1)

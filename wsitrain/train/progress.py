@@ -1,0 +1,129 @@
+"""What people see during `wsitrain fit`: a live rich display, or plain lines with --quiet (Slurm logs)."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, ProgressColumn, Task, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+from rich.text import Text
+
+from wsitrain.memory import format_bytes
+
+
+class LiveTilesColumn(ProgressColumn):
+    """Tiles done in the current slide, read live from the engine's stats (which it fills tile by tile) at each
+    refresh, so a slide that takes minutes still shows movement."""
+
+    def __init__(self, engine: Any) -> None:
+        super().__init__()
+        self.engine = engine
+
+    def render(self, task: Task) -> Text:
+        total = task.fields.get("tiles_total", 0)
+        stats = getattr(self.engine, "last_stats", None)
+        done = len(stats.tiles) if stats is not None else 0
+        return Text(f"tiles {min(done, total) if total else done}/{total}" if total else "tiles -")
+
+
+class FitProgress:
+    """Epoch and slide bars with loss, tiles and peak memory; ``quiet`` keeps only one line per epoch/validation."""
+
+    def __init__(self, console: Console | None, quiet: bool, epochs: int, engine: Any = None) -> None:
+        self.console = console or Console()
+        self.quiet = quiet
+        self.epochs = epochs
+        self.engine = engine
+        self._progress: Progress | None = None
+        self._task: Any = None
+        self._epoch_start = 0.0
+
+    def __enter__(self) -> FitProgress:
+        if not self.quiet:
+            self._progress = Progress(
+                TextColumn("[bold]epoch {task.fields[epoch]}/{task.fields[epochs]}"),
+                BarColumn(),
+                TextColumn("slide {task.completed:.0f}/{task.total:.0f}"),
+                LiveTilesColumn(self.engine),
+                TextColumn("loss {task.fields[loss]}"),
+                TextColumn("peak {task.fields[peak]}"),
+                TimeElapsedColumn(),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
+                console=self.console,
+                transient=False,
+            )
+            self._progress.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._progress is not None:
+            self._progress.__exit__(None, None, None)
+            self._progress = None
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """Messages that belong in every log (plan, notes, validation), live display or not."""
+        self.console.print(*args, **kwargs)
+
+    def start_epoch(self, epoch: int, n_slides: int, done: int) -> None:
+        self._epoch_start = time.perf_counter()
+        if self._progress is None:
+            return
+        if self._task is not None:
+            self._progress.remove_task(self._task)
+        self._task = self._progress.add_task(
+            "train", total=n_slides, completed=done, epoch=epoch + 1, epochs=self.epochs, tiles_total=0, loss="-",
+            peak="-",
+        )
+
+    def start_slide(self, slide: str, tiles_total: int) -> None:
+        """``tiles_total``: forward plus backward tiles of this slide's plan."""
+        if self._progress is not None and self._task is not None:
+            self._progress.update(self._task, tiles_total=tiles_total)
+
+    def end_slide(self, loss: float, peak_bytes: int | None) -> None:
+        if self._progress is not None and self._task is not None:
+            self._progress.update(self._task, advance=1, loss=f"{loss:.4f}", peak=format_bytes(peak_bytes))
+
+    def step_line(self, epoch: int, index: int, n: int, step: int, loss: float, lr: float, peak: int | None) -> None:
+        """With --quiet (no live display), one plain line per ``log.every`` optimizer steps for batch logs."""
+        if self.quiet:
+            self.print(
+                f"epoch {epoch + 1}/{self.epochs} slide {index + 1}/{n} step {step}: loss {loss:.4f}, lr {lr:.3g}, "
+                f"peak {format_bytes(peak)}",
+                markup=False, highlight=False,
+            )
+
+    def end_epoch(self, epoch: int, train_loss: float, lr: float) -> None:
+        secs = time.perf_counter() - self._epoch_start
+        self.print(f"epoch {epoch + 1}/{self.epochs}: train loss {train_loss:.4f}, lr {lr:.3g}, {secs:.1f} s")
+
+    def validation(self, epoch: int, metrics: dict[str, float]) -> None:
+        self.print(
+            f"epoch {epoch + 1}/{self.epochs} validation: loss {_fmt(metrics.get('loss'))}, "
+            f"accuracy {_fmt(metrics.get('accuracy'))}, balanced accuracy {_fmt(metrics.get('balanced_accuracy'))}, "
+            f"ROC AUC {_fmt(metrics.get('roc_auc'))}"
+        )
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4f}"
+
+
+def summary_table(summary: dict[str, Any]) -> Table:
+    """The end-of-run table: one row per fact (run folder, epochs, best metrics, timings, peak memory)."""
+    table = Table(title="wsitrain fit: summary", show_header=True, header_style="bold")
+    table.add_column("", style="bold")
+    table.add_column("value")
+    for key, value in summary.items():
+        if isinstance(value, float):
+            text = _fmt(value)
+        elif key.endswith("bytes") and isinstance(value, int):
+            text = format_bytes(value)
+        else:
+            text = "-" if value is None else str(value)
+        table.add_row(key.replace("_", " "), text)
+    return table

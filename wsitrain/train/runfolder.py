@@ -1,0 +1,124 @@
+"""Run folders runs/NAME/: created fresh (never overwritten), with the resolved config and library versions."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import sys
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+import wsitrain
+
+
+def create_run_dir(base: Path, name: str | None) -> tuple[Path, str | None]:
+    """Create base/NAME; if it exists, NAME-2, NAME-3, ... The old folder is never touched.
+
+    Returns the folder and a note for the user when the name changed. ``os.mkdir`` without exist_ok makes the
+    claim atomic, so two jobs started at once cannot share a folder.
+    """
+    base = Path(base)
+    base.mkdir(parents=True, exist_ok=True)
+    name = name or datetime.now().strftime("run-%Y%m%d-%H%M%S")
+    candidate, i = base / name, 1
+    while True:
+        try:
+            os.mkdir(candidate)
+            break
+        except FileExistsError:
+            i += 1
+            candidate = base / f"{name}-{i}"
+    note = None
+    if candidate.name != name:
+        note = (
+            f"run folder {base / name} exists; writing to {candidate} instead "
+            f"(use --resume {base / name} to continue it)"
+        )
+    return candidate, note
+
+
+def library_versions(device: torch.device | None = None) -> dict[str, Any]:
+    """Versions of everything that changes numbers: python, torch, torchvision, openslide, wsitrain, CUDA, device."""
+    out: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "wsitrain": wsitrain.__version__,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "numpy": _version("numpy"),
+        "torchvision": _version("torchvision"),
+        "openslide": _version("openslide", "__library_version__"),
+        "openslide_python": _version("openslide"),
+        "tifffile": _version("tifffile"),
+    }
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "cuda" and torch.cuda.is_available():
+        out["device"] = torch.cuda.get_device_name(dev)
+    else:
+        out["device"] = f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    return out
+
+
+def _version(module: str, attr: str = "__version__") -> str | None:
+    try:
+        mod = __import__(module)
+        return str(getattr(mod, attr, None))
+    except Exception:  # a missing optional library is recorded as null, not an error
+        return None
+
+
+def write_yaml(path: Path, data: dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        yaml.safe_dump(_plain(data), f, sort_keys=False)
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    with open(path) as f:
+        return yaml.safe_load(f) or {}
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        json.dump(_plain(data), f, indent=2)
+        f.write("\n")
+
+
+def _plain(x: Any) -> Any:
+    """Paths and tuples to str and list, so yaml.safe_dump and json accept the resolved config."""
+    if isinstance(x, dict):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if isinstance(x, Path):
+        return str(x)
+    if isinstance(x, float) and not math.isfinite(x):
+        return None  # strict JSON has no NaN (e.g. an AUC with one class present)
+    if isinstance(x, (str, int, float, bool)) or x is None:
+        return x
+    return str(x)
+
+
+class JsonlWriter:
+    """Appends one JSON object per line and flushes, so a killed run's log is complete up to the kill."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self._f = open(path, "a") if path is not None else None
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._f is None:
+            return
+        self._f.write(json.dumps(_plain(record)) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
