@@ -210,3 +210,10 @@ def test_summary_mentions_missing_data_source() -> None:
     summary = config_summary(WsiTrainConfig())
     assert "none set" in summary["data"]
     assert summary["model"].startswith("tiny")
+
+
+def test_size_only_with_fixed_region_and_bounded_jitter(write_yaml) -> None:
+    (size_problem,) = problems_of(write_yaml("data: {region: tissue, size: 2048}\n"))
+    assert "size is set but region is 'tissue'" in size_problem
+    (jitter_problem,) = problems_of(write_yaml("data: {augment: {jitter_strength: 3}}\n"))
+    assert jitter_problem.startswith("data.augment.jitter_strength")

@@ -58,7 +58,7 @@ class AugmentConfig(Section):
     flips: bool = True
     rot90: bool = True
     color_jitter: Literal["none", "hsv", "hed"] = "none"
-    jitter_strength: float = Field(0.05, ge=0)
+    jitter_strength: float = Field(0.05, ge=0, le=1)
 
 
 class DataConfig(Section):
@@ -88,6 +88,11 @@ class DataConfig(Section):
             )
         if self.region == "fixed" and self.size is None:
             raise ValueError("region is 'fixed' but size is not set; set data.size (e.g. 20480 or [20480, 10240])")
+        if self.region != "fixed" and self.size is not None:
+            raise ValueError(
+                f"size is set but region is '{self.region}'; size applies only to region 'fixed' "
+                "(remove data.size, or set data.region: fixed)"
+            )
         if self.labels is not None and self.synthetic is not None:
             raise ValueError("labels and synthetic are both set; use a labels CSV or synthetic slides, not both")
         return self
