@@ -94,6 +94,37 @@ class NodeRunner:
                     env.pop(j, None)
 
 
+class HostStager:
+    """Copies tile regions from host memory to the GPU through reused pinned buffers.
+
+    A region cut from the image is a strided view; copying it to the device directly would go through
+    a pageable temporary and block. Two pinned buffers per tile shape alternate, so the host-side copy
+    of the next tile overlaps the transfer and compute of the current one; an event guards reuse.
+    """
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+        self.events: dict[tuple[Any, ...], torch.cuda.Event] = {}
+        self.turn = 0
+
+    def to_device(self, region: torch.Tensor, device: torch.device) -> torch.Tensor:
+        if device.type != "cuda":
+            return region.to(device)
+        key = (tuple(region.shape), region.dtype, self.turn % 2)
+        self.turn += 1
+        buf = self.buffers.get(key)
+        if buf is None:
+            buf = self.buffers[key] = torch.empty(region.shape, dtype=region.dtype, pin_memory=True)
+        if key in self.events:
+            self.events[key].synchronize()  # the previous transfer out of this buffer is done
+        buf.copy_(region)
+        out = buf.to(device, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self.events[key] = event
+        return out
+
+
 class TiledSegment:
     """Executes one tiled segment of a plan; holds its tile regions (no tensors)."""
 
@@ -118,14 +149,15 @@ class TiledSegment:
         self.last_user = {i: max((u for u in ctx.graph.nodes[i].users if u <= seg.end), default=i) for i in
                           [seg.start, *self.nodes]}
         self.stats: StatsRecorder | None = None
+        self.stager = HostStager()
 
     # ---- one tile ------------------------------------------------------------------------------
     def input_region(self, x: torch.Tensor, rt: AxisTile, ct: AxisTile) -> torch.Tensor:
         """The tile's input with its halo, cut from the checkpoint (on the host for the image)."""
         (r0, r1), (c0, c1) = rt.need[self.start], ct.need[self.start]
-        region = x[:, :, r0:r1, c0:c1]
+        region = x[:, :, r0:r1, c0:c1]  # (B, C, th + halo, tw + halo), a view
         if region.device != self.device:
-            region = region.to(self.device, non_blocking=True)
+            region = self.stager.to_device(region, self.device)
         return region
 
     def run_tile(self, region: torch.Tensor, rt: AxisTile, ct: AxisTile) -> torch.Tensor:
