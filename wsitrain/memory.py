@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import re
 import resource
 import sys
@@ -94,3 +96,48 @@ def current_rss_bytes() -> int:
         return pages * os.sysconf("SC_PAGE_SIZE")
     except OSError:
         return peak_rss_bytes()
+
+
+class CpuPeak:
+    """Peak resident memory of one step on Linux: reset the high-water mark, run, read VmHWM.
+
+    ``ru_maxrss`` cannot be reset, so after the warm-up it would only ever show the largest step so far;
+    writing 5 to /proc/self/clear_refs resets VmHWM to the current RSS. Falls back to ru_maxrss elsewhere.
+    """
+
+    def __init__(self) -> None:
+        self.resettable = self._reset()
+
+    @staticmethod
+    def _reset() -> bool:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            return True
+        except OSError:
+            return False
+
+    @staticmethod
+    def _hwm() -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+        return peak_rss_bytes()
+
+    def start(self) -> None:
+        if self.resettable:
+            self._reset()
+
+    def peak(self) -> int:
+        return self._hwm() if self.resettable else peak_rss_bytes()
+
+
+def return_freed_memory_to_os() -> None:
+    """Serve large blocks by mmap so frees go back to the OS and resident memory follows live tensors.
+
+    Otherwise glibc keeps freed heap memory, and one step's peak would include what an earlier one left.
+    """
+    m_mmap_threshold = -3  # glibc's M_MMAP_THRESHOLD
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, 64 * 1024)

@@ -1,0 +1,142 @@
+"""`wsitrain plan`: the readable output and --json state the same facts; bad input is one clear error."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+from rich.console import Console
+
+from wsitrain.errors import WsiTrainError
+from wsitrain.gpus import GPU_NAMES, GPU_PRESETS, gpu_preset, resolve_budget
+from wsitrain.memory import format_bytes
+from wsitrain.models import MODEL_NAMES
+from wsitrain.plan_cmd import parse_size, run_plan
+
+GiB = 1024**3
+
+
+def _run(as_json: bool, **kw) -> tuple[int, str]:
+    buf = io.StringIO()
+    console = Console(file=buf, width=250, color_system=None)
+    args = dict(model="vgg16", size="20480", gpu="2080ti", memory=None, batch=1, precision="fp32", tile=None)
+    args.update(kw)
+    code = run_plan(**args, as_json=as_json, console=console)
+    return code, buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def vgg16_2080ti() -> tuple[int, str, int, dict]:
+    code_text, text = _run(False)
+    code_json, out = _run(True)
+    return code_text, text, code_json, json.loads(out)
+
+
+def test_vgg16_20480_fits_a_2080ti(vgg16_2080ti) -> None:
+    code_text, text, code_json, facts = vgg16_2080ti
+    assert code_text == 0 and code_json == 0
+    assert facts["fits"] is True and "FITS" in text
+    assert facts["budget_bytes"] == 11 * GiB
+    assert facts["estimated_peak_bytes"] <= facts["budget_bytes"] < facts["baseline_peak_bytes"]
+    for key in ("fits", "budget_bytes", "estimated_peak_bytes", "baseline_peak_bytes", "checkpoint_peak_bytes",
+                "overhead", "max_size", "segments"):  # fmt: skip
+        assert key in facts, key
+    assert facts["max_size"] >= 20480 and facts["max_size"] % 32 == 0
+    assert facts["segments"] and all(
+        {"layers", "tile_grid", "tile_shape", "halo"} <= set(s) and len(s["tile_grid"]) == 2 for s in facts["segments"]
+    )
+
+
+def test_text_states_the_json_facts(vgg16_2080ti) -> None:
+    _, text, _, facts = vgg16_2080ti
+    for key in ("budget_bytes", "estimated_peak_bytes", "baseline_peak_bytes", "checkpoint_peak_bytes"):
+        assert format_bytes(facts[key]) in text, key
+    assert f"{facts['max_size']} x {facts['max_size']} px" in text
+    assert f"{facts['overhead'] * 100:+.1f}%" in text
+    assert f"best: {facts['checkpoint_segments']} segments" in text
+    seg_lines = [line for line in text.splitlines() if "│ tiled │" in line or "│ plain │" in line]
+    assert len(seg_lines) == len(facts["segments"])
+    for line, seg in zip(seg_lines, facts["segments"], strict=True):
+        assert seg["layers"][0] in line and seg["layers"][-1] in line
+        if seg["mode"] == "tiled":
+            rows, cols = seg["tile_grid"]
+            assert f"{rows} x {cols}" in line
+            assert "x".join(map(str, seg["tile_shape"])) in line and "x".join(map(str, seg["halo"])) in line
+
+
+def test_does_not_fit_exit_code_and_json_agree() -> None:
+    code, out = _run(True, model="tiny", size="1024", gpu=None, memory="100KiB")
+    facts = json.loads(out)
+    assert code == 1 and facts["fits"] is False and facts["max_size"] == 0
+    code, text = _run(False, model="tiny", size="1024", gpu=None, memory="100KiB")
+    assert code == 1 and "DOES NOT FIT" in text and "no square image fits" in text
+
+
+def test_rectangular_size_and_memory_override() -> None:
+    code, out = _run(True, model="tiny", size="256x512", gpu=None, memory="2GiB")
+    facts = json.loads(out)
+    assert code == 0 and facts["input_shape"] == [1, 3, 256, 512] and facts["budget_bytes"] == 2 * GiB
+
+
+def test_huge_size_plans_from_shapes_only() -> None:
+    # 100000 x 100000 x 3 float32 would be 120 GB: the plan must come from shapes on the meta device.
+    code, out = _run(True, model="tiny", size="100000", gpu="h100")
+    facts = json.loads(out)
+    assert facts["input_shape"] == [1, 3, 100000, 100000] and code in (0, 1)
+
+
+def _one_line_error(**kw) -> WsiTrainError:
+    with pytest.raises(WsiTrainError) as info:
+        _run(False, **kw)
+    err = info.value
+    assert err.exit_code == 2 and "\n" not in err.message
+    return err
+
+
+def test_unknown_gpu_lists_presets() -> None:
+    err = _one_line_error(gpu="gtx480")
+    assert "gtx480" in err.message and all(name in err.hint for name in GPU_NAMES)
+
+
+def test_unknown_model_lists_models() -> None:
+    err = _one_line_error(model="alexnet")
+    assert "alexnet" in err.message and all(name in err.hint for name in MODEL_NAMES)
+
+
+@pytest.mark.parametrize("size", ["0", "-512", "16", "abc", "512x", "20x20x20"])
+def test_bad_size(size: str) -> None:
+    err = _one_line_error(size=size)
+    assert "--size" in err.message
+
+
+def test_size_below_stride_names_the_stride() -> None:
+    assert "stride of 32" in _one_line_error(size="16").message
+
+
+@pytest.mark.parametrize("memory", ["lots", "12 parsecs", "-1GiB", "0"])
+def test_bad_memory(memory: str) -> None:
+    assert "--memory" in _one_line_error(memory=memory).message
+
+
+def test_bad_precision_batch_tile() -> None:
+    assert "--precision" in _one_line_error(precision="fp8").message
+    assert "--batch" in _one_line_error(batch=0).message
+    assert "--tile" in _one_line_error(tile=-4).message
+
+
+def test_parse_size() -> None:
+    assert parse_size("20480", 32, "vgg16") == (20480, 20480)
+    assert parse_size("1024X2048", 32, "vgg16") == (1024, 2048)
+    assert parse_size(" 64 ", 16, "tiny") == (64, 64)
+
+
+def test_gpu_presets() -> None:
+    assert GPU_PRESETS["2080ti"].memory_bytes == 11 * GiB
+    assert GPU_PRESETS["h100"].memory_bytes == 80 * GiB
+    assert {"2080ti", "t4", "v100-16", "v100-32", "a100-40", "a100-80", "rtx3090", "rtx4090", "a6000", "l40s",
+            "h100", "h200"} == set(GPU_NAMES)  # fmt: skip
+    assert gpu_preset("A100_80").name == "a100-80"
+    b = resolve_budget("2080ti", "24GiB")  # --memory wins over the preset's figure
+    assert b.bytes == 24 * GiB and b.device == "cuda"
+    assert resolve_budget("cpu", None).device == "cpu"

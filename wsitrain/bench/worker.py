@@ -1,0 +1,178 @@
+"""One benchmark configuration in its own process.
+
+A fresh process per configuration keeps peak-memory figures honest (nothing cached from an earlier
+configuration) and lets an out-of-memory kill take down only that configuration. The runner forks each
+worker from a forkserver that has imported torch once (:func:`child_main`); by hand,
+``python -m wsitrain.bench.worker '<json config>'`` prints one line ``WSITRAIN_BENCH_RESULT {json}``.
+
+Protocol (the SFT paper's): one training step = forward, MSE loss against a fixed target, backward;
+batch 1; one warm-up step, then ``runs`` timed steps, each with its own peak.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import math
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint_sequential
+
+from wsitrain.errors import PlanError
+from wsitrain.memory import CpuPeak, current_rss_bytes, peak_rss_bytes, return_freed_memory_to_os
+from wsitrain.models import build, parameter_bytes
+
+RESULT_PREFIX = "WSITRAIN_BENCH_RESULT "
+NUM_CLASSES = 2
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_OOM_TEXT = ("out of memory", "can't allocate memory", "cannot allocate memory")
+
+
+def _is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(exc, RuntimeError) and any(t in str(exc).lower() for t in _OOM_TEXT)
+
+
+def _forward_fn(model: nn.Module, cfg: dict[str, Any]) -> tuple[Callable[[torch.Tensor], torch.Tensor], Any]:
+    """The forward of one strategy, and the SFT module (or None) for its plan and stats."""
+    strategy = cfg["strategy"]
+    if strategy == "base":
+        return model, None
+    if strategy == "checkpoint":
+        trunk = nn.Sequential(model.normalize, *model.features)
+        # checkpoint_sequential fails when a segment starts with an in-place op (it modifies the saved
+        # segment input); out-of-place ReLUs at the chain level cost no saved memory, only a transient.
+        for m in trunk:
+            if getattr(m, "inplace", False):
+                m.inplace = False
+        head = nn.Sequential(model.pool, model.flatten, model.classifier)
+        segments = min(int(cfg["segments"]), len(trunk))
+        return (lambda x: head(checkpoint_sequential(trunk, segments, x, use_reentrant=False))), None
+    if strategy == "sft":
+        from wsitrain.sft import SFT
+
+        sft = SFT(model, memory_budget=cfg.get("budget_bytes"), tile_size=cfg.get("tile"))
+        return sft, sft
+    raise ValueError(f"unknown strategy {strategy!r}")
+
+
+def _planned_peak(sft: Any, shape: tuple[int, ...], dtype: torch.dtype) -> int | None:
+    try:
+        return int(sft.plan_for(shape, dtype).estimated_peak_bytes)
+    except Exception:  # the plan is extra information; a failure here must not hide the measurement
+        return None
+
+
+def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Run one configuration in this process and return its result dict (status ok / oom / error)."""
+    device = torch.device(cfg.get("device", "cpu"))
+    if device.type == "cpu":
+        return_freed_memory_to_os()
+    dtype = DTYPES[cfg.get("precision", "fp32")]
+    budget = cfg.get("budget_bytes")
+    torch.manual_seed(int(cfg.get("seed", 0)))
+    if device.type == "cuda" and budget and cfg.get("cap_gpu", True):
+        total = torch.cuda.get_device_properties(device).total_memory
+        # Emulate a smaller card: the caching allocator refuses to grow past the budget.
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device)
+    result: dict[str, Any] = {"status": "ok", "times_ms": [], "peaks_bytes": []}
+    cpu_peak = CpuPeak() if device.type == "cpu" else None
+    try:
+        model = build(cfg["model"], NUM_CLASSES).to(device)
+        size = int(cfg["size"])
+        x = torch.randint(0, 256, (1, 3, size, size), dtype=torch.uint8, device=device)
+        target = torch.zeros(1, NUM_CLASSES, device=device)
+        forward, sft = _forward_fn(model, cfg)
+        autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
+        # What the step adds on top of the loaded model and input; CUDA counts them in max_memory_allocated.
+        static_bytes = parameter_bytes(model) + x.numel() * x.element_size()
+
+        def step() -> None:
+            with autocast:
+                y = forward(x)
+            F.mse_loss(y.float(), target).backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+        for i in range(1 + int(cfg.get("runs", 1))):
+            model.zero_grad(set_to_none=True)  # gradients are allocated inside every measured step
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            else:
+                # Baseline per run, after the warm-up: one-time allocations (thread pools, kernel caches)
+                # are not the step's memory.
+                base_rss = current_rss_bytes()
+                cpu_peak.start()
+            t0 = time.perf_counter()
+            step()
+            ms = (time.perf_counter() - t0) * 1000
+            if device.type == "cuda":
+                peak = int(torch.cuda.max_memory_allocated(device))
+            else:
+                peak = max(0, cpu_peak.peak() - base_rss) + static_bytes
+            if i == 0:
+                result["warmup_ms"] = ms
+                continue
+            result["times_ms"].append(ms)
+            result["peaks_bytes"].append(peak)
+        if sft is not None:
+            result["planned_peak_bytes"] = _planned_peak(sft, tuple(x.shape), dtype)
+            stats = getattr(sft, "last_stats", None)
+            if stats is not None and hasattr(stats, "summary"):
+                with contextlib.suppress(Exception):
+                    result["sft_stats"] = json.loads(json.dumps(stats.summary(), default=str))
+    except Exception as e:
+        if isinstance(e, PlanError) and "does not fit" in str(e):
+            # The engine refuses a budget it cannot meet: the planner's out-of-memory verdict, nothing ran.
+            result["status"] = "predicted_oom"
+            result["note"] = str(e).splitlines()[0][:300]
+        elif _is_oom(e):
+            result["status"] = "oom"
+            result["note"] = str(e).splitlines()[0][:200]
+        else:
+            result["status"] = "error"
+            result["note"] = f"{e.__class__.__name__}: {e}".splitlines()[0][:300]
+            result["traceback"] = traceback.format_exc()[-4000:]
+        return result
+    times = result["times_ms"]
+    result["mean_ms"] = sum(times) / len(times)
+    result["std_ms"] = math.sqrt(sum((t - result["mean_ms"]) ** 2 for t in times) / len(times))
+    result["peak_bytes"] = max(result["peaks_bytes"])
+    if device.type == "cpu" and budget and result["peak_bytes"] > budget:
+        # On CPU the budget is emulated: a step that needed more than the card has is out of memory there.
+        result["status"] = "oom"
+        result["note"] = "peak above the budget"
+    return result
+
+
+def child_main(conn: Any, cfg: dict[str, Any]) -> None:
+    """Entry point of a forked worker: run ``cfg`` and send the result dict through ``conn``."""
+    try:
+        result = run_config(cfg)
+    except BaseException as e:  # anything but a kill must come back as a result, never a silent exit
+        result = {"status": "error", "note": f"{e.__class__.__name__}: {e}".splitlines()[0][:300]}
+    conn.send(result)
+    conn.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m wsitrain.bench.worker '<json config>'", file=sys.stderr)
+        return 2
+    result = run_config(json.loads(args[0]))
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""GPU presets and the memory budget a command plans or benchmarks against.
+
+A preset names a card's memory so a plan can be made for a GPU this machine does not have
+(``--gpu 2080ti`` on a laptop). The figure is the card's whole memory, as the SFT paper budgets it;
+``--memory`` sets any other figure, and with neither the detected device's free memory is used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from wsitrain.errors import WsiTrainError
+from wsitrain.memory import detect_budget, format_bytes, parse_bytes
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class GpuPreset:
+    name: str
+    label: str
+    memory_bytes: int
+
+
+GPU_PRESETS: dict[str, GpuPreset] = {
+    p.name: p
+    for p in (
+        GpuPreset("2080ti", "NVIDIA GeForce RTX 2080 Ti", 11 * GiB),
+        GpuPreset("t4", "NVIDIA T4", 16 * GiB),
+        GpuPreset("v100-16", "NVIDIA V100 16 GB", 16 * GiB),
+        GpuPreset("v100-32", "NVIDIA V100 32 GB", 32 * GiB),
+        GpuPreset("a100-40", "NVIDIA A100 40 GB", 40 * GiB),
+        GpuPreset("a100-80", "NVIDIA A100 80 GB", 80 * GiB),
+        GpuPreset("rtx3090", "NVIDIA GeForce RTX 3090", 24 * GiB),
+        GpuPreset("rtx4090", "NVIDIA GeForce RTX 4090", 24 * GiB),
+        GpuPreset("a6000", "NVIDIA RTX A6000", 48 * GiB),
+        GpuPreset("l40s", "NVIDIA L40S", 48 * GiB),
+        GpuPreset("h100", "NVIDIA H100 80 GB", 80 * GiB),
+        # Sold as "141 GB"; nvidia-smi reports 143771 MiB.
+        GpuPreset("h200", "NVIDIA H200", 143771 * 1024**2),
+    )
+}
+GPU_NAMES = tuple(GPU_PRESETS)
+
+
+def gpu_preset(name: str) -> GpuPreset:
+    """The preset called ``name`` (case and spaces ignored); WsiTrainError listing the valid names otherwise."""
+    key = name.strip().lower().replace(" ", "").replace("_", "-")
+    if key not in GPU_PRESETS:
+        raise WsiTrainError(
+            f"unknown GPU {name!r}",
+            hint=f"choose one of: {', '.join(GPU_NAMES)}; or give --memory SIZE (e.g. --memory 24GiB)",
+        )
+    return GPU_PRESETS[key]
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How many bytes to plan for, for which kind of device, and where the figure came from."""
+
+    bytes: int
+    device: str  # "cuda" or "cpu": the device type the plan is for
+    source: str  # for people: "preset 2080ti (NVIDIA GeForce RTX 2080 Ti)", "--memory 24GiB", "detected CPU"
+    gpu: str | None = None  # preset name, when one was given
+
+    def describe(self) -> str:
+        return f"{format_bytes(self.bytes)} ({self.source})"
+
+
+def resolve_budget(gpu: str | None = None, memory: str | int | None = None) -> Budget:
+    """Budget from ``--memory`` (wins), else a ``--gpu`` preset, else the detected GPU, else the CPU's free RAM.
+
+    ``gpu="cpu"`` means this machine's CPU even where a GPU is present.
+    """
+    preset = gpu_preset(gpu) if gpu is not None and gpu.strip().lower() != "cpu" else None
+    want_cpu = gpu is not None and gpu.strip().lower() == "cpu"
+    if memory is not None:
+        n = parse_bytes(memory, what="--memory")
+        device = "cuda" if preset is not None or (not want_cpu and torch.cuda.is_available()) else "cpu"
+        return Budget(n, device, f"--memory {memory}", preset.name if preset else None)
+    if preset is not None:
+        return Budget(preset.memory_bytes, "cuda", f"preset {preset.name}: {preset.label}", preset.name)
+    if not want_cpu and torch.cuda.is_available():
+        return Budget(detect_budget("cuda"), "cuda", f"detected GPU {torch.cuda.get_device_name()}, free memory")
+    return Budget(detect_budget("cpu"), "cpu", "detected CPU, available RAM")
