@@ -39,8 +39,13 @@ def small_resnet(bottleneck: bool = False) -> nn.Sequential:
 
     e = Bottleneck.expansion if bottleneck else 1
     trunk = nn.Sequential(
-        nn.Conv2d(3, 8, 7, 2, 3, bias=False), nn.BatchNorm2d(8), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1),
-        block(8, 8, 1), block(8 * e, 8, 2), block(8 * e, 16, 2),
+        nn.Conv2d(3, 8, 7, 2, 3, bias=False),
+        nn.BatchNorm2d(8),
+        nn.ReLU(inplace=True),
+        nn.MaxPool2d(3, 2, 1),
+        block(8, 8, 1),
+        block(8 * e, 8, 2),
+        block(8 * e, 16, 2),
     )
     model = nn.Sequential(OrderedDict([("features", trunk), *head(16 * e)]))
     for m in model.modules():  # non-trivial frozen statistics, so a wrong border shows
@@ -69,8 +74,13 @@ class DenseBlock(nn.Module):
 
 def dense_net() -> nn.Sequential:
     trunk = nn.Sequential(
-        nn.Conv2d(3, 4, 3, padding=1), nn.GELU(), DenseBlock(4, 3, 3), nn.AvgPool2d(2),
-        nn.Conv2d(13, 6, 1), nn.Tanh(), DenseBlock(6, 2, 2),
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.GELU(),
+        DenseBlock(4, 3, 3),
+        nn.AvgPool2d(2),
+        nn.Conv2d(13, 6, 1),
+        nn.Tanh(),
+        DenseBlock(6, 2, 2),
     )
     return nn.Sequential(OrderedDict([("features", trunk), *head(10)]))
 
@@ -78,13 +88,18 @@ def dense_net() -> nn.Sequential:
 def odd_ops() -> nn.Sequential:
     """Stride-2, dilated, grouped, even and non-square kernels, 'same' and reflect padding, ceil-mode pools."""
     trunk = nn.Sequential(
-        nn.Conv2d(3, 6, (3, 5), stride=(1, 2), padding=(1, 2)), nn.LeakyReLU(0.1, inplace=True),
-        nn.Conv2d(6, 6, 3, padding=2, dilation=2, groups=3), nn.Hardswish(),
+        nn.Conv2d(3, 6, (3, 5), stride=(1, 2), padding=(1, 2)),
+        nn.LeakyReLU(0.1, inplace=True),
+        nn.Conv2d(6, 6, 3, padding=2, dilation=2, groups=3),
+        nn.Hardswish(),
         nn.MaxPool2d(3, 2, padding=1, ceil_mode=True),
-        nn.Conv2d(6, 8, 2, padding="same"), nn.Sigmoid(),
-        nn.Conv2d(8, 8, 3, stride=2, padding=1, padding_mode="reflect"), nn.ReLU6(),
+        nn.Conv2d(6, 8, 2, padding="same"),
+        nn.Sigmoid(),
+        nn.Conv2d(8, 8, 3, stride=2, padding=1, padding_mode="reflect"),
+        nn.ReLU6(),
         nn.AvgPool2d(3, 2, padding=1, ceil_mode=True, count_include_pad=False),
-        nn.Conv2d(8, 8, 5, padding=2, groups=8), nn.ELU(),
+        nn.Conv2d(8, 8, 5, padding=2, groups=8),
+        nn.ELU(),
         nn.Dropout(0.0),
     )
     return nn.Sequential(OrderedDict([("features", trunk), *head(8)]))

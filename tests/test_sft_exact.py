@@ -14,7 +14,9 @@ from wsitrain.sft import SFT
 F64 = {"rtol": 1e-10, "atol": 1e-11}
 
 
-def reference(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, list, torch.Tensor | None]:
+def reference(
+    model: nn.Module, x: torch.Tensor, target: torch.Tensor
+) -> tuple[torch.Tensor, list, torch.Tensor | None]:
     model.zero_grad(set_to_none=True)
     xr = x.detach().clone().requires_grad_(x.requires_grad)
     y = model(xr)
@@ -22,7 +24,9 @@ def reference(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> tuple[
     return y.detach(), [p.grad.clone() for p in model.parameters()], xr.grad
 
 
-def variant(model: nn.Module, x: torch.Tensor, target: torch.Tensor, **kw) -> tuple[torch.Tensor, list, torch.Tensor | None, SFT]:
+def variant(
+    model: nn.Module, x: torch.Tensor, target: torch.Tensor, **kw
+) -> tuple[torch.Tensor, list, torch.Tensor | None, SFT]:
     model.zero_grad(set_to_none=True)
     xr = x.detach().clone().requires_grad_(x.requires_grad)
     m = SFT(model, **kw)

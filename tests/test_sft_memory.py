@@ -44,8 +44,9 @@ print(json.dumps({"planned": p.estimated_peak_bytes - model_bytes, "measured": g
 
 def measure(name: str, size: int, frac: float) -> dict:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
-    out = subprocess.run([sys.executable, "-c", WORKER, name, str(size), str(frac)], capture_output=True, text=True,
-                         timeout=600, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", WORKER, name, str(size), str(frac)], capture_output=True, text=True, timeout=600, env=env
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -96,8 +96,14 @@ def squeeze(p, frac: float) -> int:
 
 def _with(layer: nn.Module) -> nn.Sequential:
     trunk = nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1), layer, nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(4),
-        nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(3, 8, 3, padding=1),
+        layer,
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(4),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.ReLU(),
     )
     return nn.Sequential(OrderedDict([("features", trunk), *head(8)]))
 

@@ -12,7 +12,6 @@ batch 1; one warm-up step, then ``runs`` timed steps, each with its own peak.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import math
 import sys
@@ -27,7 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 
 from wsitrain.errors import PlanError
-from wsitrain.memory import CpuPeak, current_rss_bytes, peak_rss_bytes, return_freed_memory_to_os
+from wsitrain.memory import CpuPeak, current_rss_bytes, return_freed_memory_to_os
 from wsitrain.models import build, parameter_bytes
 
 RESULT_PREFIX = "WSITRAIN_BENCH_RESULT "

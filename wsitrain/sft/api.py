@@ -27,8 +27,10 @@ def _budget(memory_budget: int | float | str | None, device: str) -> int:
     if memory_budget is not None:
         return parse_bytes(memory_budget, what="memory_budget")
     if device == "cuda" and not torch.cuda.is_available():
-        raise PlanError("cannot detect the memory of a CUDA device on a machine without one",
-                        hint="pass memory_budget (e.g. '11GiB') or a GPU preset")
+        raise PlanError(
+            "cannot detect the memory of a CUDA device on a machine without one",
+            hint="pass memory_budget (e.g. '11GiB') or a GPU preset",
+        )
     return detect_budget(device)
 
 
@@ -64,8 +66,19 @@ def plan(
     on_host = dev == "cuda" if input_on_host is None else input_on_host
     in_dtype = input_dtype or (torch.uint8 if on_host else dtype)
     budget = _budget(memory_budget, dev)
-    p, _ = build_plan(model, ModelGraph(model), tuple(input_shape), budget, dtype, in_dtype, dev, on_host,
-                      tile_size=tile_size, checkpoints=checkpoints, optimizer=optimizer)
+    p, _ = build_plan(
+        model,
+        ModelGraph(model),
+        tuple(input_shape),
+        budget,
+        dtype,
+        in_dtype,
+        dev,
+        on_host,
+        tile_size=tile_size,
+        checkpoints=checkpoints,
+        optimizer=optimizer,
+    )
     return p
 
 
@@ -158,8 +171,13 @@ class SFT(nn.Module):
             return torch.get_autocast_dtype(device.type)
         return _param_dtype(self.model)
 
-    def plan_for(self, input_shape: tuple[int, ...], dtype: torch.dtype | None = None,
-                 input_dtype: torch.dtype | None = None, input_on_host: bool = False) -> Plan:
+    def plan_for(
+        self,
+        input_shape: tuple[int, ...],
+        dtype: torch.dtype | None = None,
+        input_dtype: torch.dtype | None = None,
+        input_on_host: bool = False,
+    ) -> Plan:
         """The plan for an input shape (cached per shape, dtype and the modules' train/eval modes)."""
         device = self._device()
         act = dtype or self._act_dtype(device)
@@ -172,8 +190,20 @@ class SFT(nn.Module):
         key = (shape, act, in_dtype, on_host, x_grad, device, self._graph.mode_key())
         if key not in self._cache:
             budget = _budget(self.memory_budget, device.type)
-            p, ctx = build_plan(self.model, self._graph, shape, budget, act, in_dtype, device.type, on_host, x_grad,
-                                tile_size=self.tile_size, checkpoints=self.checkpoints, optimizer=self.optimizer)
+            p, ctx = build_plan(
+                self.model,
+                self._graph,
+                shape,
+                budget,
+                act,
+                in_dtype,
+                device.type,
+                on_host,
+                x_grad,
+                tile_size=self.tile_size,
+                checkpoints=self.checkpoints,
+                optimizer=self.optimizer,
+            )
             if not p.fits:
                 raise PlanError(
                     f"{p.model_name} on input {shape} does not fit {format_bytes(budget)}: "

@@ -34,7 +34,9 @@ class _AutocastState:
 
     @staticmethod
     def capture(device_type: str) -> _AutocastState:
-        return _AutocastState(device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+        return _AutocastState(
+            device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+        )
 
     def context(self) -> torch.autocast:
         return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled)
@@ -146,8 +148,9 @@ class TiledSegment:
                     if p.requires_grad:
                         params.setdefault(id(p), p)
         self.params = list(params.values())
-        self.last_user = {i: max((u for u in ctx.graph.nodes[i].users if u <= seg.end), default=i) for i in
-                          [seg.start, *self.nodes]}
+        self.last_user = {
+            i: max((u for u in ctx.graph.nodes[i].users if u <= seg.end), default=i) for i in [seg.start, *self.nodes]
+        }
         self.stats: StatsRecorder | None = None
         self.stager = HostStager()
 
@@ -164,6 +167,7 @@ class TiledSegment:
         """Run the segment's layers on one tile; returns the tile's exact output. Shapes: (B, C, th, tw)."""
         env: dict[int, torch.Tensor] = {self.start: region}
         for u in self.nodes:
+
             def fetch(v: int, u: int = u) -> torch.Tensor:
                 (rl, rh), (cl, ch) = rt.req[(u, v)], ct.req[(u, v)]
                 nr, nc = rt.need[v][0], ct.need[v][0]
@@ -272,4 +276,3 @@ def run_segment(seg: TiledSegment, x: torch.Tensor) -> torch.Tensor:
         return TiledFunction.apply(seg, x, *seg.params)
     with torch.no_grad():
         return seg.forward_all(x)
-

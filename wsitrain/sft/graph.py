@@ -15,7 +15,17 @@ from torch import fx, nn
 from torch.func import functional_call
 
 from wsitrain.errors import PlanError
-from wsitrain.sft.ops import HEAD, INPUT, OPAQUE, POINTWISE, SPATIAL_KINDS, OpSpec, function_spec, is_leaf_module, module_spec
+from wsitrain.sft.ops import (
+    HEAD,
+    INPUT,
+    OPAQUE,
+    POINTWISE,
+    SPATIAL_KINDS,
+    OpSpec,
+    function_spec,
+    is_leaf_module,
+    module_spec,
+)
 
 
 class _Tracer(fx.Tracer):
@@ -55,7 +65,9 @@ class ModelGraph:
         fx_nodes = [n for n in self.gm.graph.nodes if n.op not in ("output", "get_attr")]
         placeholders = [n for n in fx_nodes if n.op == "placeholder"]
         if len(placeholders) != 1:
-            raise PlanError(f"{type(model).__name__}.forward takes {len(placeholders)} inputs; SFT needs exactly one image")
+            raise PlanError(
+                f"{type(model).__name__}.forward takes {len(placeholders)} inputs; SFT needs exactly one image"
+            )
         pos = {n: i for i, n in enumerate(fx_nodes)}
         users: list[list[int]] = [[] for _ in fx_nodes]
         nodes: list[GNode] = []
@@ -87,7 +99,9 @@ class ModelGraph:
         return tuple(m.training for m in self.gm.modules())
 
     # ---- shapes ------------------------------------------------------------------------------
-    def shapes(self, input_shape: tuple[int, ...], input_dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    def shapes(
+        self, input_shape: tuple[int, ...], input_dtype: torch.dtype
+    ) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """Shape and dtype of every node's output for an input shape, on meta tensors (nothing allocated)."""
         meta = {k: torch.empty_like(v, device="meta") for k, v in self.gm.state_dict(keep_vars=True).items()}
         recorder = _ShapeRecorder(self.gm)
@@ -104,7 +118,9 @@ class ModelGraph:
         return [recorder.result[g.fx_node] for g in self.nodes]
 
     # ---- structure -----------------------------------------------------------------------------
-    def cut_points(self, specs: list[OpSpec], shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> tuple[list[int], int]:
+    def cut_points(
+        self, specs: list[OpSpec], shapes: list[tuple[tuple[int, ...], torch.dtype]]
+    ) -> tuple[list[int], int]:
         """Valid checkpoint positions in the trunk, and the index of the trunk's last node.
 
         A cut after node i is valid when no later node reads a node before i: the whole future
@@ -126,7 +142,11 @@ class ModelGraph:
             if later_ok:
                 valid.append(i)
         first_head = next(
-            (i for i, (s, (shape, _)) in enumerate(zip(specs, shapes, strict=True)) if s.kind == HEAD or len(shape) != 4),
+            (
+                i
+                for i, (s, (shape, _)) in enumerate(zip(specs, shapes, strict=True))
+                if s.kind == HEAD or len(shape) != 4
+            ),
             n,
         )
         trunk = [i for i in valid if i < first_head]

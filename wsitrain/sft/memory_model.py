@@ -111,9 +111,7 @@ def simulate(
     for i in range(len(ops) - 1, -1, -1):
         op = ops[i]
         if op.requires_grad and op.out in grads:
-            new_in = sum(
-                size[root[v]] for v, g in zip(op.inputs, op.grad_inputs, strict=False) if g and v not in grads
-            )
+            new_in = sum(size[root[v]] for v, g in zip(op.inputs, op.grad_inputs, strict=False) if g and v not in grads)
             cur = fixed + param_grads + op.param_grad_bytes + live_total + extras_left + grad_total
             cur += new_in + op.bwd_extra
             if cur > bpeak:

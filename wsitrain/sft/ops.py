@@ -115,16 +115,32 @@ _ACTIVATIONS: dict[type, tuple[bool, bool]] = {
 }
 
 _FUNCTIONAL_POINTWISE = {
-    F.relu: (False, True), torch.relu: (False, True), F.relu6: (True, False), F.leaky_relu: (True, False),
-    F.gelu: (True, False), F.silu: (True, False), F.mish: (True, False), torch.sigmoid: (False, True),
-    F.sigmoid: (False, True), torch.tanh: (False, True), F.tanh: (False, True), F.hardswish: (True, False),
-    F.elu: (False, True), F.hardsigmoid: (True, False),
+    F.relu: (False, True),
+    torch.relu: (False, True),
+    F.relu6: (True, False),
+    F.leaky_relu: (True, False),
+    F.gelu: (True, False),
+    F.silu: (True, False),
+    F.mish: (True, False),
+    torch.sigmoid: (False, True),
+    F.sigmoid: (False, True),
+    torch.tanh: (False, True),
+    F.tanh: (False, True),
+    F.hardswish: (True, False),
+    F.elu: (False, True),
+    F.hardsigmoid: (True, False),
 }
 _FUNCTIONAL_INPLACE = {torch.relu_: torch.relu, F.relu_: F.relu}
 _MERGE_FUNCS = {
-    operator.add: "add", operator.iadd: "add", torch.add: "add",
-    operator.mul: "mul", operator.imul: "mul", torch.mul: "mul",
-    operator.sub: "sub", operator.isub: "sub", torch.sub: "sub",
+    operator.add: "add",
+    operator.iadd: "add",
+    torch.add: "add",
+    operator.mul: "mul",
+    operator.imul: "mul",
+    torch.mul: "mul",
+    operator.sub: "sub",
+    operator.isub: "sub",
+    torch.sub: "sub",
 }
 _INPLACE_TO_OUT = {operator.iadd: operator.add, operator.imul: operator.mul, operator.isub: operator.sub}
 _MERGE_METHODS = {"add": "add", "add_": "add", "mul": "mul", "mul_": "mul", "sub": "sub", "sub_": "sub"}
@@ -163,15 +179,24 @@ def module_spec(m: nn.Module) -> OpSpec:
         if m.return_indices:
             return _not_tileable(name, OPAQUE, "return_indices=True is not supported inside a tiled region")
         wins = _pool_windows(m)
-        return OpSpec(WINDOW, name, windows=wins, saves_input=True, index_bytes=8,
-                      flops_per_output=float(wins[0].kernel * wins[1].kernel))
+        return OpSpec(
+            WINDOW,
+            name,
+            windows=wins,
+            saves_input=True,
+            index_bytes=8,
+            flops_per_output=float(wins[0].kernel * wins[1].kernel),
+        )
     if isinstance(m, nn.AvgPool2d):
         wins = _pool_windows(m)
-        return OpSpec(WINDOW, name, windows=wins, saves_input=True, flops_per_output=float(wins[0].kernel * wins[1].kernel))
+        return OpSpec(
+            WINDOW, name, windows=wins, saves_input=True, flops_per_output=float(wins[0].kernel * wins[1].kernel)
+        )
     if isinstance(m, nn.BatchNorm2d):
         if m.training and m.track_running_stats is not False:
             return _not_tileable(
-                name, OPAQUE,
+                name,
+                OPAQUE,
                 "BatchNorm2d in training mode normalizes with statistics of the whole batch, which a tile does not "
                 "see; freeze it (wsitrain.models.freeze_batchnorm(model), or put BatchNorm layers in eval mode; "
                 "`wsitrain fit` freezes BatchNorm by default)",
@@ -182,7 +207,8 @@ def module_spec(m: nn.Module) -> OpSpec:
     if isinstance(m, (nn.Dropout, nn.Dropout2d)):
         if m.training and m.p > 0:
             return _not_tileable(
-                name, OPAQUE,
+                name,
+                OPAQUE,
                 "Dropout in training mode draws position-dependent masks that differ between a tile's forward "
                 "and its recomputation; use p=0 or eval mode for layers inside the tiled trunk",
             )
@@ -192,15 +218,29 @@ def module_spec(m: nn.Module) -> OpSpec:
     for cls, (si, so) in _ACTIVATIONS.items():
         if isinstance(m, cls):
             inplace = bool(getattr(m, "inplace", False))
-            return OpSpec(POINTWISE, name, inplace=inplace, saves_input=si and not inplace, saves_output=so or inplace,
-                          flops_per_output=1.0, has_params=any(True for _ in m.parameters()))
+            return OpSpec(
+                POINTWISE,
+                name,
+                inplace=inplace,
+                saves_input=si and not inplace,
+                saves_output=so or inplace,
+                flops_per_output=1.0,
+                has_params=any(True for _ in m.parameters()),
+            )
     if is_pointwise_module(m):
         return OpSpec(POINTWISE, name, flops_per_output=2.0)
     if isinstance(m, _HEAD_MODULES):
-        return OpSpec(HEAD, name, tileable=False, why_not="global layers end the tiled part", saves_input=True,
-                      has_params=any(True for _ in m.parameters()))
+        return OpSpec(
+            HEAD,
+            name,
+            tileable=False,
+            why_not="global layers end the tiled part",
+            saves_input=True,
+            has_params=any(True for _ in m.parameters()),
+        )
     return _not_tileable(
-        name, OPAQUE,
+        name,
+        OPAQUE,
         f"{name} is not an operator the SFT engine knows how to tile; keep it where activations are small "
         "(the planner then runs it untiled), or replace it with a supported layer",
     )
@@ -212,12 +252,18 @@ def function_spec(node: fx.Node) -> OpSpec:
     if node.op == "call_method":
         name = str(target)
         if name in _MERGE_METHODS:
-            return OpSpec(MERGE, _MERGE_METHODS[name], inplace=name.endswith("_"),
-                          saves_input=_MERGE_METHODS[name] == "mul", flops_per_output=1.0)
+            return OpSpec(
+                MERGE,
+                _MERGE_METHODS[name],
+                inplace=name.endswith("_"),
+                saves_input=_MERGE_METHODS[name] == "mul",
+                flops_per_output=1.0,
+            )
         if name in _POINTWISE_METHODS:
             si, so = _POINTWISE_METHODS[name]
-            return OpSpec(POINTWISE, name, inplace=name.endswith("_"), saves_input=si, saves_output=so,
-                          flops_per_output=1.0)
+            return OpSpec(
+                POINTWISE, name, inplace=name.endswith("_"), saves_input=si, saves_output=so, flops_per_output=1.0
+            )
         if name in ("contiguous", "clone"):
             return OpSpec(POINTWISE, name, alias=name == "contiguous")
         if name in _HEAD_METHODS:
@@ -235,8 +281,14 @@ def function_spec(node: fx.Node) -> OpSpec:
     if target in _FUNCTIONAL_POINTWISE or target in _FUNCTIONAL_INPLACE:
         si, so = _FUNCTIONAL_POINTWISE.get(target, (False, True))
         inplace = target in _FUNCTIONAL_INPLACE or bool(node.kwargs.get("inplace", False))
-        return OpSpec(POINTWISE, tname, inplace=inplace, saves_input=si and not inplace, saves_output=so or inplace,
-                      flops_per_output=1.0)
+        return OpSpec(
+            POINTWISE,
+            tname,
+            inplace=inplace,
+            saves_input=si and not inplace,
+            saves_output=so or inplace,
+            flops_per_output=1.0,
+        )
     if target in _HEAD_FUNCS:
         return OpSpec(HEAD, tname, tileable=False, why_not="global operations end the tiled part")
     return _not_tileable(tname, OPAQUE, f"function {tname} is not supported inside a tiled region")

@@ -106,7 +106,8 @@ class Plan:
             f"  budget {format_bytes(self.budget_bytes)}, estimated peak {format_bytes(self.estimated_peak_bytes)}",
             f"  plain PyTorch would need {format_bytes(self.baseline_peak_bytes)}; best checkpoint_sequential "
             f"({self.checkpoint_segments} segments) {format_bytes(self.checkpoint_peak_bytes)}",
-            f"  extra compute vs plain: {100 * self.overhead:+.1f}% ({self.recomputed_tiles} tiles recomputed per step)",
+            f"  extra compute vs plain: {100 * self.overhead:+.1f}% "
+            f"({self.recomputed_tiles} tiles recomputed per step)",
         ]
         for s in self.segments:
             first, last = s.layers[0], s.layers[-1]
@@ -118,7 +119,9 @@ class Plan:
                 )
             else:
                 desc = "plain autograd (activations kept, no recompute)"
-            lines.append(f"  segment {s.index}: {len(s.layers)} layers [{span}] {desc}; peak {format_bytes(s.peak_bytes)}")
+            lines.append(
+                f"  segment {s.index}: {len(s.layers)} layers [{span}] {desc}; peak {format_bytes(s.peak_bytes)}"
+            )
         parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.breakdown.items() if v)
         lines.append(f"  memory parts: {parts}")
         lines.extend(f"  note: {n}" for n in self.notes)

@@ -198,7 +198,9 @@ class PlanContext:
 
     @cached_property
     def head_sim(self) -> tuple[SimResult, float]:
-        return self.plain_sim(self.trunk_end, self.n - 1) if self.trunk_end < self.n - 1 else (SimResult(0, 0, 0, ""), 0.0)
+        return (
+            self.plain_sim(self.trunk_end, self.n - 1) if self.trunk_end < self.n - 1 else (SimResult(0, 0, 0, ""), 0.0)
+        )
 
     # ---- tiles ---------------------------------------------------------------------------------
     def axis_tiles(self, start: int, end: int, edge: int, axis: int) -> tuple[list[tuple[int, int]], list[AxisTile]]:
@@ -363,7 +365,7 @@ def _search(
             for st in here:
                 best: tuple[float, _SegOption, int] | None = None
 
-                def consider(opt: _SegOption, st: _State = st) -> bool:
+                def consider(opt: _SegOption, st: _State = st, b: int = b) -> bool:
                     nonlocal best
                     fwd = ctx.fixed + st.retained + opt.local_fwd
                     bwd = ctx.fixed + st.retained + ctx.grads_after[b + 1] + opt.local_bwd
@@ -396,7 +398,9 @@ def _search(
             continue
         cand = _State(st.cost, st.retained, peak, st.path)
         key = (cand.peak, cand.cost) if minimize_peak else (cand.cost, cand.peak)
-        if best_state is None or key < ((best_state.peak, best_state.cost) if minimize_peak else (best_state.cost, best_state.peak)):
+        if best_state is None or key < (
+            (best_state.peak, best_state.cost) if minimize_peak else (best_state.cost, best_state.peak)
+        ):
             best_state = cand
     return best_state
 
@@ -468,11 +472,22 @@ def checkpoint_sequential_peak(ctx: PlanContext) -> tuple[int, int]:
             if k == len(bounds) - 2:
                 ops.extend(ctx.sim_op(i, ctx.bytes[i]) for i in range(a + 1, b + 1))
                 continue
-            fwd_only = simulate([ctx.sim_op(i, ctx.bytes[i], grad=False) for i in range(a + 1, b + 1)],
-                                {a: 0}, backward=False)
-            ops.append(SimOp(out=b, out_bytes=ctx.bytes[b], inputs=(a,), saved=(a,), fwd_extra=fwd_only.forward_peak,
-                             bwd_extra=res.peak, requires_grad=ctx.requires_grad[b],
-                             grad_inputs=(ctx.requires_grad[a],), label=f"ckpt {k}"))
+            fwd_only = simulate(
+                [ctx.sim_op(i, ctx.bytes[i], grad=False) for i in range(a + 1, b + 1)], {a: 0}, backward=False
+            )
+            ops.append(
+                SimOp(
+                    out=b,
+                    out_bytes=ctx.bytes[b],
+                    inputs=(a,),
+                    saved=(a,),
+                    fwd_extra=fwd_only.forward_peak,
+                    bwd_extra=res.peak,
+                    requires_grad=ctx.requires_grad[b],
+                    grad_inputs=(ctx.requires_grad[a],),
+                    label=f"ckpt {k}",
+                )
+            )
         ops.extend(ctx.sim_op(i, ctx.bytes[i]) for i in range(ctx.trunk_end + 1, ctx.n))
         peak = ctx.scale_peak(simulate(ops, {0: ctx.device_bytes(0)}, fixed=ctx.fixed).peak)
         if peak < best[0]:
@@ -495,7 +510,9 @@ def _segment_plans(ctx: PlanContext, path: tuple[_SegOption, ...], base_peak: in
                 layers=layers,
                 mode=opt.mode,
                 tile_grid=(
-                    (math.ceil(ctx.shapes[opt.end][2] / t.edge), math.ceil(ctx.shapes[opt.end][3] / t.edge)) if t else (1, 1)
+                    (math.ceil(ctx.shapes[opt.end][2] / t.edge), math.ceil(ctx.shapes[opt.end][3] / t.edge))
+                    if t
+                    else (1, 1)
                 ),
                 tile_edge=t.edge if t else max(ctx.shapes[opt.end][2:]),
                 tile_shape=t.tile_shape if t else tuple(ctx.shapes[opt.start][2:4]),  # type: ignore[arg-type]
@@ -602,7 +619,9 @@ def build_plan(
         flops_sft=state.cost + head_flops,
         recomputed_tiles=sum(s.n_tiles for s in tiled),
         input_on_host=input_on_host,
-        feature_map_bytes=int(sum(b for i, b in enumerate(ctx.bytes) if not (ctx.specs[i].inplace or ctx.specs[i].alias))),
+        feature_map_bytes=int(
+            sum(b for i, b in enumerate(ctx.bytes) if not (ctx.specs[i].inplace or ctx.specs[i].alias))
+        ),
         notes=tuple(notes),
     )
     return plan, ctx
