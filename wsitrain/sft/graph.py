@@ -7,12 +7,13 @@ the head passes; only there can a checkpoint sit (never inside a residual block)
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.func import functional_call
 
 from wsitrain.errors import PlanError
 from wsitrain.sft.ops import (
@@ -103,11 +104,11 @@ class ModelGraph:
         self, input_shape: tuple[int, ...], input_dtype: torch.dtype
     ) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """Shape and dtype of every node's output for an input shape, on meta tensors (nothing allocated)."""
-        meta = {k: torch.empty_like(v, device="meta") for k, v in self.gm.state_dict(keep_vars=True).items()}
         recorder = _ShapeRecorder(self.gm)
         x = torch.empty(input_shape, dtype=input_dtype, device="meta")
         try:
-            functional_call(recorder, {f"gm.{k}": v for k, v in meta.items()}, (x,), strict=False)
+            with _on_meta(self.gm):
+                recorder(x)
         except PlanError:
             raise
         except Exception as exc:
@@ -170,6 +171,29 @@ class ModelGraph:
 
     def is_spatial(self, spec: OpSpec) -> bool:
         return spec.kind in SPATIAL_KINDS or spec.kind in (INPUT, OPAQUE)
+
+
+@contextlib.contextmanager
+def _on_meta(root: nn.Module) -> Iterator[None]:
+    """Temporarily give every module meta parameters and buffers of the same shapes.
+
+    Done by hand: torch.func.functional_call would do the same but imports ~900 modules (seconds)
+    on first use, in every process that plans.
+    """
+    saved: list[tuple[dict[str, Any], str, Any]] = []
+    try:
+        for m in root.modules():
+            for store in (m._parameters, m._buffers):
+                for k, v in store.items():
+                    if v is None or v.device.type == "meta":
+                        continue
+                    saved.append((store, k, v))
+                    meta = torch.empty_like(v, device="meta")
+                    store[k] = nn.Parameter(meta, v.requires_grad) if isinstance(v, nn.Parameter) else meta
+        yield
+    finally:
+        for store, k, v in reversed(saved):
+            store[k] = v
 
 
 class _ShapeRecorder(nn.Module):
