@@ -197,6 +197,7 @@ def render_plan(facts: dict[str, Any], console: Console) -> None:
         ("weights", bd.get("parameters", 0)),
         ("gradients", bd.get("gradients", 0)),
         ("optimizer state", bd.get("optimizer", 0)),
+        ("kernel workspaces (cuDNN / oneDNN)", bd.get("runtime", 0)),
         ("checkpoints", bd.get("checkpoints", 0)),
         ("gradient buffers", bd.get("gradient_buffers", 0)),
         ("one tile's activations", bd.get("tile_activations", 0)),
