@@ -39,7 +39,10 @@ class _AutocastState:
         )
 
     def context(self) -> torch.autocast:
-        return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled)
+        # Autocast caches the low-precision copy of each weight for the whole outer autocast region.
+        # A copy cast under no_grad (a tile's forward) has no path to the weight, and reusing it in the
+        # recompute would lose that weight's gradient; tiles therefore never use or fill the cache.
+        return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled, cache_enabled=False)
 
 
 def _call(node: fx.Node, fn: Any, kwargs: dict[str, Any], args: tuple[Any, ...]) -> Any:
@@ -171,8 +174,7 @@ class TiledSegment:
             def fetch(v: int, u: int = u) -> torch.Tensor:
                 (rl, rh), (cl, ch) = rt.req[(u, v)], ct.req[(u, v)]
                 nr, nc = rt.need[v][0], ct.need[v][0]
-                t = env[v]
-                return t[:, :, rl - nr : rh - nr, cl - nc : ch - nc]
+                return env[v][:, :, rl - nr : rh - nr, cl - nc : ch - nc]
 
             out = self.runner.run(u, env, out_of_place=True, fetch=fetch)
             spec = self.specs[u]
@@ -235,7 +237,9 @@ class TiledSegment:
                     res = res[1:]
                 for k, gp in enumerate(res):
                     if gp is not None:
-                        grads[k] = gp if grads[k] is None else grads[k].add_(gp)
+                        # own the sum: a returned gradient may share memory autograd reuses for the next
+                        # tile (seen as NaNs in bf16 weight gradients); summing into it in place corrupted it
+                        grads[k] = gp.clone() if grads[k] is None else grads[k].add_(gp)
             del y
             self._tock(t0, r, c, "backward")
             if self.stats is not None:
@@ -260,7 +264,7 @@ class TiledFunction(torch.autograd.Function):
         ctx.seg = seg
         ctx.autocast = _AutocastState.capture(seg.device.type)
         ctx.save_for_backward(x)
-        with torch.no_grad():
+        with torch.no_grad(), ctx.autocast.context():
             return seg.forward_all(x)
 
     @staticmethod
@@ -274,5 +278,5 @@ def run_segment(seg: TiledSegment, x: torch.Tensor) -> torch.Tensor:
     """Forward one tiled segment, through autograd when gradients are wanted."""
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in seg.params)):
         return TiledFunction.apply(seg, x, *seg.params)
-    with torch.no_grad():
+    with torch.no_grad(), _AutocastState.capture(seg.device.type).context():
         return seg.forward_all(x)

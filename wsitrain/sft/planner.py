@@ -276,7 +276,9 @@ class PlanContext:
         """Tile edges (segment-output pixels) to try, largest first: powers of two and the whole extent."""
         length = max(self.shapes[end][2], self.shapes[end][3])
         if forced_tile is not None:
-            return [max(1, forced_tile // self.image_stride(end))]
+            # the forced edge in this segment's output pixels, rounded, and at least 2 pixels: 1-pixel
+            # tiles recompute their whole halo for a single output (and hit kernel corner cases)
+            return [min(length, max(2, round(forced_tile / self.image_stride(end))))]
         edges = {length}
         e = 1
         while e < length:
@@ -510,7 +512,7 @@ def _segment_plans(ctx: PlanContext, path: tuple[_SegOption, ...], base_peak: in
                 layers=layers,
                 mode=opt.mode,
                 tile_grid=(
-                    (math.ceil(ctx.shapes[opt.end][2] / t.edge), math.ceil(ctx.shapes[opt.end][3] / t.edge))
+                    (len(split_axis(ctx.shapes[opt.end][2], t.edge)), len(split_axis(ctx.shapes[opt.end][3], t.edge)))
                     if t
                     else (1, 1)
                 ),

@@ -70,9 +70,16 @@ def axis_tile(
 
 
 def split_axis(length: int, tile: int) -> list[Interval]:
-    """Split ``[0, length)`` into consecutive tiles of ``tile`` (the last one ragged)."""
+    """Split ``[0, length)`` into consecutive tiles of ``tile``.
+
+    A ragged remainder shorter than half a tile joins the tile before it: a sliver costs a whole
+    tile's launches and halo for a few pixels (and 1-pixel crops hit kernel corner cases).
+    """
     tile = max(1, min(tile, length))
-    return [(s, min(length, s + tile)) for s in range(0, length, tile)]
+    out = [(s, min(length, s + tile)) for s in range(0, length, tile)]
+    if len(out) > 1 and 2 * (out[-1][1] - out[-1][0]) < tile:
+        out[-2:] = [(out[-2][0], length)]
+    return out
 
 
 def representative_tiles(intervals: list[Interval]) -> list[tuple[int, int]]:
