@@ -51,7 +51,7 @@ def measure(name: str, size: int, frac: float) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize(("name", "size", "frac"), [("vgg16", 512, 0.35), ("darknet19", 512, 0.5)])
+@pytest.mark.parametrize(("name", "size", "frac"), [("vgg16", 512, 0.35), ("darknet19", 512, 0.6)])
 def test_planned_peak_matches_measured_rss(name: str, size: int, frac: float) -> None:
     plain = measure(name, size, 1.0)
     assert abs(plain["planned"] - plain["measured"]) / plain["measured"] < 0.15, plain
