@@ -206,12 +206,21 @@ def plan(
 @_handled
 def bench(
     gpu: str | None = typer.Option(None, "--gpu", help="Emulate a known card's memory, e.g. 2080ti."),
-    model: str = typer.Option("vgg16", "--model", help="Model name: tiny, vgg16, vgg19, darknet19, resnet18/34/50."),
-    sizes: str = typer.Option("512,1024", "--sizes", help="Comma-separated image edges in pixels."),
+    model: str | None = typer.Option(
+        None, "--model", help="Model name: tiny, vgg16, vgg19, darknet19, resnet18/34/50 [default: vgg16]."
+    ),
+    sizes: str | None = typer.Option(
+        None,
+        "--sizes",
+        help="Comma-separated image edges in pixels [default: 128,256,512 on CPU (a few minutes); "
+        "1024 to 16384 on a GPU].",
+    ),
     strategies: str = typer.Option(
         "base,checkpoint,sft", "--strategies", help="Comma-separated: base (plain), checkpoint, sft."
     ),
-    runs: int = typer.Option(5, "--runs", min=1, help="Timed steps per configuration (after one warm-up)."),
+    runs: int | None = typer.Option(
+        None, "--runs", min=1, help="Timed steps per configuration after one warm-up [default: 2 on CPU, 5 on GPU]."
+    ),
     out: Path | None = typer.Option(None, "--out", help="Output folder for bench.csv/json/png."),
     memory: str | None = typer.Option(None, "--memory", help="Memory budget, e.g. 11GiB (default: the device's)."),
     precision: str = typer.Option("fp32", "--precision", help="fp32, bf16 or fp16."),
