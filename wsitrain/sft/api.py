@@ -13,7 +13,7 @@ from wsitrain.memory import detect_budget, format_bytes, parse_bytes
 from wsitrain.sft.executor import NodeRunner, TiledSegment, run_segment
 from wsitrain.sft.graph import ModelGraph
 from wsitrain.sft.plan_types import Plan
-from wsitrain.sft.planner import PlanContext, build_plan
+from wsitrain.sft.planner import PlanContext, build_plan, fitting_plan
 from wsitrain.sft.stats import StatsRecorder, StepStats
 
 
@@ -105,11 +105,7 @@ def max_square_size(
             ctx = PlanContext(graph, (batch, channels, edge, edge), dtype, in_dtype, dev, on_host, False, optimizer)
         except PlanError:
             return False
-        from wsitrain.sft.planner import _replay, _search
-
-        limit = ctx.effective_budget(budget)
-        st = _search(ctx, limit, None, None)
-        return st is not None and _replay(ctx, st.path).peak <= limit
+        return fitting_plan(ctx, budget) is not None
 
     lo, hi = 0, stride * 2
     while hi <= limit and fits(hi):

@@ -19,9 +19,7 @@ from wsitrain.errors import PlanError
 from wsitrain.sft.ops import (
     HEAD,
     INPUT,
-    OPAQUE,
     POINTWISE,
-    SPATIAL_KINDS,
     OpSpec,
     function_spec,
     is_leaf_module,
@@ -168,9 +166,6 @@ class ModelGraph:
                 continue  # storing the pre-activation costs the same and forces an extra recompute step
             out.append(i)
         return out
-
-    def is_spatial(self, spec: OpSpec) -> bool:
-        return spec.kind in SPATIAL_KINDS or spec.kind in (INPUT, OPAQUE)
 
 
 @contextlib.contextmanager

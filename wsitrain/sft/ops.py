@@ -161,6 +161,19 @@ def is_leaf_module(m: nn.Module) -> bool:
     return isinstance(m, known + tuple(_ACTIVATIONS) + _HEAD_MODULES) or is_pointwise_module(m)
 
 
+def _activation(name: str, saves_input: bool, saves_output: bool, inplace: bool, has_params: bool = False) -> OpSpec:
+    """A pointwise activation: in place it keeps only its output, which is its input's storage."""
+    return OpSpec(
+        POINTWISE,
+        name,
+        inplace=inplace,
+        saves_input=saves_input and not inplace,
+        saves_output=saves_output or inplace,
+        flops_per_output=1.0,
+        has_params=has_params,
+    )
+
+
 def _not_tileable(type_name: str, kind: str, why: str) -> OpSpec:
     return OpSpec(kind=kind, type_name=type_name, tileable=False, why_not=why, saves_input=True)
 
@@ -217,16 +230,7 @@ def module_spec(m: nn.Module) -> OpSpec:
         return OpSpec(POINTWISE, name, alias=True)
     for cls, (si, so) in _ACTIVATIONS.items():
         if isinstance(m, cls):
-            inplace = bool(getattr(m, "inplace", False))
-            return OpSpec(
-                POINTWISE,
-                name,
-                inplace=inplace,
-                saves_input=si and not inplace,
-                saves_output=so or inplace,
-                flops_per_output=1.0,
-                has_params=any(True for _ in m.parameters()),
-            )
+            return _activation(name, si, so, bool(getattr(m, "inplace", False)), any(True for _ in m.parameters()))
     if is_pointwise_module(m):
         return OpSpec(POINTWISE, name, flops_per_output=2.0)
     if isinstance(m, _HEAD_MODULES):
@@ -281,14 +285,7 @@ def function_spec(node: fx.Node) -> OpSpec:
     if target in _FUNCTIONAL_POINTWISE or target in _FUNCTIONAL_INPLACE:
         si, so = _FUNCTIONAL_POINTWISE.get(target, (False, True))
         inplace = target in _FUNCTIONAL_INPLACE or bool(node.kwargs.get("inplace", False))
-        return OpSpec(
-            POINTWISE,
-            tname,
-            inplace=inplace,
-            saves_input=si and not inplace,
-            saves_output=so or inplace,
-            flops_per_output=1.0,
-        )
+        return _activation(tname, si, so, inplace)
     if target in _HEAD_FUNCS:
         return OpSpec(HEAD, tname, tileable=False, why_not="global operations end the tiled part")
     return _not_tileable(tname, OPAQUE, f"function {tname} is not supported inside a tiled region")

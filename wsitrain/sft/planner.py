@@ -21,7 +21,7 @@ from torch import nn
 from wsitrain.errors import PlanError
 from wsitrain.sft.graph import ModelGraph
 from wsitrain.sft.memory_model import SimOp, SimResult, simulate
-from wsitrain.sft.ops import CONCAT, INPUT, MERGE, WINDOW, OpSpec
+from wsitrain.sft.ops import MERGE, SPATIAL_KINDS, WINDOW, OpSpec
 from wsitrain.sft.plan_types import Plan, SegmentPlan
 from wsitrain.sft.regions import AxisTile, axis_tile, representative_tiles, split_axis
 
@@ -253,6 +253,7 @@ class PlanContext:
         crop = tile_bytes(start) if (start == 0 and self.input_on_host) else 0
         if start == 0 and not self.input_dtype.is_floating_point:
             crop = tile_bytes(start)  # an integer image is converted per tile
+
         def with_reorder(op: SimOp) -> SimOp:
             # oneDNN copies a strided crop into its blocked layout before a conv, in forward and backward
             if self.device != "cpu" or self.specs[op.out].kind != WINDOW or not self.specs[op.out].has_params:
@@ -304,7 +305,7 @@ class PlanContext:
         """None if segment (start, end] can be tiled, else the first offending node's name."""
         for i in range(start + 1, end + 1):
             s = self.specs[i]
-            if not s.tileable or s.kind not in (WINDOW, "pointwise", MERGE, CONCAT):
+            if not s.tileable or s.kind not in SPATIAL_KINDS:
                 return self.name(i)
         return None
 
@@ -463,6 +464,23 @@ def _macro_ops(ctx: PlanContext, path: tuple[_SegOption, ...]) -> list[SimOp]:
     return ops
 
 
+def fitting_plan(
+    ctx: PlanContext, budget: float, tile_size: int | None = None, forced_cuts: list[int] | None = None
+) -> _State | None:
+    """The cheapest search result whose replayed peak fits ``budget`` (with slack and headroom), or None."""
+    limit = ctx.effective_budget(budget)
+    target = limit
+    for _ in range(4):  # the search's local peaks approximate the replay; tighten until the replay fits
+        state = _search(ctx, target, tile_size, forced_cuts)
+        if state is None:
+            return None
+        peak = _replay(ctx, state.path).peak
+        if peak <= limit:
+            return state
+        target -= (peak - limit) + 1
+    return None
+
+
 def _replay(ctx: PlanContext, path: tuple[_SegOption, ...]) -> SimResult:
     return simulate(_macro_ops(ctx, path), {0: ctx.device_bytes(0)}, fixed=ctx.fixed)
 
@@ -576,16 +594,7 @@ def build_plan(
 
     state: _State | None = None
     limit = ctx.effective_budget(budget)
-    target = limit
-    for _ in range(4):  # the search's local peaks approximate the replay; tighten until the replay fits
-        state = _search(ctx, target, tile_size, forced_cuts)
-        if state is None:
-            break
-        peak = _replay(ctx, state.path).peak
-        if peak <= limit:
-            break
-        target -= (peak - limit) + 1
-        state = None
+    state = fitting_plan(ctx, budget, tile_size, forced_cuts)
     fits = state is not None
     if state is None:
         blocker = None
@@ -660,7 +669,7 @@ def _first_blocker(
     for opt in st.path:
         if opt.mode == "tiled":
             for i in range(opt.start + 1, opt.end + 1):
-                if not ctx.specs[i].tileable or ctx.specs[i].kind not in (WINDOW, "pointwise", MERGE, CONCAT):
+                if not ctx.specs[i].tileable or ctx.specs[i].kind not in SPATIAL_KINDS:
                     return i, ctx.specs[i]
     return None
 
@@ -681,6 +690,3 @@ def _fmt(n: float) -> str:
     from wsitrain.memory import format_bytes
 
     return format_bytes(n)
-
-
-__all__ = ["INPUT", "PlanContext", "build_plan", "baseline_peak", "checkpoint_sequential_peak"]
