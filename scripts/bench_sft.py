@@ -22,7 +22,7 @@ from rich.table import Table
 
 from wsitrain.bench.configs import BenchConfig, checkpoint_segment_counts
 from wsitrain.bench.runner import Predictor, machine_free_bytes, run_worker
-from wsitrain.memory import format_bytes, parse_bytes
+from wsitrain.units import format_bytes, parse_bytes
 
 MODEL = "vgg16"
 SFT_FRACTION = 0.35  # of plain PyTorch's peak

@@ -10,9 +10,9 @@ from rich.console import Console
 
 from wsitrain.errors import WsiTrainError
 from wsitrain.gpus import GPU_NAMES, GPU_PRESETS, gpu_preset, resolve_budget
-from wsitrain.memory import format_bytes
 from wsitrain.models import MODEL_NAMES
 from wsitrain.plan_cmd import parse_size, run_plan
+from wsitrain.units import format_bytes
 
 GiB = 1024**3
 

@@ -87,7 +87,7 @@ def _entry(module: str, attr: str, command: str) -> Callable[..., Any]:
 
 
 def _load_config(config: Path, overrides: list[str] | None) -> Any:
-    from wsitrain.config import load_config  # lazy: config imports torch (via wsitrain.memory)
+    from wsitrain.config import load_config  # lazy: pydantic and yaml cost import time
 
     return load_config(config, overrides or [])
 

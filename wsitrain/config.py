@@ -32,7 +32,7 @@ from pydantic import (
 )
 
 from wsitrain.errors import ConfigError, WsiTrainError
-from wsitrain.memory import format_bytes, parse_bytes
+from wsitrain.units import format_bytes, parse_bytes
 
 # ``~`` is expanded; relative paths stay relative (to the working directory, see module docstring).
 UserPath = Annotated[Path, AfterValidator(lambda p: p.expanduser())]

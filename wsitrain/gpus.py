@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from wsitrain.errors import WsiTrainError
-from wsitrain.memory import detect_budget, format_bytes, parse_bytes
+from wsitrain.memory import detect_budget
+from wsitrain.units import format_bytes, parse_bytes
 
 GiB = 1024**3
 

@@ -1,71 +1,19 @@
-"""Byte sizes: parse "11GiB", format for people, detect a device's memory, read peak memory."""
+"""Device memory: detect a budget, read peak memory, tune the host allocator."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import re
 import resource
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
-
-from wsitrain.errors import WsiTrainError
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
-}
-_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 # Fraction of detected free memory the engine plans for: allocator fragmentation, CUDA context,
 # and the transient workspace of cuDNN are not in the model.
 SAFETY_MARGIN = 0.85
-
-
-def parse_bytes(value: int | float | str, what: str = "memory") -> int:
-    """Parse ``11GiB``, ``24 GB``, ``512MiB`` or a plain number of bytes into an int."""
-    if isinstance(value, bool):
-        raise WsiTrainError(f"{what}: {value!r} is not a size", hint="write a size such as 11GiB, 24GB or 512MiB")
-    if isinstance(value, (int, float)):
-        if value <= 0:
-            raise WsiTrainError(f"{what}: {value!r} must be positive", hint="write a size such as 11GiB")
-        return int(value)
-    m = _PATTERN.match(str(value))
-    unit = m.group(2).lower() if m else None
-    if not m or unit not in _UNITS:
-        raise WsiTrainError(
-            f"{what}: cannot read {value!r} as a size",
-            hint="write a number with an optional unit: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (e.g. 11GiB)",
-        )
-    n = float(m.group(1)) * _UNITS[unit]
-    if n <= 0:
-        raise WsiTrainError(f"{what}: {value!r} must be positive", hint="write a size such as 11GiB")
-    return int(n)
-
-
-def format_bytes(n: float | int | None) -> str:
-    """``1.5 GiB`` style, for people."""
-    if n is None:
-        return "-"
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(n) < 1024 or unit == "PiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} PiB"
 
 
 def available_host_bytes() -> int:
@@ -82,13 +30,35 @@ def available_host_bytes() -> int:
         raise
 
 
-def detect_budget(device: torch.device | str | None = None) -> int:
-    """Default memory budget: free memory of the device (CPU: available RAM) times a safety margin."""
-    dev = torch.device(device) if device is not None else None
-    if dev is not None and dev.type == "cuda":
+@dataclass(frozen=True)
+class DeviceMemory:
+    """What a device probe reports: memory free to allocate, and memory this process's allocator already holds."""
+
+    free: int
+    held: int  # CUDA: the caching allocator's reserved bytes (ours, reusable); CPU: 0
+
+
+def probe_device_memory(device: torch.device | str) -> DeviceMemory:
+    """Free memory of ``device`` now (CPU: available RAM), and what our own allocator already holds there."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
         free, _total = torch.cuda.mem_get_info(dev)
-        return int(free * SAFETY_MARGIN)
-    return int(available_host_bytes() * SAFETY_MARGIN)
+        return DeviceMemory(int(free), int(torch.cuda.memory_reserved(dev)))
+    return DeviceMemory(available_host_bytes(), 0)
+
+
+def detect_budget(
+    device: torch.device | str | None = None,
+    probe: Callable[[torch.device | str], DeviceMemory] = probe_device_memory,
+) -> int:
+    """Default memory budget: memory this process can use on ``device``, times a safety margin.
+
+    Called once per run, at its start. On CUDA the caching allocator's reserved blocks count as ours
+    (free memory alone shrinks as soon as a step has run, and the planner adds the weights, gradients
+    and optimizer state on top of the budget's base itself). ``probe`` is injectable for tests.
+    """
+    mem = probe(device if device is not None else "cpu")
+    return int((mem.free + mem.held) * SAFETY_MARGIN)
 
 
 def peak_rss_bytes() -> int:
@@ -152,3 +122,43 @@ def return_freed_memory_to_os() -> None:
     m_mmap_threshold = -3  # glibc's M_MMAP_THRESHOLD
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, 64 * 1024)
+
+
+class PeakMeter:
+    """The one peak-memory meter of fit, bench and the engine: peak bytes since ``start()``.
+
+    CUDA: ``max_memory_allocated``; ``start()`` resets the device's peak counter, and only the owner
+    of a measurement (the training step, a bench worker) calls it: nothing else resets it behind the
+    caller's back. CPU: the process's resident high-water mark (VmHWM), reset through
+    /proc/self/clear_refs; where that is impossible it falls back to ``ru_maxrss``, which only grows
+    (``resettable`` says which).
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self._cpu = None if self.cuda else CpuPeak()
+
+    @property
+    def resettable(self) -> bool:
+        return self.cuda or (self._cpu is not None and self._cpu.resettable)
+
+    def start(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            assert self._cpu is not None
+            self._cpu.start()
+
+    def peak(self) -> int:
+        """Peak bytes since the last ``start()`` (allocated tensors on CUDA, resident memory on CPU)."""
+        if self.cuda:
+            return int(torch.cuda.max_memory_allocated(self.device))
+        assert self._cpu is not None
+        return self._cpu.peak()
+
+    def current(self) -> int:
+        if self.cuda:
+            return int(torch.cuda.memory_allocated(self.device))
+        return current_rss_bytes()

@@ -15,8 +15,8 @@ from rich.table import Table
 
 from wsitrain.errors import WsiTrainError
 from wsitrain.gpus import Budget, resolve_budget
-from wsitrain.memory import format_bytes
 from wsitrain.models import MODEL_NAMES, build
+from wsitrain.units import format_bytes
 
 PRECISIONS: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PLAN_NUM_CLASSES = 2  # the head is tiny next to the trunk; any class count plans the same

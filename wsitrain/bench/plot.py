@@ -12,7 +12,7 @@ matplotlib.use("Agg")  # files only; never a window
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter, NullFormatter  # noqa: E402
 
-from wsitrain.memory import format_bytes  # noqa: E402
+from wsitrain.units import format_bytes  # noqa: E402
 
 OOM = ("oom", "predicted_oom")
 STYLE = {

@@ -28,8 +28,9 @@ from wsitrain.bench.report import result_row, write_outputs
 from wsitrain.bench.worker import DTYPES, child_main
 from wsitrain.errors import WsiTrainError
 from wsitrain.gpus import resolve_budget
-from wsitrain.memory import SAFETY_MARGIN, available_host_bytes, format_bytes
+from wsitrain.memory import SAFETY_MARGIN, available_host_bytes
 from wsitrain.models import MODEL_NAMES, build
+from wsitrain.units import format_bytes
 
 WORKER_TIMEOUT_S = 1800  # one configuration; a step that takes longer is reported as a timeout, not waited for
 PRECISIONS = ("fp32", "bf16", "fp16")

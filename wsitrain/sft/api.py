@@ -9,12 +9,13 @@ from torch import nn
 from torch.fx.node import map_arg
 
 from wsitrain.errors import PlanError
-from wsitrain.memory import detect_budget, format_bytes, parse_bytes
+from wsitrain.memory import detect_budget
 from wsitrain.sft.executor import NodeRunner, TiledSegment, run_segment
 from wsitrain.sft.graph import ModelGraph
 from wsitrain.sft.plan_types import Plan
 from wsitrain.sft.planner import PlanContext, build_plan, fitting_plan
 from wsitrain.sft.stats import StatsRecorder, StepStats
+from wsitrain.units import format_bytes, parse_bytes
 
 
 def _device_str(device: torch.device | str | None) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from wsitrain.memory import format_bytes
+from wsitrain.units import format_bytes
 
 
 @dataclass(frozen=True)

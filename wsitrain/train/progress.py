@@ -11,7 +11,7 @@ from rich.progress import BarColumn, Progress, ProgressColumn, Task, TextColumn,
 from rich.table import Table
 from rich.text import Text
 
-from wsitrain.memory import format_bytes
+from wsitrain.units import format_bytes
 
 
 class LiveTilesColumn(ProgressColumn):
