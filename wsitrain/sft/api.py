@@ -163,9 +163,9 @@ class SFT(nn.Module):
     ``SFT(model, memory_budget="11GiB")`` plans per input shape (a few plans cached) and runs tiled
     where the activations would not fit. Without ``memory_budget`` the budget is detected once, at
     the first plan, and kept for every later shape (``memory_probe`` replaces the device probe).
-    ``tile_size`` forces the tile edge (image pixels, halo excluded) and tiles every segment; ``checkpoints`` forces the checkpoint layers. The input
-    may be uint8 or float and may live on the host while the model is on the GPU: tiles are cut on
-    the host. ``tile_peaks`` records each tile's peak memory in ``last_stats`` (it restarts the
+    ``tile_size`` forces the tile edge (image pixels, halo excluded) and tiles every segment;
+    ``checkpoints`` forces the checkpoint layers. The input may be uint8 or float and may live on the
+    host while the model is on the GPU: tiles are cut on the host. ``tile_peaks`` records each tile's peak memory in ``last_stats`` (it restarts the
     device's peak counter per tile, so leave it off while measuring whole steps).
     """
 
