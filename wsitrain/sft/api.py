@@ -165,8 +165,9 @@ class SFT(nn.Module):
     the first plan, and kept for every later shape (``memory_probe`` replaces the device probe).
     ``tile_size`` forces the tile edge (image pixels, halo excluded) and tiles every segment;
     ``checkpoints`` forces the checkpoint layers. The input may be uint8 or float and may live on the
-    host while the model is on the GPU: tiles are cut on the host. ``tile_peaks`` records each tile's peak memory in ``last_stats`` (it restarts the
-    device's peak counter per tile, so leave it off while measuring whole steps).
+    host while the model is on the GPU: tiles are cut on the host. ``tile_peaks`` records each tile's
+    peak memory in ``last_stats`` (it restarts the device's peak counter per tile, so leave it off
+    while measuring whole steps).
     """
 
     def __init__(
