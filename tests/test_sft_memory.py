@@ -18,7 +18,7 @@ import pytest
 
 WORKER = r"""
 import json, sys, torch
-from wsitrain.memory import CpuPeak, current_rss_bytes
+from wsitrain.memory import PeakMeter
 from wsitrain.models import build
 from wsitrain.sft import SFT, plan
 from wsitrain.sft.costs import ALLOCATOR_SLACK
@@ -35,9 +35,9 @@ p = net.plan_for((1, 3, size, size)) if frac < 1 else base_plan
 model_bytes = p.breakdown["parameters"]
 fixed = model_bytes + p.breakdown["optimizer"] + p.breakdown["runtime"]
 replayed = fixed + (p.estimated_peak_bytes - fixed) / ALLOCATOR_SLACK  # the tensors alone, without slack
-meter = CpuPeak()  # resets the high-water mark: imports and planning before the step must not count
+meter = PeakMeter("cpu")  # restarts the high-water mark: imports and planning before the step must not count
 meter.start()
-base = current_rss_bytes()
+base = meter.current()
 torch.nn.functional.mse_loss(net(x), target).backward()
 growth = meter.peak() - base
 print(json.dumps({"planned": p.estimated_peak_bytes - model_bytes, "measured": growth,
@@ -60,7 +60,7 @@ def within(m: dict) -> None:
     assert abs(m["planned"] - m["measured"]) / m["measured"] < 0.2, m
 
 
-@pytest.mark.parametrize(("name", "size", "frac"), [("vgg16", 512, 0.35), ("darknet19", 512, 0.6)])
+@pytest.mark.parametrize(("name", "size", "frac"), [("vgg16", 512, 0.35), ("darknet19", 448, 0.6)])
 def test_planned_peak_matches_measured_rss(name: str, size: int, frac: float) -> None:
     """The measured peak lies within 15% of the plan: above the tensors replayed, below the estimate with slack."""
     plain = measure(name, size, 1.0)
