@@ -13,7 +13,7 @@ from wsitrain.config import (
     diff_configs,
     load_config,
 )
-from wsitrain.errors import ConfigError
+from wsitrain.errors import ConfigError, WsiTrainError
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 
@@ -217,3 +217,18 @@ def test_size_only_with_fixed_region_and_bounded_jitter(write_yaml) -> None:
     assert "size is set but region is 'tissue'" in size_problem
     (jitter_problem,) = problems_of(write_yaml("data: {augment: {jitter_strength: 3}}\n"))
     assert jitter_problem.startswith("data.augment.jitter_strength")
+
+
+def test_one_precision_vocabulary() -> None:
+    import torch
+
+    from wsitrain.config import TrainConfig
+    from wsitrain.precision import PRECISIONS, activation_dtype, autocast_dtype, check_precision
+
+    assert PRECISIONS == ("fp32", "bf16", "fp16")
+    assert [activation_dtype(p) for p in PRECISIONS] == [torch.float32, torch.bfloat16, torch.float16]
+    assert [autocast_dtype(p) for p in PRECISIONS] == [None, torch.bfloat16, torch.float16]
+    assert TrainConfig(precision="bf16").precision == "bf16"
+    with pytest.raises(WsiTrainError, match="--precision: unknown precision 'fp8'") as err:
+        check_precision("fp8")
+    assert all(p in err.value.hint for p in PRECISIONS)

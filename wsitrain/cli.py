@@ -11,7 +11,7 @@ import importlib
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import typer
 from rich.console import Console
@@ -19,6 +19,9 @@ from rich.table import Table
 
 from wsitrain import __version__, log
 from wsitrain.errors import NotAvailableError, WsiTrainError
+
+if TYPE_CHECKING:
+    from wsitrain.config import WsiTrainConfig
 
 app = typer.Typer(
     name="wsitrain",
@@ -86,7 +89,7 @@ def _entry(module: str, attr: str, command: str) -> Callable[..., Any]:
     return fn
 
 
-def _load_config(config: Path, overrides: list[str] | None) -> Any:
+def _load_config(config: Path, overrides: list[str] | None) -> WsiTrainConfig:
     from wsitrain.config import load_config  # lazy: pydantic and yaml cost import time
 
     return load_config(config, overrides or [])
@@ -167,6 +170,7 @@ def predict(
 @app.command()
 @_handled
 def plan(
+    # TODO(models): help text from wsitrain.models' list of names.
     model: str = typer.Option(..., "--model", help="Model name: tiny, vgg16, vgg19, darknet19, resnet18/34/50."),
     size: str = typer.Option(..., "--size", help="Input edge in pixels (20480) or HxW (20480x10240)."),
     gpu: str | None = typer.Option(None, "--gpu", help="Plan for a known card, e.g. 2080ti, v100, a100, h100."),
@@ -186,7 +190,7 @@ def plan(
 
       wsitrain plan --model resnet50 --size 40000 --memory 80GiB --precision bf16 --json
     """
-    run_plan = _entry("wsitrain.plan_cmd", "run_plan", "plan")
+    run_plan = _entry("wsitrain.plan.command", "run_plan", "plan")
     code = run_plan(
         model=model,
         size=size,
@@ -206,7 +210,7 @@ def plan(
 @_handled
 def bench(
     gpu: str | None = typer.Option(None, "--gpu", help="Emulate a known card's memory, e.g. 2080ti."),
-    model: str | None = typer.Option(
+    model: str | None = typer.Option(  # TODO(models): help text from wsitrain.models' list of names.
         None, "--model", help="Model name: tiny, vgg16, vgg19, darknet19, resnet18/34/50 [default: vgg16]."
     ),
     sizes: str | None = typer.Option(

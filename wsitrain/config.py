@@ -32,12 +32,11 @@ from pydantic import (
 )
 
 from wsitrain.errors import ConfigError, WsiTrainError
+from wsitrain.precision import Precision
 from wsitrain.units import format_bytes, parse_bytes
 
 # ``~`` is expanded; relative paths stay relative (to the working directory, see module docstring).
 UserPath = Annotated[Path, AfterValidator(lambda p: p.expanduser())]
-
-MODEL_NAMES = ("tiny", "vgg16", "vgg19", "darknet19", "resnet18", "resnet34", "resnet50")
 
 
 class Section(BaseModel):
@@ -99,6 +98,7 @@ class DataConfig(Section):
 
 
 class ModelConfig(Section):
+    # TODO(models): validate with wsitrain.models' one list of names (a validator) instead of this Literal copy.
     name: Literal["tiny", "vgg16", "vgg19", "darknet19", "resnet18", "resnet34", "resnet50"] = "tiny"
     num_classes: int | None = Field(None, ge=1)
     weights: UserPath | None = None
@@ -139,7 +139,7 @@ class TrainConfig(Section):
     loss: Literal["cross_entropy", "mse"] = "cross_entropy"
     accumulate: int = Field(1, ge=1)
     clip_grad_norm: float | None = Field(None, gt=0)
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    precision: Precision = "fp32"
     val_every: int = Field(1, ge=1)
     # Also write last.pt every N optimizer steps (not only at each epoch's end), so a killed run loses little.
     checkpoint_every: int | None = Field(None, ge=1)

@@ -21,21 +21,8 @@ from wsitrain.errors import SlideError
 from wsitrain.slides.augment import AugmentConfig, augment_from_config
 from wsitrain.slides.info import slide_info
 from wsitrain.slides.stream import ReadResult, read_slide_region
+from wsitrain.slides.suffixes import SLIDE_SUFFIXES
 
-SLIDE_SUFFIXES = (
-    ".svs",
-    ".tif",
-    ".tiff",
-    ".ndpi",
-    ".vms",
-    ".vmu",
-    ".scn",
-    ".mrxs",
-    ".svslide",
-    ".bif",
-    ".dcm",
-    ".qptiff",
-)
 TRAIN_SPLITS = ("train", "training")
 VAL_SPLITS = ("val", "valid", "validation")
 OTHER_SPLITS = ("test", "holdout", "exclude")

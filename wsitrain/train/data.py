@@ -8,24 +8,26 @@ from typing import Any
 
 import torch
 
+from wsitrain.config import WsiTrainConfig
 from wsitrain.errors import ConfigError
+from wsitrain.slides.augment import AugmentConfig
+from wsitrain.slides.dataset import SlideRecord, load_labels, split_records
+from wsitrain.slides.synth import write_synthetic_dataset
 
 
 @dataclass
 class FitData:
-    train: list[Any]
-    val: list[Any]
+    train: list[SlideRecord]
+    val: list[SlideRecord]
     class_names: list[str]
     labels_csv: Path
     slides_dir: Path | None
 
 
-def resolve_labels(cfg: Any) -> tuple[Path, Path | None]:
+def resolve_labels(cfg: WsiTrainConfig) -> tuple[Path, Path | None]:
     """The labels CSV and slides folder: the config's, or a synthetic dataset generated (once) into its cache."""
     d = cfg.data
     if d.synthetic is not None:
-        from wsitrain.slides.synth import write_synthetic_dataset
-
         s = d.synthetic
         labels = write_synthetic_dataset(
             Path(s.cache_dir), n=s.n, size=s.size, seed=s.seed, positive_fraction=s.positive_fraction
@@ -38,10 +40,8 @@ def resolve_labels(cfg: Any) -> tuple[Path, Path | None]:
     return Path(d.labels), Path(d.slides_dir) if d.slides_dir is not None else None
 
 
-def load_fit_data(cfg: Any) -> FitData:
+def load_fit_data(cfg: WsiTrainConfig) -> FitData:
     """Read and check every slide's label (missing/unreadable slides fail here, before training), then split."""
-    from wsitrain.slides.dataset import load_labels, split_records
-
     labels_csv, slides_dir = resolve_labels(cfg)
     records, class_names = load_labels(labels_csv, slides_dir)
     class_names = list(class_names)
@@ -63,7 +63,7 @@ def load_fit_data(cfg: Any) -> FitData:
     return FitData(list(train), list(val), class_names, labels_csv, slides_dir)
 
 
-def read_kwargs(cfg: Any, stride: int) -> dict[str, Any]:
+def read_kwargs(cfg: WsiTrainConfig, stride: int) -> dict[str, Any]:
     """Arguments for the slide reader: scale, region and padding to the model's stride (whole output pixels)."""
     d = cfg.data
     size = tuple(d.size) if isinstance(d.size, (list, tuple)) else d.size
@@ -85,10 +85,8 @@ def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
     return torch.randperm(n, generator=g).tolist()
 
 
-def augment_settings(cfg: Any) -> Any:
+def augment_settings(cfg: WsiTrainConfig) -> AugmentConfig | None:
     """data.augment as the slide reader's AugmentConfig; None when every augmentation is off."""
-    from wsitrain.slides.augment import AugmentConfig
-
     a = cfg.data.augment
     jitter = None if a.color_jitter in (None, "none") else a.color_jitter
     if not (a.flips or a.rot90 or jitter):

@@ -1,4 +1,5 @@
-"""Run folders runs/NAME/: created fresh (never overwritten), with the resolved config and library versions."""
+"""Run folders runs/NAME/: created fresh (never overwritten), with the resolved config and library versions;
+the checkpoint a resume continues from; the JSON-lines logs a run appends to."""
 
 from __future__ import annotations
 
@@ -15,6 +16,10 @@ import torch
 import yaml
 
 import wsitrain
+from wsitrain.config import diff_configs
+from wsitrain.errors import WsiTrainError
+from wsitrain.train.checkpoint import load_checkpoint
+from wsitrain.train.data import FitData
 
 
 def create_run_dir(base: Path, name: str | None) -> tuple[Path, str | None]:
@@ -122,3 +127,69 @@ class JsonlWriter:
         if self._f is not None:
             self._f.close()
             self._f = None
+
+
+# Keys whose change makes a checkpoint's weights meaningless for the new config: refused even with --force.
+ARCHITECTURE_KEYS = ("model.name",)
+
+
+def load_resume(resume: Path, cfg_dict: dict[str, Any], force: bool) -> tuple[dict[str, Any], Path]:
+    """The checkpoint to continue from (a run folder means its last.pt); refuse a changed config unless forced.
+
+    A different model is refused even with ``force``: its weights cannot be loaded, and the run folder must not
+    be touched before that is known.
+    """
+    path = resume / "last.pt" if resume.is_dir() else resume
+    if not resume.exists():
+        raise WsiTrainError(f"--resume {resume}: no such run folder", hint="pass a folder under runs/ written by fit")
+    if not path.is_file():
+        raise WsiTrainError(
+            f"--resume {resume}: no last.pt in it (the run stopped before its first checkpoint)",
+            hint="start a new run instead, or set train.checkpoint_every to checkpoint within an epoch",
+        )
+    ckpt = load_checkpoint(path)
+    old = ckpt.get("config", {})
+    changed = [k for k in diff_configs(old, cfg_dict) if k != "name"]
+    fixed = [k for k in changed if k in ARCHITECTURE_KEYS]
+    if fixed:
+        details = "; ".join(f"{k}: {_get(old, k)!r} -> {_get(cfg_dict, k)!r}" for k in fixed)
+        raise WsiTrainError(
+            f"--resume {resume}: the run trained another model ({details}); its weights cannot continue in this one",
+            hint=f"resume with {_get(old, 'model.name')!r} (the run's config.yaml), or start a new run without "
+            "--resume",
+        )
+    if changed and not force:
+        details = "; ".join(f"{k}: {_get(old, k)!r} -> {_get(cfg_dict, k)!r}" for k in changed)
+        raise WsiTrainError(
+            f"--resume {resume}: the config differs from the run's in {len(changed)} key(s): {details}",
+            hint="resume with the run's own config (its config.yaml), or add --force to continue with the new one",
+        )
+    return ckpt, path.parent
+
+
+def _get(d: dict[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+        d = d.get(part) if isinstance(d, dict) else None
+    return d
+
+
+def write_run_files(
+    run_dir: Path, cfg_dict: dict[str, Any], resumed: bool, device: torch.device, data: FitData
+) -> None:
+    """config.yaml, versions.json and data.json; on a resume with a changed config, config.resume-N.yaml instead."""
+    if not resumed:
+        write_yaml(run_dir / "config.yaml", cfg_dict)
+        write_json(run_dir / "versions.json", library_versions(device))
+        write_json(run_dir / "data.json", {
+            "labels": str(data.labels_csv), "classes": data.class_names,
+            "train": [r.slide_id for r in data.train], "val": [r.slide_id for r in data.val],
+        })  # fmt: skip
+        return
+    saved = run_dir / "config.yaml"
+    if saved.exists() and not diff_configs(read_yaml(saved), cfg_dict):
+        return
+    i = 1
+    while (run_dir / f"config.resume-{i}.yaml").exists():
+        i += 1
+    write_yaml(run_dir / f"config.resume-{i}.yaml", cfg_dict)
+    write_json(run_dir / f"versions.resume-{i}.json", library_versions(device))
