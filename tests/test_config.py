@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from wsitrain.config import (
     WsiTrainConfig,
@@ -232,3 +233,22 @@ def test_one_precision_vocabulary() -> None:
     with pytest.raises(WsiTrainError, match="--precision: unknown precision 'fp8'") as err:
         check_precision("fp8")
     assert all(p in err.value.hint for p in PRECISIONS)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("train.epochs", "true"), ("train.lr", "false"), ("data.level", "true"), ("data.background", "[255, true, 0]"),
+     ("engine.memory_budget", "true"), ("seed", "true")],
+)  # fmt: skip
+def test_booleans_are_not_numbers(write_yaml, key: str, value: str) -> None:
+    path = write_yaml("{}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, [f"{key}={value}"])
+    assert f"{key}: expected a number" in err.value.message and "true/false is not a number" in err.value.message
+
+
+@pytest.mark.parametrize("name", ["..", ".", "../../x", "a/b", ".hidden"])
+def test_run_names_stay_inside_log_dir(name: str) -> None:
+    with pytest.raises(ValidationError, match="log.dir"):
+        WsiTrainConfig.model_validate({"name": name})
+    assert WsiTrainConfig.model_validate({"name": "lr-1e-4.v2"}).name == "lr-1e-4.v2"

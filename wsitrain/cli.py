@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from wsitrain import __version__, log
-from wsitrain.errors import NotAvailableError, WsiTrainError
+from wsitrain.errors import ConfigError, NotAvailableError, WsiTrainError
 
 if TYPE_CHECKING:
     from wsitrain.config import WsiTrainConfig
@@ -127,7 +127,9 @@ def fit(
     ),
     force: bool = typer.Option(False, "--force", help="With --resume: continue even if the config has changed."),
     name: str | None = typer.Option(
-        None, "--name", help="Run folder name under log.dir (default: config key `name`, else config file name + time)."
+        None,
+        "--name",
+        help="Run folder name under log.dir, one plain folder name (default: config key `name`, else run-DATE-TIME).",
     ),
 ) -> None:
     """Train a slide-level classifier on whole slides.
@@ -279,15 +281,19 @@ def validate(
     config: Path = typer.Argument(..., metavar="CONFIG", help="YAML config file to check."),
     set_: list[str] | None = typer.Option(None, "--set", "-s", metavar="KEY=VALUE", help=SET_HELP),
 ) -> None:
-    """Check a config file (and overrides) without running anything; list every problem found.
+    """Check a config file (and overrides) and that the files it names exist, without running anything; list every
+    problem found.
 
     Example:
 
       wsitrain validate configs/demo.yaml --set train.lr=1e-4
     """
-    from wsitrain.config import config_summary
+    from wsitrain.config import config_summary, missing_paths
 
     cfg = _load_config(config, set_)
+    problems = missing_paths(cfg)
+    if problems:
+        raise ConfigError(problems, source=str(config))
     console = _console()
     console.print(f"[green]{config} is valid[/]", soft_wrap=True)
     table = Table(show_header=False, box=None, pad_edge=False)

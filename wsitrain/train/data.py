@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 import torch
 
 from wsitrain.config import WsiTrainConfig
-from wsitrain.errors import ConfigError
+from wsitrain.errors import ConfigError, SlideError
 from wsitrain.slides.augment import AugmentConfig
 from wsitrain.slides.dataset import SlideRecord, load_labels, split_records
 from wsitrain.slides.synth import write_synthetic_dataset
@@ -56,6 +57,15 @@ def load_fit_data(cfg: WsiTrainConfig) -> FitData:
     if len(class_names) < 2:
         raise ConfigError([f"data.labels: {labels_csv} has only one class ({class_names}); a classifier needs two"])
     train, val = split_records(records, cfg.data.val_fraction, cfg.seed)
+    if not train and any(r.split is not None for r in records):
+        counts = Counter(r.split for r in records)
+        raise SlideError(
+            f"{labels_csv}: the split column puts no slide in train "
+            f"({', '.join(f'{n} {split}' for split, n in sorted(counts.items()))}); data.val_fraction is not used "
+            "when the CSV has a split column",
+            hint="mark the training slides with split 'train' in the CSV, or remove the split column to let "
+            "data.val_fraction choose the validation slides",
+        )
     if not train:
         raise ConfigError(
             [f"data.val_fraction: {cfg.data.val_fraction} leaves no training slides out of {len(records)}"]

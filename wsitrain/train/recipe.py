@@ -8,6 +8,7 @@ Callbacks (``FitCallback``) see every optimizer step; tests use them to stop a r
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Iterator, Sequence
@@ -19,8 +20,8 @@ import torch
 from rich.console import Console
 from rich.markup import escape
 
-from wsitrain.config import WsiTrainConfig, config_to_dict
-from wsitrain.errors import WsiTrainError
+from wsitrain.config import WsiTrainConfig, check_run_name, config_to_dict
+from wsitrain.errors import PlanError, WsiTrainError
 from wsitrain.gpus import Budget, run_budget
 from wsitrain.slides.dataset import PrefetchLoader, SlideDataset, SlideRecord
 from wsitrain.slides.stream import ReadResult
@@ -33,7 +34,7 @@ from wsitrain.train.metrics import classification_metrics
 from wsitrain.train.optim import build_optimizer, build_scheduler
 from wsitrain.train.progress import FitProgress
 from wsitrain.train.recorder import RunRecorder
-from wsitrain.train.runfolder import create_run_dir, load_resume, write_run_files
+from wsitrain.train.runfolder import check_log_dir, create_run_dir, load_resume, write_run_files
 from wsitrain.train.state import FitState
 
 Item = tuple[torch.Tensor, int, SlideRecord, ReadResult]  # (image (3, H, W) uint8, label, record, how it was read)
@@ -68,6 +69,8 @@ class FitRecipe:
     def setup(self, *, resume: Path | None, force: bool, name: str | None) -> Path:
         """Check inputs, build everything, then create (or reopen) the run folder; return it."""
         cfg, t = self.cfg, self.cfg.train
+        if resume is None:
+            _check_run_target(cfg, name)
         self.device = resolve_device(cfg.engine.device, self.dist)
         self.data: FitData = load_fit_data(cfg)
         self.cfg_dict = config_to_dict(cfg)
@@ -167,9 +170,10 @@ class FitRecipe:
         for j, (image, label, record, read) in enumerate(loader, start=start):
             wait_s = time.perf_counter() - t_wait
             window = min(t.accumulate, len(order) - window_start)
-            self.recorder.plan_if_new(image, record.slide_id)
-            progress.start_slide(record.slide_id, self.recorder.tiles_total(image))
-            step = trainer.train_slide(image, label, 1.0 / window)
+            with self._plan_errors_named(record.slide_id):
+                self.recorder.plan_if_new(image, record.slide_id)
+                progress.start_slide(record.slide_id, self.recorder.tiles_total(image))
+                step = trainer.train_slide(image, label, 1.0 / window)
             losses.append(step.loss)
             lr = trainer.lr
             closes = j + 1 - window_start == window
@@ -208,6 +212,14 @@ class FitRecipe:
             self.save("best.pt", epoch + 1, 0)
         D.barrier(self.dist)
 
+    @contextlib.contextmanager
+    def _plan_errors_named(self, slide: str) -> Iterator[None]:
+        """Re-raise the engine's PlanError naming the slide and the config keys that caused it."""
+        try:
+            yield
+        except PlanError as err:
+            raise annotate_plan_error(err, self.cfg, slide, has_batchnorm(self.model)) from err
+
     # ---- validate
     def validate(self) -> dict[str, float]:
         """Loss, accuracy, balanced accuracy and ROC AUC over the validation slides (split across ranks)."""
@@ -216,8 +228,9 @@ class FitRecipe:
         results = []
         t0 = time.perf_counter()
         for i in mine:
-            image, label, _record, _read = self.val_ds[i]
-            r = self.trainer.eval_slide(image, label)
+            image, label, record, _read = self.val_ds[i]
+            with self._plan_errors_named(record.slide_id):
+                r = self.trainer.eval_slide(image, label)
             results.append((int(label), r.loss, r.probs.numpy()))
         results = [x for part in D.gather_objects(results, self.dist) for x in part]
         labels = np.array([r[0] for r in results])
@@ -242,6 +255,35 @@ class FitRecipe:
 
     def summary(self, wall_s: float) -> dict[str, Any]:
         return self.recorder.summary(self.run_dir, self.state, wall_s)
+
+
+def annotate_plan_error(err: PlanError, cfg: WsiTrainConfig, slide: str, batchnorm: bool) -> PlanError:
+    """The engine's message (its text is the engine's), plus the slide and the config keys behind the situation."""
+    hints = []
+    # Training-mode BatchNorm cannot be tiled whatever the memory: the engine's "more memory" hint would mislead.
+    bn_cause = batchnorm and not cfg.model.freeze_bn and "BatchNorm" in f"{err.message} {err.hint}"
+    if bn_cause:
+        hints.append("set model.freeze_bn: true (the default) so BatchNorm uses its running statistics and can be "
+                     "tiled")  # fmt: skip
+    if cfg.engine.tile_size is not None:
+        hints.append(f"engine.tile_size is forced to {cfg.engine.tile_size}: remove it to let the planner choose the "
+                     "tiles, or give a smaller one")  # fmt: skip
+    if not bn_cause:
+        hints.append(err.hint or "")
+    return PlanError(f"slide {slide}: {err.message}", hint="; ".join(h for h in hints if h))
+
+
+def has_batchnorm(model: torch.nn.Module) -> bool:
+    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def _check_run_target(cfg: WsiTrainConfig, name: str | None) -> None:
+    """The new run folder can be made: --name is one folder name and log.dir is (or can become) a folder."""
+    if name is not None:
+        problem = check_run_name(name, what="--name")
+        if problem is not None:
+            raise WsiTrainError(problem, hint="pass --name with a plain folder name, e.g. --name lr-1e-4")
+    check_log_dir(Path(cfg.log.dir))
 
 
 def _check_same_classes(resume: Path, ckpt: dict[str, Any], data: FitData) -> None:

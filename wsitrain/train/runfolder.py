@@ -16,29 +16,55 @@ import torch
 import yaml
 
 import wsitrain
-from wsitrain.config import diff_configs
+from wsitrain.config import check_run_name, diff_configs
 from wsitrain.errors import WsiTrainError
 from wsitrain.train.checkpoint import load_checkpoint
 from wsitrain.train.data import FitData
+
+
+def check_log_dir(base: Path) -> None:
+    """Refuse a log.dir that cannot hold run folders because part of its path is a file (checked before any write)."""
+    base = Path(base)
+    for part in (base, *base.parents):
+        if part.exists():
+            if not part.is_dir():
+                where = "is a file" if part == base else f"lies under the file {part}"
+                raise WsiTrainError(
+                    f"log.dir {base}: {where}, not a folder",
+                    hint="set log.dir to a folder (it is created when missing), e.g. --set log.dir=runs",
+                )
+            return
 
 
 def create_run_dir(base: Path, name: str | None) -> tuple[Path, str | None]:
     """Create base/NAME; if it exists, NAME-2, NAME-3, ... The old folder is never touched.
 
     Returns the folder and a note for the user when the name changed. ``os.mkdir`` without exist_ok makes the
-    claim atomic, so two jobs started at once cannot share a folder.
+    claim atomic, so two jobs started at once cannot share a folder. A name is one folder name
+    (``config.check_run_name``), so the run folder is always directly inside ``base``.
     """
     base = Path(base)
-    base.mkdir(parents=True, exist_ok=True)
     name = name or datetime.now().strftime("run-%Y%m%d-%H%M%S")
+    problem = check_run_name(name, what="run name")
+    if problem is not None:
+        raise WsiTrainError(problem, hint="pass --name NAME (or the config key name:) with a plain folder name")
+    check_log_dir(base)
     candidate, i = base / name, 1
-    while True:
-        try:
-            os.mkdir(candidate)
-            break
-        except FileExistsError:
-            i += 1
-            candidate = base / f"{name}-{i}"
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        while True:
+            try:
+                os.mkdir(candidate)
+                break
+            except FileExistsError:
+                i += 1
+                candidate = base / f"{name}-{i}"
+    except OSError as e:
+        raise WsiTrainError(
+            f"log.dir {base}: cannot create the run folder {candidate}: {e.strerror or e}",
+            hint="set log.dir to a folder you can write to, e.g. --set log.dir=runs (check permissions and free "
+            "disk space)",
+        ) from e
     note = None
     if candidate.name != name:
         note = (
