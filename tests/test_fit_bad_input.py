@@ -229,3 +229,17 @@ def test_plan_errors_name_freeze_bn_and_tile_size(synth_dir: Path, tmp_path: Pat
     too_big = PlanError("tiny on input (1, 3, 2048, 2048) does not fit 20.00 MiB", hint="raise the memory budget")
     err = annotate_plan_error(too_big, make_cfg(synth_dir, tmp_path), "slide_001", batchnorm=False)
     assert "slide_001" in err.message and err.hint == "raise the memory budget"
+
+
+def test_resume_force_with_other_classes_is_refused_before_touching_the_folder(
+    trained: Path, synth_dir: Path, tmp_path: Path
+) -> None:
+    labels = tmp_path / "labels.csv"
+    labels.write_text("slide,label\n" + "".join(f"slide_{i:03d}.svs,{'b' if i % 2 else 'a'}\n" for i in range(4)))
+    before = tree(trained)
+    other = make_cfg(synth_dir, trained.parent, data={"synthetic": None, "labels": str(labels),
+                                                      "slides_dir": str(synth_dir)})  # fmt: skip
+    with pytest.raises(WsiTrainError) as err:
+        run_fit(other, resume=trained, force=True, console=QUIET, quiet=True)
+    assert "classes ['negative', 'positive']" in err.value.message and "['a', 'b']" in err.value.message
+    assert tree(trained) == before

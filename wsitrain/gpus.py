@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from wsitrain.errors import WsiTrainError
-from wsitrain.memory import DeviceMemory, detect_budget, probe_device_memory
+from wsitrain.memory import SAFETY_MARGIN, DeviceMemory, detect_budget, probe_device_memory
 from wsitrain.units import format_bytes, parse_bytes
 
 GiB = 1024**3
@@ -103,6 +103,6 @@ def run_budget(
     if memory_budget is not None:
         n = parse_bytes(memory_budget, what="engine.memory_budget")
         return Budget(n, device.type, f"engine.memory_budget {memory_budget}")
-    where = "GPU" if device.type == "cuda" else "CPU"
+    what = "free memory plus the caching allocator's reserve" if device.type == "cuda" else "available RAM"
     n = detect_budget(device, probe)
-    return Budget(n, device.type, f"detected on {where} ({device}) at the start of the run")
+    return Budget(n, device.type, f"detected on {device} at the start of the run: {what} x {SAFETY_MARGIN:g}")
