@@ -243,3 +243,14 @@ def test_resume_force_with_other_classes_is_refused_before_touching_the_folder(
         run_fit(other, resume=trained, force=True, console=QUIET, quiet=True)
     assert "classes ['negative', 'positive']" in err.value.message and "['a', 'b']" in err.value.message
     assert tree(trained) == before
+
+
+def test_disk_full_while_writing_a_run_log(tmp_path: Path) -> None:
+    from wsitrain.train.runfolder import JsonlWriter
+
+    w = JsonlWriter(tmp_path / "metrics.jsonl")
+    w.close()
+    w._f = open("/dev/full", "w")  # noqa: SIM115 - every write to /dev/full fails with ENOSPC
+    with pytest.raises(WsiTrainError) as err:
+        w.write({"step": 1})
+    assert "no space left" in err.value.message and "metrics.jsonl" in err.value.message and err.value.hint

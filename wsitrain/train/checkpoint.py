@@ -19,7 +19,7 @@ CHECKPOINT_FORMAT = 1
 
 
 # A full disk or quota: the user's to fix, not a bug (torch.save can also wrap it in a RuntimeError).
-_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
@@ -61,7 +61,7 @@ def atomic_torch_save(obj: Any, path: Path) -> None:
 
 
 def _is_no_space(e: BaseException) -> bool:
-    if isinstance(e, OSError) and e.errno in _NO_SPACE:
+    if isinstance(e, OSError) and e.errno in NO_SPACE:
         return True
     return isinstance(e, RuntimeError) and "No space left on device" in str(e)
 

@@ -3,11 +3,13 @@ the checkpoint a resume continues from; the JSON-lines logs a run appends to."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import platform
 import sys
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,7 @@ import yaml
 import wsitrain
 from wsitrain.config import check_run_name, diff_configs
 from wsitrain.errors import WsiTrainError
-from wsitrain.train.checkpoint import load_checkpoint
+from wsitrain.train.checkpoint import NO_SPACE, load_checkpoint
 from wsitrain.train.data import FitData
 
 
@@ -105,8 +107,23 @@ def _version(module: str, attr: str = "__version__") -> str | None:
         return None
 
 
+@contextlib.contextmanager
+def _disk_full_named(path: Path) -> Iterator[None]:
+    """A full disk while writing a run file is the user's to fix: exit 2 naming the file, not an internal error."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in NO_SPACE:
+            raise
+        raise WsiTrainError(
+            f"no space left on the device while writing {path}",
+            hint=f"free disk space in {Path(path).parent} (or set log.dir to a larger disk), then continue with "
+            "`wsitrain fit CONFIG --resume RUN_DIR`",
+        ) from e
+
+
 def write_yaml(path: Path, data: dict[str, Any]) -> None:
-    with open(path, "w") as f:
+    with _disk_full_named(path), open(path, "w") as f:
         yaml.safe_dump(_plain(data), f, sort_keys=False)
 
 
@@ -116,7 +133,7 @@ def read_yaml(path: Path) -> dict[str, Any]:
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
-    with open(path, "w") as f:
+    with _disk_full_named(path), open(path, "w") as f:
         json.dump(_plain(data), f, indent=2)
         f.write("\n")
 
@@ -146,8 +163,9 @@ class JsonlWriter:
     def write(self, record: dict[str, Any]) -> None:
         if self._f is None:
             return
-        self._f.write(json.dumps(_plain(record)) + "\n")
-        self._f.flush()
+        with _disk_full_named(self.path):
+            self._f.write(json.dumps(_plain(record)) + "\n")
+            self._f.flush()
 
     def close(self) -> None:
         if self._f is not None:
