@@ -167,24 +167,91 @@ def test_python_dash_m_runs_the_cli() -> None:
 
 
 def test_jsonl_writer_appends_one_object_per_line(tmp_path: Path) -> None:
-    from wsitrain.log import JsonlWriter
+    from wsitrain.train.runfolder import JsonlWriter  # the one JSON-lines writer (metrics, tiles, plans)
 
-    path = tmp_path / "sub" / "metrics.jsonl"
-    with JsonlWriter(path) as w:
-        w.write(step=1, loss=0.5, where=Path("a/b"))
-        assert path.read_text().count("\n") == 1  # flushed at once: a crash keeps what was written
-    with JsonlWriter(path) as w:  # a second writer appends (resume), never truncates
-        w.write(step=2, loss=0.25)
+    path = tmp_path / "metrics.jsonl"
+    w = JsonlWriter(path)
+    w.write({"step": 1, "loss": 0.5, "where": Path("a/b"), "auc": float("nan")})
+    assert path.read_text().count("\n") == 1  # flushed at once: a crash keeps what was written
+    w.close()
+    w = JsonlWriter(path)  # a second writer appends (resume), never truncates
+    w.write({"step": 2, "loss": 0.25})
+    w.close()
     rows = [json.loads(line) for line in path.read_text().splitlines()]
-    assert rows == [{"step": 1, "loss": 0.5, "where": "a/b"}, {"step": 2, "loss": 0.25}]
+    assert rows == [{"step": 1, "loss": 0.5, "where": "a/b", "auc": None}, {"step": 2, "loss": 0.25}]
+    JsonlWriter(None).write({"step": 3})  # a non-main rank writes nothing, without failing
 
 
-def test_quiet_console_prints_nothing_but_warnings_still_show(capsys: pytest.CaptureFixture[str]) -> None:
-    from wsitrain.log import info, make_console, warn
+def test_quiet_hides_progress_but_not_errors(tmp_path: Path, repo_root: Path) -> None:
+    ok = invoke("--quiet", "plan", "--model", "tiny", "--size", "256", "--memory", "1GiB")
+    assert ok.exit_code == 0 and ok.stdout == ""
+    bad = invoke("--quiet", "plan", "--model", "tiny", "--size", "256", "--memory", "lots")
+    assert bad.exit_code == 2 and "--memory" in bad.stderr and bad.stdout == ""
 
-    info(make_console(quiet=True), "progress [not markup]")
-    info(make_console(quiet=False), "shown [not markup]")
-    warn("careful")
-    out, err = capsys.readouterr()
-    assert out.strip() == "shown [not markup]"
-    assert "warning: careful" in err
+
+def test_plan_command_prints_the_plan_and_its_envelope() -> None:
+    result = invoke("plan", "--model", "vgg16", "--size", "20480", "--gpu", "2080ti")
+    assert result.exit_code == 0, result.output
+    for text in ("SFT plan for vgg16 on 1x3x20480x20480", "budget source: preset 2080ti", "gpu preset: 2080ti",
+                 "largest square image that fits this budget"):  # fmt: skip
+        assert text in result.stdout, text
+
+
+def _import_graph(package: Path) -> dict[str, set[str]]:
+    """Module -> the wsitrain modules it imports, at the top or inside functions alike (a lazy import is an edge)."""
+    import ast
+
+    modules = {}
+    for path in package.rglob("*.py"):
+        name = ".".join(path.relative_to(package.parent).with_suffix("").parts).removesuffix(".__init__")
+        modules[name] = path
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            graph[name] |= {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circles(repo_root: Path) -> None:
+    graph = _import_graph(repo_root / "wsitrain")
+    assert "wsitrain.slides.stream" in graph and graph["wsitrain.slides.stream"]  # the graph was really read
+    assert _cycles(graph) == []
+    assert _cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]  # the check finds a circle

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from wsitrain.config import (
     WsiTrainConfig,
@@ -13,7 +14,7 @@ from wsitrain.config import (
     diff_configs,
     load_config,
 )
-from wsitrain.errors import ConfigError
+from wsitrain.errors import ConfigError, WsiTrainError
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 
@@ -217,3 +218,37 @@ def test_size_only_with_fixed_region_and_bounded_jitter(write_yaml) -> None:
     assert "size is set but region is 'tissue'" in size_problem
     (jitter_problem,) = problems_of(write_yaml("data: {augment: {jitter_strength: 3}}\n"))
     assert jitter_problem.startswith("data.augment.jitter_strength")
+
+
+def test_one_precision_vocabulary() -> None:
+    import torch
+
+    from wsitrain.config import TrainConfig
+    from wsitrain.precision import PRECISIONS, activation_dtype, autocast_dtype, check_precision
+
+    assert PRECISIONS == ("fp32", "bf16", "fp16")
+    assert [activation_dtype(p) for p in PRECISIONS] == [torch.float32, torch.bfloat16, torch.float16]
+    assert [autocast_dtype(p) for p in PRECISIONS] == [None, torch.bfloat16, torch.float16]
+    assert TrainConfig(precision="bf16").precision == "bf16"
+    with pytest.raises(WsiTrainError, match="--precision: unknown precision 'fp8'") as err:
+        check_precision("fp8")
+    assert all(p in err.value.hint for p in PRECISIONS)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("train.epochs", "true"), ("train.lr", "false"), ("data.level", "true"), ("data.background", "[255, true, 0]"),
+     ("engine.memory_budget", "true"), ("seed", "true")],
+)  # fmt: skip
+def test_booleans_are_not_numbers(write_yaml, key: str, value: str) -> None:
+    path = write_yaml("{}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, [f"{key}={value}"])
+    assert f"{key}: expected a number" in err.value.message and "true/false is not a number" in err.value.message
+
+
+@pytest.mark.parametrize("name", ["..", ".", "../../x", "a/b", ".hidden"])
+def test_run_names_stay_inside_log_dir(name: str) -> None:
+    with pytest.raises(ValidationError, match="log.dir"):
+        WsiTrainConfig.model_validate({"name": name})
+    assert WsiTrainConfig.model_validate({"name": "lr-1e-4.v2"}).name == "lr-1e-4.v2"

@@ -16,9 +16,13 @@ from rich.console import Console
 
 from wsitrain.config import WsiTrainConfig
 from wsitrain.errors import ConfigError, SlideError, WsiTrainError
+from wsitrain.gpus import run_budget
+from wsitrain.models import build
 from wsitrain.slides.synth import write_synthetic_dataset
 from wsitrain.train.checkpoint import load_checkpoint
-from wsitrain.train.fit import STOP_ENV, run_fit
+from wsitrain.train.engine import seed_everything
+from wsitrain.train.fit import run_fit
+from wsitrain.train.state import FitState
 
 # 16 slides of 256 px: half for validation. Stratified split, so 4 of each class in each half.
 SYNTH = {"n": 16, "size": 256, "seed": 0, "positive_fraction": 0.5}
@@ -78,6 +82,17 @@ def fit(cfg: WsiTrainConfig, quiet: bool = True, **kwargs: Any) -> tuple[Path, s
     # force_terminal: without --quiet the live display renders as it would in a terminal.
     run = run_fit(cfg, console=Console(file=buf, width=200, force_terminal=not quiet), quiet=quiet, **kwargs)
     return run, buf.getvalue()
+
+
+class StopAfterSteps:
+    """A fit callback that interrupts the run once ``n`` optimizer steps are done, as a kill at a known point."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def on_step_end(self, state: FitState) -> None:
+        if state.global_step >= self.n:
+            raise KeyboardInterrupt(f"stopped after step {self.n}")
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -141,21 +156,31 @@ def test_tiled_and_untiled_training_give_the_same_losses_and_weights(synth_dir: 
     a, b = model_weights(tiled / "last.pt"), model_weights(plain / "last.pt")
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=key)
-    assert any(not torch.equal(a[k], load_checkpoint(tiled / "best.pt")["model"][k] * 0) for k in a)
+    # Training moved every trained parameter away from its initial value (same seed, same build as the fit).
+    seed_everything(tiled_cfg.seed, False)
+    initial = build("tiny", 2, pool="max").state_dict()
+    assert set(initial) == set(a)
+    trained = {name for name, p in build("tiny", 2).named_parameters() if p.requires_grad}
+    assert trained, "the model has parameters to train"
+    for key in trained:
+        assert not torch.allclose(a[key], initial[key]), f"{key} did not change"
+    # ...and by no more than SGD can move it: 4 steps (8 slides, accumulate 2), gradients clipped to norm 1,
+    # momentum 0.9: the velocity's norm is at most 1, 1.9, 2.71, 3.439, so the distance is at most lr * 9.049.
+    # (A different initial model, e.g. another seed, would be far further away.)
+    distance = torch.sqrt(sum(((a[k] - initial[k]) ** 2).sum() for k in trained))
+    assert 0 < distance <= 0.05 * 9.049 + 1e-6
+    for key in set(a) - trained:  # buffers (the input normalization) are not trained
+        torch.testing.assert_close(a[key], initial[key], rtol=0, atol=0, msg=key)
 
 
-def test_killed_run_resumes_to_the_same_weights(
-    synth_dir: Path, small_labels: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_killed_run_resumes_to_the_same_weights(synth_dir: Path, small_labels: Path, tmp_path: Path) -> None:
     # 6 training slides a epoch, 2 epochs: 12 steps; augmentation (flips, rot90) on, so its seeding is tested too.
     train = {"epochs": 2, "checkpoint_every": 3, "schedule": "cosine", "warmup_steps": 2}
     full, _ = fit(small_cfg(synth_dir, small_labels, tmp_path, name="full", train=train))
 
     cfg = small_cfg(synth_dir, small_labels, tmp_path, name="killed", train=train)
-    monkeypatch.setenv(STOP_ENV, "5")  # killed during step 6: the last checkpoint is from step 3
     with pytest.raises(KeyboardInterrupt):
-        fit(cfg)
-    monkeypatch.delenv(STOP_ENV)
+        fit(cfg, callbacks=[StopAfterSteps(5)])  # killed during step 6: the last checkpoint is from step 3
     killed = tmp_path / "killed"
     ck = load_checkpoint(killed / "last.pt")
     assert (ck["epoch"], ck["next_index"], ck["global_step"]) == (0, 3, 3)
@@ -234,3 +259,26 @@ def test_mixed_precision_trains(synth_dir: Path, small_labels: Path, tmp_path: P
     # fp16 keeps a loss scale (gradient scaler) in the checkpoint; bf16 needs none.
     assert bool(ck["scaler"]) == (precision == "fp16")
     assert all(torch.isfinite(v).all() for v in ck["model"].values())
+
+
+def test_the_budget_is_resolved_once_per_run(
+    synth_dir: Path, small_labels: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import wsitrain.train.recipe as recipe
+
+    calls = []
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args)
+        return run_budget(*args, **kwargs)
+
+    monkeypatch.setattr(recipe, "run_budget", counting)
+    # engine.memory_budget unset: detected once at the start; tissue regions give each slide its own shape.
+    cfg = small_cfg(synth_dir, small_labels, tmp_path, data={"region": "tissue"}, engine={"memory_budget": None},
+                    train={"epochs": 1})
+    run, out = fit(cfg, quiet=False)
+    assert len(calls) == 1
+    plans = read_jsonl(run / "plans.jsonl")
+    assert len({tuple(p["shape"]) for p in plans}) >= 2
+    assert len({p["plan"]["budget_bytes"] for p in plans}) == 1  # every shape planned against the same budget
+    assert out.count("memory budget:") == 1 and "detected on cpu at the start of the run" in out

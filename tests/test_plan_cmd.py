@@ -1,4 +1,4 @@
-"""`wsitrain plan`: the readable output and --json state the same facts; bad input is one clear error."""
+"""`wsitrain plan`: the plan's own text and JSON plus the command's envelope; bad input is one clear error."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from rich.console import Console
 from wsitrain.errors import WsiTrainError
 from wsitrain.gpus import GPU_NAMES, GPU_PRESETS, gpu_preset, resolve_budget
 from wsitrain.models import MODEL_NAMES
-from wsitrain.plan_cmd import parse_size, run_plan
+from wsitrain.plan.command import parse_size, run_plan
 from wsitrain.units import format_bytes
 
 GiB = 1024**3
@@ -34,55 +34,60 @@ def vgg16_2080ti() -> tuple[int, str, int, dict]:
 
 
 def test_vgg16_20480_fits_a_2080ti(vgg16_2080ti) -> None:
-    code_text, text, code_json, facts = vgg16_2080ti
+    code_text, text, code_json, out = vgg16_2080ti
     assert code_text == 0 and code_json == 0
-    assert facts["fits"] is True and "FITS" in text
-    assert facts["budget_bytes"] == 11 * GiB
+    assert set(out) == {"budget_source", "gpu", "precision", "max_size", "plan"}  # the command's envelope
+    facts = out["plan"]
+    assert facts["fits"] is True and ": fits" in text
+    assert facts["budget_bytes"] == 11 * GiB and out["gpu"] == "2080ti" and "2080 Ti" in out["budget_source"]
     assert facts["estimated_peak_bytes"] <= facts["budget_bytes"] < facts["baseline_peak_bytes"]
     for key in ("fits", "budget_bytes", "estimated_peak_bytes", "baseline_peak_bytes", "checkpoint_peak_bytes",
-                "overhead", "max_size", "segments"):  # fmt: skip
+                "feature_map_bytes", "overhead", "segments"):  # fmt: skip
         assert key in facts, key
-    assert facts["max_size"] >= 20480 and facts["max_size"] % 32 == 0
+    assert out["max_size"] >= 20480 and out["max_size"] % 32 == 0
     assert facts["segments"] and all(
         {"layers", "tile_grid", "tile_shape", "halo"} <= set(s) and len(s["tile_grid"]) == 2 for s in facts["segments"]
     )
 
 
 def test_text_states_the_json_facts(vgg16_2080ti) -> None:
-    _, text, _, facts = vgg16_2080ti
+    _, text, _, out = vgg16_2080ti
+    facts = out["plan"]
     for key in ("budget_bytes", "estimated_peak_bytes", "baseline_peak_bytes", "checkpoint_peak_bytes"):
         assert format_bytes(facts[key]) in text, key
-    assert f"{facts['max_size']} x {facts['max_size']} px" in text
+    assert f"{out['max_size']} x {out['max_size']} px" in text
+    assert f"budget source: {out['budget_source']}" in text and "gpu preset: 2080ti" in text
     assert f"{facts['overhead'] * 100:+.1f}%" in text
-    assert f"best: {facts['checkpoint_segments']} segments" in text
-    seg_lines = [line for line in text.splitlines() if "│ tiled │" in line or "│ plain │" in line]
+    assert f"({facts['checkpoint_segments']} segments)" in text
+    seg_lines = [line for line in text.splitlines() if line.lstrip().startswith("segment ")]
     assert len(seg_lines) == len(facts["segments"])
     for line, seg in zip(seg_lines, facts["segments"], strict=True):
         assert seg["layers"][0] in line and seg["layers"][-1] in line
         if seg["mode"] == "tiled":
             rows, cols = seg["tile_grid"]
-            assert f"{rows} x {cols}" in line
-            assert "x".join(map(str, seg["tile_shape"])) in line and "x".join(map(str, seg["halo"])) in line
+            assert f"tiled {rows}x{cols}" in line
+            assert "x".join(map(str, seg["tile_shape"])) in line and "/".join(map(str, seg["halo"])) in line
 
 
 def test_does_not_fit_exit_code_and_json_agree() -> None:
     code, out = _run(True, model="tiny", size="1024", gpu=None, memory="100KiB")
-    facts = json.loads(out)
-    assert code == 1 and facts["fits"] is False and facts["max_size"] == 0
+    report = json.loads(out)
+    assert code == 1 and report["plan"]["fits"] is False and report["max_size"] == 0 and report["gpu"] is None
     code, text = _run(False, model="tiny", size="1024", gpu=None, memory="100KiB")
     assert code == 1 and "DOES NOT FIT" in text and "no square image fits" in text
+    assert "budget source: --memory 100KiB" in text
 
 
 def test_rectangular_size_and_memory_override() -> None:
     code, out = _run(True, model="tiny", size="256x512", gpu=None, memory="2GiB")
-    facts = json.loads(out)
+    facts = json.loads(out)["plan"]
     assert code == 0 and facts["input_shape"] == [1, 3, 256, 512] and facts["budget_bytes"] == 2 * GiB
 
 
 def test_huge_size_plans_from_shapes_only() -> None:
     # 100000 x 100000 x 3 float32 would be 120 GB: the plan must come from shapes on the meta device.
     code, out = _run(True, model="tiny", size="100000", gpu="h100")
-    facts = json.loads(out)
+    facts = json.loads(out)["plan"]
     assert facts["input_shape"] == [1, 3, 100000, 100000] and code in (0, 1)
 
 
@@ -140,3 +145,23 @@ def test_gpu_presets() -> None:
     b = resolve_budget("2080ti", "24GiB")  # --memory wins over the preset's figure
     assert b.bytes == 24 * GiB and b.device == "cuda"
     assert resolve_budget("cpu", None).device == "cpu"
+
+
+def test_run_budget_is_the_config_value_or_one_detection() -> None:
+    import torch
+
+    from wsitrain.gpus import run_budget
+    from wsitrain.memory import SAFETY_MARGIN, DeviceMemory
+
+    calls: list[str] = []
+
+    def probe(device: torch.device | str) -> DeviceMemory:
+        calls.append(str(device))
+        return DeviceMemory(free=6 * GiB, held=2 * GiB)  # the caching allocator's reserve counts as ours
+
+    cpu = torch.device("cpu")
+    b = run_budget(None, cpu, probe=probe)
+    assert b.bytes == int(8 * GiB * SAFETY_MARGIN) and "detected" in b.source and calls == ["cpu"]
+    given = run_budget("3GiB", cpu, probe=probe)
+    assert given.bytes == 3 * GiB and given.source == "engine.memory_budget 3GiB" and calls == ["cpu"]
+    assert "3.00 GiB" in given.describe()

@@ -84,3 +84,15 @@ def test_predict_input_errors(trained: tuple[WsiTrainConfig, Path, Path], tmp_pa
         run_predict(cfg, checkpoint=tmp_path / "none.pt", slides=slides, out=tmp_path / "p.csv", console=QUIET)
     with pytest.raises(SlideError, match="no slide files"):
         run_predict(cfg, checkpoint=ckpt, slides=tmp_path, out=tmp_path / "p.csv", console=QUIET)
+
+
+def test_slide_suffixes_are_one_list_matched_on_the_lower_cased_name(tmp_path: Path) -> None:
+    from wsitrain.slides.suffixes import is_slide_name
+    from wsitrain.train.predict import list_slides
+
+    names = ["a.svs", "b.OME.TIFF", "c.ome.tif", "d.dcm", "e.qptiff", "f.NDPI", "labels.csv", "notes.txt", "g.tif.bak"]
+    for n in names:
+        (tmp_path / n).write_bytes(b"")
+    expected = ["a.svs", "b.OME.TIFF", "c.ome.tif", "d.dcm", "e.qptiff", "f.NDPI"]
+    assert [p.name for p in list_slides(tmp_path)] == sorted(expected)
+    assert [n for n in names if is_slide_name(n)] == expected

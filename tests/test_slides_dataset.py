@@ -150,3 +150,14 @@ def test_prefetch_order_lookahead_and_errors() -> None:
         if x == 20:
             break
     assert not any(t.name == "wsitrain-prefetch" and t.is_alive() for t in threading.enumerate())
+
+
+def test_labels_differing_only_in_case_or_spaces_are_refused(synth: Path, tmp_path: Path) -> None:
+    csv = tmp_path / "labels.csv"
+    csv.write_text("slide,label\nslide_000,positive\nslide_001,Positive\nslide_002,negative\n"
+                   "slide_003,\" negative\"\n")  # fmt: skip
+    with pytest.raises(SlideError) as err:
+        load_labels(csv, synth.parent)
+    msg = err.value.message
+    assert "'positive' (line 2) and 'Positive' (line 3) differ only in case or spaces" in msg
+    assert "'negative' (line 4) and ' negative' (line 5)" in msg and str(csv) in msg

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from wsitrain.errors import SlideError
-from wsitrain.slides.info import SlideInfo
+from wsitrain.slides.metadata import SlideInfo
 from wsitrain.slides.resolution import choose_resolution
 from wsitrain.slides.tissue import label_components, mask_box, otsu_threshold, remove_small_objects, tissue_mask
 

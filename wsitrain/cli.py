@@ -11,14 +11,17 @@ import importlib
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from wsitrain import __version__, log
-from wsitrain.errors import NotAvailableError, WsiTrainError
+from wsitrain.errors import ConfigError, NotAvailableError, WsiTrainError
+
+if TYPE_CHECKING:
+    from wsitrain.config import WsiTrainConfig
 
 app = typer.Typer(
     name="wsitrain",
@@ -86,7 +89,7 @@ def _entry(module: str, attr: str, command: str) -> Callable[..., Any]:
     return fn
 
 
-def _load_config(config: Path, overrides: list[str] | None) -> Any:
+def _load_config(config: Path, overrides: list[str] | None) -> WsiTrainConfig:
     from wsitrain.config import load_config  # lazy: pydantic and yaml cost import time
 
     return load_config(config, overrides or [])
@@ -124,7 +127,9 @@ def fit(
     ),
     force: bool = typer.Option(False, "--force", help="With --resume: continue even if the config has changed."),
     name: str | None = typer.Option(
-        None, "--name", help="Run folder name under log.dir (default: config key `name`, else config file name + time)."
+        None,
+        "--name",
+        help="Run folder name under log.dir, one plain folder name (default: config key `name`, else run-DATE-TIME).",
     ),
 ) -> None:
     """Train a slide-level classifier on whole slides.
@@ -167,6 +172,7 @@ def predict(
 @app.command()
 @_handled
 def plan(
+    # TODO(models): help text from wsitrain.models' list of names.
     model: str = typer.Option(..., "--model", help="Model name: tiny, vgg16, vgg19, darknet19, resnet18/34/50."),
     size: str = typer.Option(..., "--size", help="Input edge in pixels (20480) or HxW (20480x10240)."),
     gpu: str | None = typer.Option(None, "--gpu", help="Plan for a known card, e.g. 2080ti, v100, a100, h100."),
@@ -186,7 +192,7 @@ def plan(
 
       wsitrain plan --model resnet50 --size 40000 --memory 80GiB --precision bf16 --json
     """
-    run_plan = _entry("wsitrain.plan_cmd", "run_plan", "plan")
+    run_plan = _entry("wsitrain.plan.command", "run_plan", "plan")
     code = run_plan(
         model=model,
         size=size,
@@ -206,7 +212,7 @@ def plan(
 @_handled
 def bench(
     gpu: str | None = typer.Option(None, "--gpu", help="Emulate a known card's memory, e.g. 2080ti."),
-    model: str | None = typer.Option(
+    model: str | None = typer.Option(  # TODO(models): help text from wsitrain.models' list of names.
         None, "--model", help="Model name: tiny, vgg16, vgg19, darknet19, resnet18/34/50 [default: vgg16]."
     ),
     sizes: str | None = typer.Option(
@@ -275,15 +281,19 @@ def validate(
     config: Path = typer.Argument(..., metavar="CONFIG", help="YAML config file to check."),
     set_: list[str] | None = typer.Option(None, "--set", "-s", metavar="KEY=VALUE", help=SET_HELP),
 ) -> None:
-    """Check a config file (and overrides) without running anything; list every problem found.
+    """Check a config file (and overrides) and that the files it names exist, without running anything; list every
+    problem found.
 
     Example:
 
       wsitrain validate configs/demo.yaml --set train.lr=1e-4
     """
-    from wsitrain.config import config_summary
+    from wsitrain.config import config_summary, missing_paths
 
     cfg = _load_config(config, set_)
+    problems = missing_paths(cfg)
+    if problems:
+        raise ConfigError(problems, source=str(config))
     console = _console()
     console.print(f"[green]{config} is valid[/]", soft_wrap=True)
     table = Table(show_header=False, box=None, pad_edge=False)

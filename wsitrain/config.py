@@ -13,6 +13,7 @@ in README.md's config reference.
 
 from __future__ import annotations
 
+import json
 import re
 import types
 from collections.abc import Iterable, Mapping, Sequence
@@ -27,23 +28,65 @@ from pydantic import (
     Field,
     PrivateAttr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
 
 from wsitrain.errors import ConfigError, WsiTrainError
+from wsitrain.precision import Precision
 from wsitrain.units import format_bytes, parse_bytes
 
 # ``~`` is expanded; relative paths stay relative (to the working directory, see module docstring).
 UserPath = Annotated[Path, AfterValidator(lambda p: p.expanduser())]
 
-MODEL_NAMES = ("tiny", "vgg16", "vgg19", "darknet19", "resnet18", "resnet34", "resnet50")
+
+def _base_types(annotation: Any) -> set[Any]:
+    """Every plain type an annotation admits, through unions, Annotated, tuples and lists."""
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return _base_types(get_args(annotation)[0])
+    if origin in (Union, types.UnionType, tuple, list):
+        return set().union(*(_base_types(a) for a in get_args(annotation) if a is not Ellipsis))
+    return {annotation}
+
+
+def _has_bool(value: Any) -> bool:
+    return isinstance(value, bool) or (isinstance(value, (list, tuple)) and any(_has_bool(v) for v in value))
 
 
 class Section(BaseModel):
-    """Base of every config section: unknown keys are errors."""
+    """Base of every config section: unknown keys are errors; true/false is never a number."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_as_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic reads true as 1 for an int field, so `train.epochs: true` would train one epoch.
+        if _has_bool(value) and info.field_name is not None:
+            admitted = _base_types(cls.model_fields[info.field_name].annotation)
+            if admitted & {int, float} and bool not in admitted:
+                raise ValueError(f"expected a number, got {json.dumps(value)} (true/false is not a number)")
+        return value
+
+
+def check_run_name(name: str, what: str = "name") -> str | None:
+    """A problem text when ``name`` cannot be a run folder directly inside log.dir, else None.
+
+    A run name is one plain folder name: no ``/`` or ``\\``, not ``.`` or ``..``, not hidden (leading ``.``),
+    so a run can never be written outside log.dir or hide in it.
+    """
+    if not name.strip():
+        return f"{what}: the run name is empty; give a folder name such as lr-1e-4"
+    example = "a run name is one folder name inside log.dir (e.g. lr-1e-4)"
+    if "/" in name or "\\" in name:
+        return f"{what}: {name!r} contains a path separator; {example}"
+    if name in (".", ".."):
+        return f"{what}: {name!r} is not a folder inside log.dir; {example}"
+    if name.startswith("."):
+        return f"{what}: {name!r} starts with '.'; a run name is a visible folder name inside log.dir (e.g. lr-1e-4)"
+    return None
 
 
 class SyntheticConfig(Section):
@@ -99,6 +142,7 @@ class DataConfig(Section):
 
 
 class ModelConfig(Section):
+    # TODO(models): validate with wsitrain.models' one list of names (a validator) instead of this Literal copy.
     name: Literal["tiny", "vgg16", "vgg19", "darknet19", "resnet18", "resnet34", "resnet50"] = "tiny"
     num_classes: int | None = Field(None, ge=1)
     weights: UserPath | None = None
@@ -139,7 +183,7 @@ class TrainConfig(Section):
     loss: Literal["cross_entropy", "mse"] = "cross_entropy"
     accumulate: int = Field(1, ge=1)
     clip_grad_norm: float | None = Field(None, gt=0)
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    precision: Precision = "fp32"
     val_every: int = Field(1, ge=1)
     # Also write last.pt every N optimizer steps (not only at each epoch's end), so a killed run loses little.
     checkpoint_every: int | None = Field(None, ge=1)
@@ -164,7 +208,7 @@ class DistributedConfig(Section):
 
 
 class WsiTrainConfig(Section):
-    name: str | None = None
+    name: str | None = None  # the run folder's name inside log.dir (see check_run_name)
     seed: int = Field(0, ge=0)
     deterministic: bool = False
     data: DataConfig = Field(default_factory=DataConfig)
@@ -175,6 +219,14 @@ class WsiTrainConfig(Section):
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
 
     _source: Path | None = PrivateAttr(default=None)
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, value: str | None) -> str | None:
+        problem = None if value is None else check_run_name(value, what="name")
+        if problem is not None:
+            raise ValueError(problem.removeprefix("name: "))
+        return value
 
     @property
     def source(self) -> Path | None:
@@ -426,6 +478,22 @@ def diff_configs(a: Mapping[str, Any], b: Mapping[str, Any], prefix: str = "") -
         elif key not in a or key not in b or va != vb:
             out.append(dotted)
     return out
+
+
+def missing_paths(cfg: WsiTrainConfig) -> list[str]:
+    """``key: problem`` for every file or folder the config names that is not there (what ``validate`` checks)."""
+    problems = []
+    d, weights = cfg.data, cfg.model.weights
+    if d.labels is not None and not d.labels.is_file():
+        what = "is a folder, not a CSV file" if d.labels.is_dir() else "file not found"
+        problems.append(f"data.labels: {d.labels}: {what} ({d.labels.resolve()})")
+    if d.slides_dir is not None and not d.slides_dir.is_dir():
+        what = "is a file, not a folder" if d.slides_dir.exists() else "folder not found"
+        problems.append(f"data.slides_dir: {d.slides_dir}: {what} ({d.slides_dir.resolve()})")
+    if weights is not None and not weights.is_file():
+        what = "is a folder, not a weights file" if weights.is_dir() else "file not found"
+        problems.append(f"model.weights: {weights}: {what} ({weights.resolve()})")
+    return problems
 
 
 def config_summary(cfg: WsiTrainConfig) -> dict[str, str]:

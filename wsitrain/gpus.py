@@ -7,12 +7,13 @@ A preset names a card's memory so a plan can be made for a GPU this machine does
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from wsitrain.errors import WsiTrainError
-from wsitrain.memory import detect_budget
+from wsitrain.memory import SAFETY_MARGIN, DeviceMemory, detect_budget, probe_device_memory
 from wsitrain.units import format_bytes, parse_bytes
 
 GiB = 1024**3
@@ -86,3 +87,22 @@ def resolve_budget(gpu: str | None = None, memory: str | int | None = None) -> B
     if not want_cpu and torch.cuda.is_available():
         return Budget(detect_budget("cuda"), "cuda", f"detected GPU {torch.cuda.get_device_name()}, free memory")
     return Budget(detect_budget("cpu"), "cpu", "detected CPU, available RAM")
+
+
+def run_budget(
+    memory_budget: int | str | None,
+    device: torch.device,
+    probe: Callable[[torch.device | str], DeviceMemory] = probe_device_memory,
+) -> Budget:
+    """The one budget of a training or prediction run, resolved at its start and passed to the engine as bytes.
+
+    ``engine.memory_budget`` when set; else detected once on ``device`` now (free memory plus what our caching
+    allocator already holds, times the safety margin), so it does not shrink slide after slide as the
+    allocator fills. ``probe`` is injectable for tests.
+    """
+    if memory_budget is not None:
+        n = parse_bytes(memory_budget, what="engine.memory_budget")
+        return Budget(n, device.type, f"engine.memory_budget {memory_budget}")
+    what = "free memory plus the caching allocator's reserve" if device.type == "cuda" else "available RAM"
+    n = detect_budget(device, probe)
+    return Budget(n, device.type, f"detected on {device} at the start of the run: {what} x {SAFETY_MARGIN:g}")

@@ -1,12 +1,8 @@
-"""Console output: one rich Console per command, warnings and errors on stderr, and JSON-lines logs."""
+"""Console output: one rich Console per command; errors on stderr. (Run logs: ``wsitrain.train.runfolder``.)"""
 
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
-from types import TracebackType
-from typing import Any
 
 from rich.console import Console
 from rich.logging import RichHandler
@@ -31,16 +27,6 @@ def make_console(quiet: bool = False, verbose: bool = False) -> Console:
     return console
 
 
-def info(console: Console, message: str) -> None:
-    """A progress line for people (hidden by --quiet). ``message`` is plain text, not rich markup."""
-    console.print(escape(message))
-
-
-def warn(message: str) -> None:
-    """A warning on stderr, shown even with --quiet."""
-    _stderr.print(f"[yellow]warning:[/] {escape(message)}", soft_wrap=True)
-
-
 def error(message: str, hint: str | None = None) -> None:
     """An error and its hint on stderr, one line each; long paths are not wrapped so they can be copied."""
     _stderr.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
@@ -55,28 +41,3 @@ def internal_error(exc: BaseException, verbose: bool) -> None:
     _stderr.print(f"[bold red]internal error:[/] {escape(type(exc).__name__)}: {escape(str(exc))}", soft_wrap=True)
     if not verbose:
         _stderr.print("[cyan]hint:[/] run again with --verbose for the traceback, and report it", soft_wrap=True)
-
-
-class JsonlWriter:
-    """Appends one JSON object per line and flushes each, so a crashed run keeps every line written so far."""
-
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("a", encoding="utf-8")
-
-    def write(self, **fields: Any) -> None:
-        # default=str: Paths, dtypes and numpy scalars are logged readably instead of failing mid-run.
-        self._file.write(json.dumps(fields, default=str) + "\n")
-        self._file.flush()
-
-    def close(self) -> None:
-        self._file.close()
-
-    def __enter__(self) -> JsonlWriter:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()

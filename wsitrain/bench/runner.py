@@ -25,15 +25,15 @@ from wsitrain.bench.configs import (
     parse_strategies,
 )
 from wsitrain.bench.report import result_row, write_outputs
-from wsitrain.bench.worker import DTYPES, child_main
+from wsitrain.bench.worker import child_main
 from wsitrain.errors import WsiTrainError
 from wsitrain.gpus import resolve_budget
 from wsitrain.memory import SAFETY_MARGIN, available_host_bytes
 from wsitrain.models import MODEL_NAMES, build
+from wsitrain.precision import activation_dtype, check_precision
 from wsitrain.units import format_bytes
 
 WORKER_TIMEOUT_S = 1800  # one configuration; a step that takes longer is reported as a timeout, not waited for
-PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 @dataclass
@@ -56,7 +56,7 @@ class Predictor:
                     net = build(self.model, 2)
                 self._cache[key] = plan(
                     net, input_shape=(1, 3, size, size), memory_budget=self.budget_bytes,
-                    dtype=DTYPES[self.precision], tile_size=tile, device=self.device,
+                    dtype=activation_dtype(self.precision), tile_size=tile, device=self.device,
                 )  # fmt: skip
             except Exception:  # no engine or no plan for this shape: no prediction, the run decides
                 self._cache[key] = None
@@ -161,10 +161,10 @@ def run_bench(
     """
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = model or DEFAULT_MODEL
+    # TODO(models): use the validating function of wsitrain.models once it exists (one list of model names).
     if model not in MODEL_NAMES:
         raise WsiTrainError(f"unknown model {model!r}", hint=f"choose one of: {', '.join(MODEL_NAMES)}")
-    if precision not in PRECISIONS:
-        raise WsiTrainError(f"--precision: unknown {precision!r}", hint=f"choose one of: {', '.join(PRECISIONS)}")
+    check_precision(precision)
     runs = DEFAULT_RUNS[device] if runs is None else runs
     if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
         raise WsiTrainError(f"--runs: {runs!r} must be a positive integer", hint="e.g. --runs 5")

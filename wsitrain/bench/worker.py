@@ -26,12 +26,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 
 from wsitrain.errors import PlanError
-from wsitrain.memory import CpuPeak, current_rss_bytes, return_freed_memory_to_os
+from wsitrain.memory import PeakMeter, return_freed_memory_to_os
 from wsitrain.models import build, parameter_bytes
+from wsitrain.precision import activation_dtype
+from wsitrain.sft import SFT
 
 RESULT_PREFIX = "WSITRAIN_BENCH_RESULT "
 NUM_CLASSES = 2
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _OOM_TEXT = ("out of memory", "can't allocate memory", "cannot allocate memory")
 
 
@@ -41,7 +42,7 @@ def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(t in str(exc).lower() for t in _OOM_TEXT)
 
 
-def _forward_fn(model: nn.Module, cfg: dict[str, Any]) -> tuple[Callable[[torch.Tensor], torch.Tensor], Any]:
+def _forward_fn(model: nn.Module, cfg: dict[str, Any]) -> tuple[Callable[[torch.Tensor], torch.Tensor], SFT | None]:
     """The forward of one strategy, and the SFT module (or None) for its plan and stats."""
     strategy = cfg["strategy"]
     if strategy == "base":
@@ -57,14 +58,12 @@ def _forward_fn(model: nn.Module, cfg: dict[str, Any]) -> tuple[Callable[[torch.
         segments = min(int(cfg["segments"]), len(trunk))
         return (lambda x: head(checkpoint_sequential(trunk, segments, x, use_reentrant=False))), None
     if strategy == "sft":
-        from wsitrain.sft import SFT
-
         sft = SFT(model, memory_budget=cfg.get("budget_bytes"), tile_size=cfg.get("tile"))
         return sft, sft
     raise ValueError(f"unknown strategy {strategy!r}")
 
 
-def _planned_peak(sft: Any, shape: tuple[int, ...], dtype: torch.dtype) -> int | None:
+def _planned_peak(sft: SFT, shape: tuple[int, ...], dtype: torch.dtype) -> int | None:
     try:
         return int(sft.plan_for(shape, dtype).estimated_peak_bytes)
     except Exception:  # the plan is extra information; a failure here must not hide the measurement
@@ -76,7 +75,7 @@ def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
     device = torch.device(cfg.get("device", "cpu"))
     if device.type == "cpu":
         return_freed_memory_to_os()
-    dtype = DTYPES[cfg.get("precision", "fp32")]
+    dtype = activation_dtype(cfg.get("precision", "fp32"))
     budget = cfg.get("budget_bytes")
     torch.manual_seed(int(cfg.get("seed", 0)))
     if device.type == "cuda" and budget and cfg.get("cap_gpu", True):
@@ -84,7 +83,7 @@ def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
         # Emulate a smaller card: the caching allocator refuses to grow past the budget.
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device)
     result: dict[str, Any] = {"status": "ok", "times_ms": [], "peaks_bytes": []}
-    cpu_peak = CpuPeak() if device.type == "cpu" else None
+    meter = PeakMeter(device)  # this worker owns the measurement: it alone starts (resets) the meter
     try:
         model = build(cfg["model"], NUM_CLASSES).to(device)
         size = int(cfg["size"])
@@ -104,20 +103,14 @@ def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
 
         for i in range(1 + int(cfg.get("runs", 1))):
             model.zero_grad(set_to_none=True)  # gradients are allocated inside every measured step
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            else:
-                # Baseline per run, after the warm-up: one-time allocations (thread pools, kernel caches)
-                # are not the step's memory.
-                base_rss = current_rss_bytes()
-                cpu_peak.start()
+            # CPU: a baseline per run, after the warm-up, so one-time allocations (thread pools, kernel caches)
+            # are not the step's memory. CUDA counts the model and input in the allocated peak itself.
+            base = meter.current() if device.type == "cpu" else 0
+            meter.start()
             t0 = time.perf_counter()
             step()
             ms = (time.perf_counter() - t0) * 1000
-            if device.type == "cuda":
-                peak = int(torch.cuda.max_memory_allocated(device))
-            else:
-                peak = max(0, cpu_peak.peak() - base_rss) + static_bytes
+            peak = meter.peak() if device.type == "cuda" else max(0, meter.peak() - base) + static_bytes
             if i == 0:
                 result["warmup_ms"] = ms
                 continue
@@ -125,10 +118,7 @@ def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
             result["peaks_bytes"].append(peak)
         if sft is not None:
             result["planned_peak_bytes"] = _planned_peak(sft, tuple(x.shape), dtype)
-            stats = getattr(sft, "last_stats", None)
-            if stats is not None and hasattr(stats, "summary"):
-                with contextlib.suppress(Exception):
-                    result["sft_stats"] = json.loads(json.dumps(stats.summary(), default=str))
+            result["sft_stats"] = json.loads(json.dumps(sft.last_stats.summary(), default=str))
     except Exception as e:
         if isinstance(e, PlanError) and "does not fit" in str(e):
             # The engine refuses a budget it cannot meet: the planner's out-of-memory verdict, nothing ran.

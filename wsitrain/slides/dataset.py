@@ -21,21 +21,8 @@ from wsitrain.errors import SlideError
 from wsitrain.slides.augment import AugmentConfig, augment_from_config
 from wsitrain.slides.info import slide_info
 from wsitrain.slides.stream import ReadResult, read_slide_region
+from wsitrain.slides.suffixes import SLIDE_SUFFIXES
 
-SLIDE_SUFFIXES = (
-    ".svs",
-    ".tif",
-    ".tiff",
-    ".ndpi",
-    ".vms",
-    ".vmu",
-    ".scn",
-    ".mrxs",
-    ".svslide",
-    ".bif",
-    ".dcm",
-    ".qptiff",
-)
 TRAIN_SPLITS = ("train", "training")
 VAL_SPLITS = ("val", "valid", "validation")
 OTHER_SPLITS = ("test", "holdout", "exclude")
@@ -65,6 +52,23 @@ def _find_slide(value: str, csv_dir: Path, slides_dir: Path | None) -> Path | No
             if c.is_file():
                 return c
     return None
+
+
+def _label_spellings(rows: list[dict[str, str]]) -> list[str]:
+    """Labels that differ only in case or surrounding spaces ("Positive", "positive "): surely one class, refused
+    rather than guessed, with every spelling and its lines shown."""
+    spellings: dict[str, dict[str, list[int]]] = {}
+    for line, row in enumerate(rows, start=2):
+        raw = row.get("label", "")
+        if raw.strip():
+            spellings.setdefault(raw.strip().casefold(), {}).setdefault(raw, []).append(line)
+    problems = []
+    for forms in spellings.values():
+        if len(forms) > 1:
+            shown = " and ".join(f"{raw!r} (line{'s' if len(ls) > 1 else ''} {', '.join(map(str, ls[:5]))})"
+                                 for raw, ls in forms.items())  # fmt: skip
+            problems.append(f"labels {shown} differ only in case or spaces; write one spelling for one class")
+    return problems
 
 
 def _sort_classes(names: set[str]) -> list[str]:
@@ -101,8 +105,9 @@ def load_labels(
                 f"{csv_path}: missing column{plural} {', '.join(missing)} (found: {', '.join(fields) or 'none'})",
                 hint="the first line must name the columns: slide,label and optionally split",
             )
-        rows = [{(k or "").strip().lower(): (v or "").strip() for k, v in row.items()} for row in reader]
-    problems: list[str] = []
+        raw_rows = [{(k or "").strip().lower(): v or "" for k, v in row.items()} for row in reader]
+    rows = [{k: v.strip() for k, v in row.items()} for row in raw_rows]
+    problems: list[str] = _label_spellings(raw_rows)
     found: list[tuple[int, str, Path, str, str | None]] = []
     seen: dict[Path, int] = {}
     for line, row in enumerate(rows, start=2):

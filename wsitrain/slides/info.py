@@ -1,39 +1,13 @@
-"""What a slide is: dimensions, pyramid levels, mpp and objective power, as one frozen record."""
+"""``wsitrain info``: open a slide with the reader that fits it and return its metadata record."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
+from wsitrain.slides.metadata import SlideInfo
+from wsitrain.slides.readers import open_slide
 
-@dataclass(frozen=True)
-class SlideInfo:
-    """Facts about one slide file, read from its metadata (no pixels)."""
-
-    path: str
-    reader: str  # "openslide" or "tifffile"
-    vendor: str | None
-    dimensions: tuple[int, int]  # (width, height) of level 0
-    level_count: int
-    level_dimensions: tuple[tuple[int, int], ...]
-    level_downsamples: tuple[float, ...]
-    mpp: tuple[float, float] | None  # microns per pixel (x, y) at level 0
-    objective_power: float | None
-    associated_images: list[str] = field(default_factory=list)
-
-    @property
-    def name(self) -> str:
-        return Path(self.path).name
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-able dict (tuples become lists)."""
-        d = asdict(self)
-        d["dimensions"] = list(self.dimensions)
-        d["level_dimensions"] = [list(x) for x in self.level_dimensions]
-        d["level_downsamples"] = list(self.level_downsamples)
-        d["mpp"] = list(self.mpp) if self.mpp is not None else None
-        return d
+__all__ = ["SlideInfo", "slide_info"]
 
 
 def slide_info(path: str | Path) -> SlideInfo:
@@ -41,7 +15,5 @@ def slide_info(path: str | Path) -> SlideInfo:
 
     A missing or unreadable file raises ``SlideError`` naming the file.
     """
-    from wsitrain.slides.readers import open_slide
-
     with open_slide(path) as reader:
         return reader.info

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from wsitrain.errors import SlideError
-from wsitrain.slides.info import SlideInfo
+from wsitrain.slides.metadata import SlideInfo
 
 Background = tuple[int, int, int]
 WHITE: Background = (255, 255, 255)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from wsitrain.errors import SlideError
-from wsitrain.slides.info import SlideInfo
+from wsitrain.slides.metadata import SlideInfo
 
 # A level whose downsample is within this factor of the wanted one is used as is (no 0.3% resizes).
 _TOLERANCE = 1.01

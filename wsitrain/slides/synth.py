@@ -211,6 +211,20 @@ def write_synthetic_slide(
     return path
 
 
+def _make_out_dir(out: Path) -> None:
+    """Create the output folder, or say which part of its path is in the way (a file, no permission)."""
+    blocker = next((p for p in (out, *out.parents) if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        where = "is a file" if blocker == out else f"lies under the file {blocker}"
+        raise SlideError(f"synth: {out} {where}, not a folder", hint="choose a folder path for the slides")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SlideError(
+            f"synth: cannot create {out}: {e.strerror or e}", hint="choose a folder you can write to"
+        ) from e
+
+
 def write_synthetic_dataset(
     out_dir: str | Path,
     n: int = 8,
@@ -248,7 +262,7 @@ def write_synthetic_dataset(
                 return csv_path
         except (OSError, ValueError):
             pass  # unreadable manifest: rewrite the dataset
-    out.mkdir(parents=True, exist_ok=True)
+    _make_out_dir(out)
     n_pos = int(round(n * positive_fraction))
     labels = np.array([1] * n_pos + [0] * (n - n_pos))
     np.random.default_rng(seed).shuffle(labels)

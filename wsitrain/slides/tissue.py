@@ -12,6 +12,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from wsitrain.slides.pixels import read_thumbnail
+from wsitrain.slides.readers import SlideReader
+
 # Below this saturation (0-255) nothing counts as tissue, even when Otsu splits pure-background noise.
 MIN_SATURATION = 15
 
@@ -155,11 +158,9 @@ def mask_box(
     return x0, y0, x1 - x0, y1 - y0
 
 
-def detect_tissue(reader: object, max_side: int = 512) -> TissueResult:
-    """Read a thumbnail of ``reader`` (a SlideReader) and find its tissue."""
-    from wsitrain.slides.stream import read_thumbnail
-
-    thumb, ds = read_thumbnail(reader, max_side)  # type: ignore[arg-type]
+def detect_tissue(reader: SlideReader, max_side: int = 512) -> TissueResult:
+    """Read a thumbnail of ``reader`` and find its tissue."""
+    thumb, ds = read_thumbnail(reader, max_side)
     mask, thr = tissue_mask(thumb)
-    box = mask_box(mask, ds, reader.info.dimensions)  # type: ignore[attr-defined]
+    box = mask_box(mask, ds, reader.info.dimensions)
     return TissueResult(mask=mask, downsample=ds, box=box, threshold=thr)

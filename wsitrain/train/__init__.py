@@ -1,7 +1,9 @@
 """Training and inference: `wsitrain fit` and `wsitrain predict` through the SFT engine.
 
-Modules: fit (run_fit: the epochs, checkpoints, resume), predict (run_predict), loop (Trainer: one slide forward/
-backward, one optimizer step, one evaluation), data (labels, split, read settings, epoch order), engine (device,
-seeds, model + SFT wrapper), optim (optimizers, schedules, losses), metrics, runfolder, checkpoint (atomic save/load),
-recorder (metrics.jsonl, tiles.jsonl, plans), progress (live display, summary table), distributed (torchrun helpers).
+Modules: fit (run_fit: the command), recipe (FitRecipe: setup / train / validate / save, callbacks), state (FitState:
+counters a checkpoint keeps), predict (run_predict), loop (Evaluator and Trainer: one slide forward/backward, one
+optimizer step, one evaluation, each with its peak memory), data (labels, split, read settings, epoch order),
+engine (device, seeds, model + SFT wrapper), optim (optimizers, schedules, losses), metrics, runfolder (run folders,
+resume, JSON-lines logs), checkpoint (atomic save/load), recorder (metrics.jsonl, tiles.jsonl, plans), progress
+(live display, summary table), distributed (torchrun helpers).
 """

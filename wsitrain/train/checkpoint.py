@@ -3,6 +3,7 @@ complete file or the new complete file, never a torn one."""
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import tempfile
@@ -17,21 +18,36 @@ from wsitrain.errors import WsiTrainError
 CHECKPOINT_FORMAT = 1
 
 
+# A full disk or quota: the user's to fix, not a bug (torch.save can also wrap it in a RuntimeError).
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
 def atomic_torch_save(obj: Any, path: Path) -> None:
-    """torch.save into a temp file in the same folder, fsync, then os.replace (atomic on POSIX)."""
+    """torch.save into a temp file in the same folder, fsync, then os.replace (atomic on POSIX).
+
+    A full disk raises WsiTrainError naming the file; the previous file at ``path`` is left intact.
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         # Also on KeyboardInterrupt: never leave temp files behind; the old checkpoint stays intact.
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
+        if _is_no_space(e):
+            kept = f"; the previous {path.name} is intact" if path.exists() else ""
+            raise WsiTrainError(
+                f"no space left on the device while writing the checkpoint {path}{kept}",
+                hint=f"free disk space in {path.parent} (or set log.dir to a larger disk), then continue with "
+                f"`wsitrain fit CONFIG --resume {path.parent}`",
+            ) from e
         raise
     # fsync the folder so the rename itself survives a power cut.
     try:
@@ -42,6 +58,12 @@ def atomic_torch_save(obj: Any, path: Path) -> None:
             os.close(dfd)
     except OSError:
         pass
+
+
+def _is_no_space(e: BaseException) -> bool:
+    if isinstance(e, OSError) and e.errno in NO_SPACE:
+        return True
+    return isinstance(e, RuntimeError) and "No space left on device" in str(e)
 
 
 def rng_states() -> dict[str, Any]:

@@ -2,30 +2,33 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from wsitrain.errors import ConfigError
+from wsitrain.config import WsiTrainConfig
+from wsitrain.errors import ConfigError, SlideError
+from wsitrain.slides.augment import AugmentConfig
+from wsitrain.slides.dataset import SlideRecord, load_labels, split_records
+from wsitrain.slides.synth import write_synthetic_dataset
 
 
 @dataclass
 class FitData:
-    train: list[Any]
-    val: list[Any]
+    train: list[SlideRecord]
+    val: list[SlideRecord]
     class_names: list[str]
     labels_csv: Path
     slides_dir: Path | None
 
 
-def resolve_labels(cfg: Any) -> tuple[Path, Path | None]:
+def resolve_labels(cfg: WsiTrainConfig) -> tuple[Path, Path | None]:
     """The labels CSV and slides folder: the config's, or a synthetic dataset generated (once) into its cache."""
     d = cfg.data
     if d.synthetic is not None:
-        from wsitrain.slides.synth import write_synthetic_dataset
-
         s = d.synthetic
         labels = write_synthetic_dataset(
             Path(s.cache_dir), n=s.n, size=s.size, seed=s.seed, positive_fraction=s.positive_fraction
@@ -38,10 +41,8 @@ def resolve_labels(cfg: Any) -> tuple[Path, Path | None]:
     return Path(d.labels), Path(d.slides_dir) if d.slides_dir is not None else None
 
 
-def load_fit_data(cfg: Any) -> FitData:
+def load_fit_data(cfg: WsiTrainConfig) -> FitData:
     """Read and check every slide's label (missing/unreadable slides fail here, before training), then split."""
-    from wsitrain.slides.dataset import load_labels, split_records
-
     labels_csv, slides_dir = resolve_labels(cfg)
     records, class_names = load_labels(labels_csv, slides_dir)
     class_names = list(class_names)
@@ -56,6 +57,15 @@ def load_fit_data(cfg: Any) -> FitData:
     if len(class_names) < 2:
         raise ConfigError([f"data.labels: {labels_csv} has only one class ({class_names}); a classifier needs two"])
     train, val = split_records(records, cfg.data.val_fraction, cfg.seed)
+    if not train and any(r.split is not None for r in records):
+        counts = Counter(r.split for r in records)
+        raise SlideError(
+            f"{labels_csv}: the split column puts no slide in train "
+            f"({', '.join(f'{n} {split}' for split, n in sorted(counts.items()))}); data.val_fraction is not used "
+            "when the CSV has a split column",
+            hint="mark the training slides with split 'train' in the CSV, or remove the split column to let "
+            "data.val_fraction choose the validation slides",
+        )
     if not train:
         raise ConfigError(
             [f"data.val_fraction: {cfg.data.val_fraction} leaves no training slides out of {len(records)}"]
@@ -63,7 +73,7 @@ def load_fit_data(cfg: Any) -> FitData:
     return FitData(list(train), list(val), class_names, labels_csv, slides_dir)
 
 
-def read_kwargs(cfg: Any, stride: int) -> dict[str, Any]:
+def read_kwargs(cfg: WsiTrainConfig, stride: int) -> dict[str, Any]:
     """Arguments for the slide reader: scale, region and padding to the model's stride (whole output pixels)."""
     d = cfg.data
     size = tuple(d.size) if isinstance(d.size, (list, tuple)) else d.size
@@ -85,10 +95,8 @@ def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
     return torch.randperm(n, generator=g).tolist()
 
 
-def augment_settings(cfg: Any) -> Any:
+def augment_settings(cfg: WsiTrainConfig) -> AugmentConfig | None:
     """data.augment as the slide reader's AugmentConfig; None when every augmentation is off."""
-    from wsitrain.slides.augment import AugmentConfig
-
     a = cfg.data.augment
     jitter = None if a.color_jitter in (None, "none") else a.color_jitter
     if not (a.flips or a.rot90 or jitter):

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import os
 import random
-from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
+from wsitrain.config import EngineConfig, ModelConfig
 from wsitrain.errors import ConfigError
+from wsitrain.models import build
+from wsitrain.sft import SFT
 from wsitrain.train.distributed import DistInfo
 
 
@@ -38,10 +40,7 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         torch.backends.cudnn.benchmark = False
 
 
-def build_model(cfg: Any, num_classes: int) -> nn.Module:
-    from wsitrain.models import build
-
-    m = cfg.model
+def build_model(m: ModelConfig, num_classes: int) -> nn.Module:
     return build(m.name, num_classes, weights=m.weights, pool=m.pool, freeze_bn=m.freeze_bn)
 
 
@@ -57,15 +56,17 @@ def batchnorm_note(model: nn.Module, freeze_bn: bool) -> str:
     return f"BatchNorm: {n} layers in training mode (batch statistics per tile; results are not tiling-exact)"
 
 
-def wrap_engine(model: nn.Module, cfg: Any, device: torch.device) -> nn.Module:
-    """The SFT engine around ``model`` (moved to ``device``): plans per input shape within the memory budget."""
-    from wsitrain.sft import SFT
+def wrap_engine(
+    model: nn.Module, engine: EngineConfig, device: torch.device, budget_bytes: int, optimizer: str | None
+) -> SFT:
+    """The SFT engine around ``model`` (moved to ``device``), planning every input shape within the run's one budget.
 
-    e = cfg.engine
+    ``budget_bytes`` is resolved once per run (``wsitrain.gpus.run_budget``), never re-detected per shape.
+    """
     return SFT(
         model.to(device),
-        memory_budget=e.memory_budget,
-        tile_size=e.tile_size,
-        checkpoints=e.checkpoints,
-        optimizer=cfg.train.optimizer,
+        memory_budget=budget_bytes,
+        tile_size=engine.tile_size,
+        checkpoints=engine.checkpoints,
+        optimizer=optimizer,
     )

@@ -1,7 +1,10 @@
-"""One slide forward/backward through the engine, one optimizer step, one evaluation pass.
+"""One slide through the engine: forward only (``Evaluator``), or forward + backward and optimizer steps (``Trainer``).
 
 A "batch" is one slide (slides differ in shape); ``train.accumulate`` slides make one optimizer step, each slide's
 loss scaled by 1/(slides in that window) so the step equals the mean gradient over the window.
+
+Each step measures its own peak memory with ``PeakMeter``: ``start()`` before the step, ``peak()`` after. The step
+is the owner of that measurement; nothing else resets the meter's counter.
 """
 
 from __future__ import annotations
@@ -13,13 +16,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 from wsitrain.memory import PeakMeter
+from wsitrain.precision import autocast_dtype
+from wsitrain.sft import SFT, StepStats
 from wsitrain.train.distributed import DistInfo, allreduce_gradients
 from wsitrain.train.optim import compute_loss, probabilities
-
-_AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -30,16 +32,60 @@ class SlideStep:
     probs: torch.Tensor  # (C,) float32 on the host
     forward_s: float
     backward_s: float
-    peak_bytes: int | None
-    stats: Any  # the engine's StepStats (per-tile timings), None if the engine gave none
+    peak_bytes: int  # PeakMeter's peak over the step: CUDA allocated bytes, CPU resident memory
+    stats: StepStats  # the engine's per-tile timings of this step
 
 
-class Trainer:
-    """Holds the engine-wrapped model, optimizer, schedule and scaler; knows precision, loss and clipping."""
+def _as_batch(image: torch.Tensor) -> torch.Tensor:
+    return image.unsqueeze(0) if image.dim() == 3 else image  # (3, H, W) -> (1, 3, H, W)
+
+
+class Evaluator:
+    """Forward passes of the engine-wrapped model in the run's precision: validation and prediction."""
+
+    def __init__(self, model: SFT, *, device: torch.device, precision: str = "fp32",
+                 loss: str = "cross_entropy") -> None:  # fmt: skip
+        self.model = model
+        self.device = device
+        self.precision = precision
+        self.loss_name = loss
+        self.meter = PeakMeter(device)
+        self._autocast_dtype = autocast_dtype(precision)
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self._autocast_dtype is not None:
+            return torch.autocast(self.device.type, dtype=self._autocast_dtype)
+        return contextlib.nullcontext()
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @torch.no_grad()
+    def eval_slide(self, image: torch.Tensor, label: int | None) -> SlideStep:
+        """Forward only (no graph kept): loss against ``label`` when given, and class probabilities."""
+        self.model.eval()
+        x = _as_batch(image)
+        self.meter.start()
+        t0 = time.perf_counter()
+        with self.autocast():
+            logits = self.model(x)
+        loss = float("nan")
+        if label is not None:
+            target = torch.tensor([label], dtype=torch.long, device=logits.device)
+            loss = float(compute_loss(logits, target, self.loss_name))
+        self._sync()
+        t1 = time.perf_counter()
+        probs = probabilities(logits, self.loss_name)[0].cpu()
+        return SlideStep(loss, probs, t1 - t0, 0.0, self.meter.peak(), self.model.last_stats)
+
+
+class Trainer(Evaluator):
+    """An Evaluator that also trains: optimizer, schedule, gradient scaler, clipping and gradient averaging."""
 
     def __init__(
         self,
-        model: nn.Module,
+        model: SFT,
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         *,
@@ -50,45 +96,22 @@ class Trainer:
         dist: DistInfo | None = None,
         bucket_mb: float = 25.0,
     ) -> None:
-        self._meter: PeakMeter | None = None
-        self.model = model
+        super().__init__(model, device=device, precision=precision, loss=loss)
         self.optimizer = optimizer
         self.scheduler = scheduler
-        self.device = device
-        self.precision = precision
-        self.loss_name = loss
         self.clip_grad_norm = clip_grad_norm
         self.dist = dist or DistInfo()
         self.bucket_mb = bucket_mb
         # fp16 gradients underflow without loss scaling; bf16 has fp32's exponent range and needs none.
         self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-        self.params = [p for p in optimizer.param_groups[0]["params"]] + [
-            p for g in optimizer.param_groups[1:] for p in g["params"]
-        ]
-
-    def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if self.precision in _AUTOCAST_DTYPES:
-            return torch.autocast(self.device.type, dtype=_AUTOCAST_DTYPES[self.precision])
-        return contextlib.nullcontext()
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def _reset_peak(self) -> None:
-        if self._meter is None:
-            self._meter = PeakMeter(self.device)
-        self._meter.start()  # the step owns the measurement: the engine never restarts this counter
-
-    def _peak(self, stats: Any) -> int | None:
-        return self._meter.peak() if self._meter is not None else None
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
 
     def train_slide(self, image: torch.Tensor, label: int, scale: float) -> SlideStep:
         """Forward + backward of one slide; gradients accumulate into .grad (scaled by ``scale``)."""
         self.model.train()
-        x = image.unsqueeze(0) if image.dim() == 3 else image
+        x = _as_batch(image)
         target = torch.tensor([label], dtype=torch.long, device=self.device)
-        self._reset_peak()
+        self.meter.start()
         t0 = time.perf_counter()
         with self.autocast():
             logits = self.model(x)
@@ -98,11 +121,10 @@ class Trainer:
         self.scaler.scale(loss * scale).backward()
         self._sync()
         t2 = time.perf_counter()
-        stats = getattr(self.model, "last_stats", None)
         probs = probabilities(logits.detach(), self.loss_name)[0].cpu()
-        return SlideStep(float(loss.detach()), probs, t1 - t0, t2 - t1, self._peak(stats), stats)
+        return SlideStep(float(loss.detach()), probs, t1 - t0, t2 - t1, self.meter.peak(), self.model.last_stats)
 
-    def optimizer_step(self) -> dict[str, float | None]:
+    def optimizer_step(self) -> OptimizerStep:
         """Average gradients over ranks, unscale, clip, step, advance the schedule; returns timing and norm."""
         t0 = time.perf_counter()
         allreduce_gradients(self.params, self.dist, self.bucket_mb)
@@ -119,30 +141,11 @@ class Trainer:
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
             self.scheduler.step()
         self._sync()
-        return {"optimizer_s": time.perf_counter() - t0, "grad_norm": grad_norm}
+        return OptimizerStep(time.perf_counter() - t0, grad_norm)
 
     @property
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
-
-    @torch.no_grad()
-    def eval_slide(self, image: torch.Tensor, label: int | None) -> SlideStep:
-        """Forward only (no graph kept): loss against ``label`` when given, and class probabilities."""
-        self.model.eval()
-        x = image.unsqueeze(0) if image.dim() == 3 else image
-        self._reset_peak()
-        t0 = time.perf_counter()
-        with self.autocast():
-            logits = self.model(x)
-        loss = float("nan")
-        if label is not None:
-            target = torch.tensor([label], dtype=torch.long, device=logits.device)
-            loss = float(compute_loss(logits, target, self.loss_name))
-        self._sync()
-        t1 = time.perf_counter()
-        stats = getattr(self.model, "last_stats", None)
-        probs = probabilities(logits, self.loss_name)[0].cpu()
-        return SlideStep(loss, probs, t1 - t0, 0.0, self._peak(stats), stats)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -156,3 +159,11 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+
+
+@dataclass(frozen=True)
+class OptimizerStep:
+    """Time and gradient norm of one optimizer step (norm only with train.clip_grad_norm)."""
+
+    seconds: float
+    grad_norm: float | None

@@ -9,16 +9,20 @@ from typing import Any
 
 from rich.console import Console
 
-from wsitrain.config import config_to_dict, diff_configs
+from wsitrain.config import WsiTrainConfig, config_to_dict, diff_configs
 from wsitrain.errors import SlideError, WsiTrainError
+from wsitrain.gpus import run_budget
+from wsitrain.models import build
+from wsitrain.slides.readers import open_slide
+from wsitrain.slides.stream import read_slide_region
+from wsitrain.slides.suffixes import SLIDE_SUFFIXES, is_slide_name
 from wsitrain.train.checkpoint import load_checkpoint
 from wsitrain.train.data import read_kwargs
 from wsitrain.train.engine import resolve_device, wrap_engine
-from wsitrain.train.loop import Trainer
-from wsitrain.train.optim import build_optimizer, build_scheduler
+from wsitrain.train.loop import Evaluator
 
-# What OpenSlide and tifffile open; other files in a slides folder (CSV, txt, thumbnails) are ignored.
-SLIDE_SUFFIXES = (".svs", ".tif", ".tiff", ".ndpi", ".mrxs", ".scn", ".vms", ".vmu", ".bif", ".svslide", ".ome.tif")
+# data.* keys that change how a slide is read: predicting with other values reads slides differently from training.
+_READ_KEYS = ("level", "mpp", "magnification", "fallback_mpp", "region", "size")
 
 
 def list_slides(slides: Path) -> list[Path]:
@@ -28,7 +32,7 @@ def list_slides(slides: Path) -> list[Path]:
         return [slides]
     if not slides.is_dir():
         raise SlideError(f"--slides {slides}: no such file or folder", hint="pass a folder of slides or one slide file")
-    found = sorted(p for p in slides.iterdir() if p.is_file() and p.suffix.lower() in SLIDE_SUFFIXES)
+    found = sorted(p for p in slides.iterdir() if p.is_file() and is_slide_name(p))
     if not found:
         raise SlideError(
             f"--slides {slides}: no slide files in it (looked for {', '.join(SLIDE_SUFFIXES)})",
@@ -39,8 +43,6 @@ def list_slides(slides: Path) -> list[Path]:
 
 def _check_readable(paths: list[Path]) -> None:
     """Open every slide first, so a bad file fails the command before any prediction is spent."""
-    from wsitrain.slides.readers import open_slide
-
     problems = []
     for p in paths:
         try:
@@ -54,39 +56,61 @@ def _check_readable(paths: list[Path]) -> None:
         )
 
 
-def run_predict(cfg: Any, *, checkpoint: Path, slides: Path, out: Path, console: Console | None = None) -> Path:
-    """Write ``out`` (CSV: slide, path, one probability column per class, predicted class); return its path."""
-    from wsitrain.models import build
-    from wsitrain.slides.stream import read_slide_region
+def _check_out(out: Path) -> None:
+    """--out must name a file in an existing folder: refused before any slide is read."""
+    if out.is_dir():
+        raise WsiTrainError(f"--out {out}: is a folder; --out names the CSV file to write",
+                            hint=f"e.g. --out {out / 'predictions.csv'}")  # fmt: skip
+    parent = out.parent
+    if not parent.exists():
+        raise WsiTrainError(f"--out {out}: folder {parent} does not exist", hint="create it or choose another path")
+    if not parent.is_dir():
+        raise WsiTrainError(f"--out {out}: {parent} is a file, not a folder", hint="choose a path in a folder")
 
+
+def _check_model(cfg: WsiTrainConfig, trained: dict[str, Any], checkpoint: Path) -> None:
+    """The config's model must be the checkpoint's: silently following either would predict with a surprise."""
+    trained_name = (trained.get("model") or {}).get("name")
+    if trained_name is not None and trained_name != cfg.model.name:
+        raise WsiTrainError(
+            f"checkpoint {checkpoint} holds a {trained_name} model but the config's model.name is {cfg.model.name}",
+            hint=f"predict with the config the run was trained with (its config.yaml), or set "
+            f"--set model.name={trained_name}",
+        )
+
+
+def run_predict(
+    cfg: WsiTrainConfig, *, checkpoint: Path, slides: Path, out: Path, console: Console | None = None
+) -> Path:
+    """Write ``out`` (CSV: slide, path, one probability column per class, predicted class); return its path."""
     console = console or Console()
+    out = Path(out)
     ckpt = load_checkpoint(Path(checkpoint))
     class_names = [str(c) for c in ckpt.get("class_names") or []]
     trained = ckpt.get("config") or {}
-    model_cfg = trained.get("model") or config_to_dict(cfg)["model"]
     if not class_names:
         raise WsiTrainError(f"checkpoint {checkpoint} has no class names", hint="use a checkpoint written by fit")
+    _check_model(cfg, trained, Path(checkpoint))
+    _check_out(out)
     paths = list_slides(Path(slides))
     _check_readable(paths)
-    out = Path(out)
-    if out.parent and not out.parent.exists():
-        raise WsiTrainError(f"--out {out}: folder {out.parent} does not exist", hint="create it or choose another path")
 
-    # The architecture comes from the checkpoint (what the weights fit); how to read slides comes from cfg.
+    # How to read slides comes from cfg; say so when it differs from training.
     read_changed = [k for k in diff_configs(trained.get("data", {}), config_to_dict(cfg)["data"])
-                    if k.split(".")[0] in ("level", "mpp", "magnification", "fallback_mpp", "region", "size")]
+                    if k.split(".")[0] in _READ_KEYS]  # fmt: skip
     if trained and read_changed:
         console.print(f"[yellow]note: data.{', data.'.join(read_changed)} differ from the training config; "
                       "predictions read slides differently from training[/yellow]")
-    model = build(model_cfg["name"], len(class_names), weights=None, pool=model_cfg.get("pool", "avg"),
-                  freeze_bn=model_cfg.get("freeze_bn", True))
+    # The architecture is the checkpoint's (what its weights fit); model.name was checked to agree above.
+    m = {**config_to_dict(cfg)["model"], **(trained.get("model") or {})}
+    model = build(m["name"], len(class_names), weights=None, pool=m["pool"], freeze_bn=m["freeze_bn"])
     model.load_state_dict(ckpt["model"])
     device = resolve_device(cfg.engine.device)
-    engine = wrap_engine(model, cfg, device)
-    opt = build_optimizer(model.parameters(), "sgd", lr=1.0)  # unused; Trainer needs one, prediction never steps
-    runner = Trainer(engine, opt, build_scheduler(opt, "constant", 1), device=device,
-                     precision=cfg.train.precision, loss=cfg.train.loss)
-    rk = read_kwargs(cfg, int(getattr(model, "stride", 1)))
+    budget = run_budget(cfg.engine.memory_budget, device)
+    engine = wrap_engine(model, cfg.engine, device, budget.bytes, optimizer=None)  # no optimizer state to plan for
+    runner = Evaluator(engine, device=device, precision=cfg.train.precision, loss=cfg.train.loss)
+    rk = read_kwargs(cfg, model.stride)
+    console.print(f"memory budget: {budget.describe()}", markup=False, highlight=False)
 
     rows = []
     t0 = time.perf_counter()
@@ -98,7 +122,7 @@ def run_predict(cfg: Any, *, checkpoint: Path, slides: Path, out: Path, console:
         rows.append([p.name, str(p), *(f"{v:.6f}" for v in probs), pred])
         console.print(f"[{i}/{len(paths)}] {p.name}: {pred} ({max(probs):.3f}), "
                       f"{tuple(read.image.shape[1:])} px, read {read.seconds:.2f} s, forward {res.forward_s:.2f} s",
-                      markup=False, highlight=False)
+                      markup=False, highlight=False)  # fmt: skip
     with open(out, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["slide", "path", *(f"prob_{c}" for c in class_names), "predicted"])

@@ -11,6 +11,7 @@ from rich.progress import BarColumn, Progress, ProgressColumn, Task, TextColumn,
 from rich.table import Table
 from rich.text import Text
 
+from wsitrain.sft import SFT
 from wsitrain.units import format_bytes
 
 
@@ -18,21 +19,20 @@ class LiveTilesColumn(ProgressColumn):
     """Tiles done in the current slide, read live from the engine's stats (which it fills tile by tile) at each
     refresh, so a slide that takes minutes still shows movement."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: SFT) -> None:
         super().__init__()
         self.engine = engine
 
     def render(self, task: Task) -> Text:
         total = task.fields.get("tiles_total", 0)
-        stats = getattr(self.engine, "last_stats", None)
-        done = len(stats.tiles) if stats is not None else 0
+        done = len(self.engine.last_stats.tiles)
         return Text(f"tiles {min(done, total) if total else done}/{total}" if total else "tiles -")
 
 
 class FitProgress:
     """Epoch and slide bars with loss, tiles and peak memory; ``quiet`` keeps only one line per epoch/validation."""
 
-    def __init__(self, console: Console | None, quiet: bool, epochs: int, engine: Any = None) -> None:
+    def __init__(self, console: Console | None, quiet: bool, epochs: int, engine: SFT) -> None:
         self.console = console or Console()
         self.quiet = quiet
         self.epochs = epochs

@@ -1,12 +1,15 @@
-"""Run folders runs/NAME/: created fresh (never overwritten), with the resolved config and library versions."""
+"""Run folders runs/NAME/: created fresh (never overwritten), with the resolved config and library versions;
+the checkpoint a resume continues from; the JSON-lines logs a run appends to."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import platform
 import sys
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -15,25 +18,55 @@ import torch
 import yaml
 
 import wsitrain
+from wsitrain.config import check_run_name, diff_configs
+from wsitrain.errors import WsiTrainError
+from wsitrain.train.checkpoint import NO_SPACE, load_checkpoint
+from wsitrain.train.data import FitData
+
+
+def check_log_dir(base: Path) -> None:
+    """Refuse a log.dir that cannot hold run folders because part of its path is a file (checked before any write)."""
+    base = Path(base)
+    for part in (base, *base.parents):
+        if part.exists():
+            if not part.is_dir():
+                where = "is a file" if part == base else f"lies under the file {part}"
+                raise WsiTrainError(
+                    f"log.dir {base}: {where}, not a folder",
+                    hint="set log.dir to a folder (it is created when missing), e.g. --set log.dir=runs",
+                )
+            return
 
 
 def create_run_dir(base: Path, name: str | None) -> tuple[Path, str | None]:
     """Create base/NAME; if it exists, NAME-2, NAME-3, ... The old folder is never touched.
 
     Returns the folder and a note for the user when the name changed. ``os.mkdir`` without exist_ok makes the
-    claim atomic, so two jobs started at once cannot share a folder.
+    claim atomic, so two jobs started at once cannot share a folder. A name is one folder name
+    (``config.check_run_name``), so the run folder is always directly inside ``base``.
     """
     base = Path(base)
-    base.mkdir(parents=True, exist_ok=True)
     name = name or datetime.now().strftime("run-%Y%m%d-%H%M%S")
+    problem = check_run_name(name, what="run name")
+    if problem is not None:
+        raise WsiTrainError(problem, hint="pass --name NAME (or the config key name:) with a plain folder name")
+    check_log_dir(base)
     candidate, i = base / name, 1
-    while True:
-        try:
-            os.mkdir(candidate)
-            break
-        except FileExistsError:
-            i += 1
-            candidate = base / f"{name}-{i}"
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        while True:
+            try:
+                os.mkdir(candidate)
+                break
+            except FileExistsError:
+                i += 1
+                candidate = base / f"{name}-{i}"
+    except OSError as e:
+        raise WsiTrainError(
+            f"log.dir {base}: cannot create the run folder {candidate}: {e.strerror or e}",
+            hint="set log.dir to a folder you can write to, e.g. --set log.dir=runs (check permissions and free "
+            "disk space)",
+        ) from e
     note = None
     if candidate.name != name:
         note = (
@@ -74,8 +107,23 @@ def _version(module: str, attr: str = "__version__") -> str | None:
         return None
 
 
+@contextlib.contextmanager
+def _disk_full_named(path: Path) -> Iterator[None]:
+    """A full disk while writing a run file is the user's to fix: exit 2 naming the file, not an internal error."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in NO_SPACE:
+            raise
+        raise WsiTrainError(
+            f"no space left on the device while writing {path}",
+            hint=f"free disk space in {Path(path).parent} (or set log.dir to a larger disk), then continue with "
+            "`wsitrain fit CONFIG --resume RUN_DIR`",
+        ) from e
+
+
 def write_yaml(path: Path, data: dict[str, Any]) -> None:
-    with open(path, "w") as f:
+    with _disk_full_named(path), open(path, "w") as f:
         yaml.safe_dump(_plain(data), f, sort_keys=False)
 
 
@@ -85,7 +133,7 @@ def read_yaml(path: Path) -> dict[str, Any]:
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
-    with open(path, "w") as f:
+    with _disk_full_named(path), open(path, "w") as f:
         json.dump(_plain(data), f, indent=2)
         f.write("\n")
 
@@ -115,10 +163,77 @@ class JsonlWriter:
     def write(self, record: dict[str, Any]) -> None:
         if self._f is None:
             return
-        self._f.write(json.dumps(_plain(record)) + "\n")
-        self._f.flush()
+        with _disk_full_named(self.path):
+            self._f.write(json.dumps(_plain(record)) + "\n")
+            self._f.flush()
 
     def close(self) -> None:
         if self._f is not None:
             self._f.close()
             self._f = None
+
+
+# Keys whose change makes a checkpoint's weights meaningless for the new config: refused even with --force.
+ARCHITECTURE_KEYS = ("model.name",)
+
+
+def load_resume(resume: Path, cfg_dict: dict[str, Any], force: bool) -> tuple[dict[str, Any], Path]:
+    """The checkpoint to continue from (a run folder means its last.pt); refuse a changed config unless forced.
+
+    A different model is refused even with ``force``: its weights cannot be loaded, and the run folder must not
+    be touched before that is known.
+    """
+    path = resume / "last.pt" if resume.is_dir() else resume
+    if not resume.exists():
+        raise WsiTrainError(f"--resume {resume}: no such run folder", hint="pass a folder under runs/ written by fit")
+    if not path.is_file():
+        raise WsiTrainError(
+            f"--resume {resume}: no last.pt in it (the run stopped before its first checkpoint)",
+            hint="start a new run instead, or set train.checkpoint_every to checkpoint within an epoch",
+        )
+    ckpt = load_checkpoint(path)
+    old = ckpt.get("config", {})
+    changed = [k for k in diff_configs(old, cfg_dict) if k != "name"]
+    fixed = [k for k in changed if k in ARCHITECTURE_KEYS]
+    if fixed:
+        details = "; ".join(f"{k}: {_get(old, k)!r} -> {_get(cfg_dict, k)!r}" for k in fixed)
+        raise WsiTrainError(
+            f"--resume {resume}: the run trained another model ({details}); its weights cannot continue in this one",
+            hint=f"resume with {_get(old, 'model.name')!r} (the run's config.yaml), or start a new run without "
+            "--resume",
+        )
+    if changed and not force:
+        details = "; ".join(f"{k}: {_get(old, k)!r} -> {_get(cfg_dict, k)!r}" for k in changed)
+        raise WsiTrainError(
+            f"--resume {resume}: the config differs from the run's in {len(changed)} key(s): {details}",
+            hint="resume with the run's own config (its config.yaml), or add --force to continue with the new one",
+        )
+    return ckpt, path.parent
+
+
+def _get(d: dict[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+        d = d.get(part) if isinstance(d, dict) else None
+    return d
+
+
+def write_run_files(
+    run_dir: Path, cfg_dict: dict[str, Any], resumed: bool, device: torch.device, data: FitData
+) -> None:
+    """config.yaml, versions.json and data.json; on a resume with a changed config, config.resume-N.yaml instead."""
+    if not resumed:
+        write_yaml(run_dir / "config.yaml", cfg_dict)
+        write_json(run_dir / "versions.json", library_versions(device))
+        write_json(run_dir / "data.json", {
+            "labels": str(data.labels_csv), "classes": data.class_names,
+            "train": [r.slide_id for r in data.train], "val": [r.slide_id for r in data.val],
+        })  # fmt: skip
+        return
+    saved = run_dir / "config.yaml"
+    if saved.exists() and not diff_configs(read_yaml(saved), cfg_dict):
+        return
+    i = 1
+    while (run_dir / f"config.resume-{i}.yaml").exists():
+        i += 1
+    write_yaml(run_dir / f"config.resume-{i}.yaml", cfg_dict)
+    write_json(run_dir / f"versions.resume-{i}.json", library_versions(device))

@@ -1,0 +1,148 @@
+"""``wsitrain plan``: what the SFT engine would do with a model, an image size and a GPU, from shapes alone.
+
+The model is built on the meta device, so planning a 100000 x 100000 image allocates nothing. The plan
+renders itself (``str(plan)`` and ``plan.to_dict()``, the engine's one text and JSON form); this command adds
+only what belongs to the command: where the budget came from, the GPU preset, the largest square image.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from rich.console import Console
+
+from wsitrain.errors import WsiTrainError
+from wsitrain.gpus import Budget, resolve_budget
+from wsitrain.models import MODEL_NAMES, build
+from wsitrain.precision import Precision, activation_dtype, check_precision
+from wsitrain.sft import Plan, max_square_size
+from wsitrain.sft import plan as plan_model
+
+PLAN_NUM_CLASSES = 2  # the head is tiny next to the trunk; any class count plans the same
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    """The engine's plan and the command's envelope around it."""
+
+    plan: Plan
+    budget: Budget
+    precision: Precision
+    max_size: int | None  # largest square edge that fits the budget; 0: none; None: not computed
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "budget_source": self.budget.source,
+            "gpu": self.budget.gpu,
+            "precision": self.precision,
+            "max_size": self.max_size,
+            "plan": self.plan.to_dict(),
+        }
+
+    def __str__(self) -> str:
+        lines = [str(self.plan), f"budget source: {self.budget.source}"]
+        if self.budget.gpu is not None:
+            lines.append(f"gpu preset: {self.budget.gpu}")
+        if self.max_size is not None:
+            lines.append(
+                f"largest square image that fits this budget: {self.max_size} x {self.max_size} px"
+                if self.max_size
+                else "no square image fits this budget: the weights alone need more"
+            )
+        return "\n".join(lines)
+
+
+def parse_size(size: str | int, stride: int, model: str) -> tuple[int, int]:
+    """``"20480"`` or ``"20480x10240"`` (height x width) into (H, W); each edge at least the model's stride."""
+    text = str(size).strip().lower().replace(" ", "")
+    parts = text.split("x")
+    if len(parts) not in (1, 2) or not all(p.lstrip("-").isdigit() for p in parts):
+        raise WsiTrainError(
+            f"--size: cannot read {size!r} as an image size", hint="give one edge (20480) or HEIGHTxWIDTH (20480x10240)"
+        )
+    edges = [int(p) for p in parts]
+    h, w = (edges[0], edges[0]) if len(edges) == 1 else (edges[0], edges[1])
+    if h <= 0 or w <= 0:
+        raise WsiTrainError(f"--size: {size!r} must be positive", hint="give pixels, e.g. --size 20480")
+    if h < stride or w < stride:
+        raise WsiTrainError(
+            f"--size: {size!r} is smaller than {model}'s stride of {stride} px",
+            hint=f"give at least {stride} px per edge",
+        )
+    return h, w
+
+
+def _check_model(model: str) -> None:
+    # TODO(models): use the validating function of wsitrain.models once it exists (one list of model names).
+    if model not in MODEL_NAMES:
+        raise WsiTrainError(f"unknown model {model!r}", hint=f"choose one of: {', '.join(MODEL_NAMES)}")
+
+
+def make_plan(
+    *,
+    model: str,
+    size: str,
+    gpu: str | None,
+    memory: str | None,
+    batch: int = 1,
+    precision: str = "fp32",
+    tile: int | None = None,
+    optimizer: str | None = None,
+    with_max_size: bool = True,
+) -> PlanReport:
+    """Validate the inputs, plan on the meta device, and return the plan with the command's envelope."""
+    _check_model(model)
+    prec = check_precision(precision)
+    dtype = activation_dtype(prec)
+    budget = resolve_budget(gpu, memory)
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise WsiTrainError(f"--batch: {batch!r} must be a positive integer", hint="use --batch 1 (the default)")
+    if tile is not None and tile <= 0:
+        raise WsiTrainError(f"--tile: {tile!r} must be positive", hint="give a tile edge in pixels, or omit --tile")
+    with torch.device("meta"):  # shapes only: no parameter or activation is ever allocated
+        net = build(model, PLAN_NUM_CLASSES)
+    h, w = parse_size(size, net.stride, model)
+    p = plan_model(
+        net, input_shape=(batch, 3, h, w), memory_budget=budget.bytes, dtype=dtype, tile_size=tile,
+        optimizer=optimizer, device=budget.device,
+    )  # fmt: skip
+    max_size = None
+    if with_max_size:
+        max_size = int(
+            max_square_size(net, budget.bytes, dtype=dtype, batch=batch, optimizer=optimizer, device=budget.device)
+        )
+    return PlanReport(p, budget, prec, max_size)
+
+
+def run_plan(
+    *,
+    model: str,
+    size: str,
+    gpu: str | None,
+    memory: str | None,
+    batch: int,
+    precision: str,
+    tile: int | None,
+    as_json: bool,
+    console: Console,
+    optimizer: str | None = None,
+) -> int:
+    """``wsitrain plan``: print the plan (readable, or one JSON object); exit code 0 when it fits, 1 when not.
+
+    Bad input raises WsiTrainError (the CLI prints it and exits 2).
+    """
+    report = make_plan(
+        model=model, size=size, gpu=gpu, memory=memory, batch=batch, precision=precision, tile=tile,
+        optimizer=optimizer,
+    )  # fmt: skip
+    if as_json:
+        # Plain write, not console.print: rich would wrap and highlight the JSON.
+        console.file.write(json.dumps(report.to_dict()) + "\n")
+        console.file.flush()
+    else:
+        # markup=False: the plan's "[conv1 .. pool4]" layer ranges are not rich markup tags.
+        console.print(str(report), markup=False, highlight=False, soft_wrap=True)
+    return 0 if report.plan.fits else 1

@@ -1,0 +1,37 @@
+"""The precisions a run, a plan or a benchmark can use: their names, and what each means to torch.
+
+The one place that maps ``fp32`` / ``bf16`` / ``fp16`` to dtypes. Names and checks are torch-free so the
+config can use them without importing torch; the dtype functions import torch when first called.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal, get_args
+
+from wsitrain.errors import WsiTrainError
+
+if TYPE_CHECKING:
+    import torch
+
+Precision = Literal["fp32", "bf16", "fp16"]
+PRECISIONS: tuple[str, ...] = get_args(Precision)
+_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def check_precision(name: str, what: str = "--precision") -> Precision:
+    """``name`` if it is a known precision, else a WsiTrainError naming ``what`` (the option or config key)."""
+    if name not in PRECISIONS:
+        raise WsiTrainError(f"{what}: unknown precision {name!r}", hint=f"choose one of: {', '.join(PRECISIONS)}")
+    return name  # type: ignore[return-value]
+
+
+def activation_dtype(name: str) -> torch.dtype:
+    """The dtype activations are computed in (what the planner sizes): float32, bfloat16 or float16."""
+    import torch  # here, not at the top: config.py imports this module and must stay torch-free
+
+    return getattr(torch, _DTYPE_NAMES[check_precision(name)])
+
+
+def autocast_dtype(name: str) -> torch.dtype | None:
+    """The dtype for ``torch.autocast``; None for fp32, which runs without autocast."""
+    return None if check_precision(name) == "fp32" else activation_dtype(name)

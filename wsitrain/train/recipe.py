@@ -1,0 +1,308 @@
+"""The training recipe of `wsitrain fit`: setup, train, validate, save (in the style of a torchtune recipe).
+
+``setup`` does everything that can fail on the user's input before the run folder exists: data, resume
+checkpoint, model, memory budget (resolved once for the whole run), engine, optimizer. ``train`` runs the epochs:
+slides in a seeded order, an optimizer step every ``train.accumulate`` slides, checkpoints, validation.
+Callbacks (``FitCallback``) see every optimizer step; tests use them to stop a run at a known point.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.markup import escape
+
+from wsitrain.config import WsiTrainConfig, check_run_name, config_to_dict
+from wsitrain.errors import PlanError, WsiTrainError
+from wsitrain.gpus import Budget, run_budget
+from wsitrain.slides.dataset import PrefetchLoader, SlideDataset, SlideRecord
+from wsitrain.slides.stream import ReadResult
+from wsitrain.train import distributed as D
+from wsitrain.train.checkpoint import rng_states, save_checkpoint, set_rng_states
+from wsitrain.train.data import FitData, augment_settings, epoch_order, load_fit_data, read_kwargs
+from wsitrain.train.engine import batchnorm_note, build_model, resolve_device, seed_everything, wrap_engine
+from wsitrain.train.loop import Trainer
+from wsitrain.train.metrics import classification_metrics
+from wsitrain.train.optim import build_optimizer, build_scheduler
+from wsitrain.train.progress import FitProgress
+from wsitrain.train.recorder import RunRecorder
+from wsitrain.train.runfolder import check_log_dir, create_run_dir, load_resume, write_run_files
+from wsitrain.train.state import FitState
+
+Item = tuple[torch.Tensor, int, SlideRecord, ReadResult]  # (image (3, H, W) uint8, label, record, how it was read)
+
+
+class FitCallback(Protocol):
+    """Called after every optimizer step, once that step's checkpoint (if any) is written."""
+
+    def on_step_end(self, state: FitState) -> None: ...
+
+
+class FitRecipe:
+    """One fit: ``setup()`` then ``train()``; ``save()`` and ``validate()`` are its checkpoint and evaluation."""
+
+    def __init__(
+        self,
+        cfg: WsiTrainConfig,
+        *,
+        console: Console,
+        quiet: bool,
+        dist: D.DistInfo,
+        callbacks: Sequence[FitCallback] = (),
+    ) -> None:
+        self.cfg = cfg
+        self.dist = dist
+        self.quiet = quiet or not dist.is_main
+        self.out = console if dist.is_main else Console(quiet=True)
+        self.callbacks = list(callbacks)
+        self.state = FitState()
+
+    # ---- setup: every input check first, then the run folder
+    def setup(self, *, resume: Path | None, force: bool, name: str | None) -> Path:
+        """Check inputs, build everything, then create (or reopen) the run folder; return it."""
+        cfg, t = self.cfg, self.cfg.train
+        if resume is None:
+            _check_run_target(cfg, name)
+        self.device = resolve_device(cfg.engine.device, self.dist)
+        self.data: FitData = load_fit_data(cfg)
+        self.cfg_dict = config_to_dict(cfg)
+        ckpt, resume_dir = None, None
+        if resume is not None:
+            ckpt, resume_dir = load_resume(Path(resume), self.cfg_dict, force)
+            _check_same_classes(resume, ckpt, self.data)
+
+        seed_everything(cfg.seed, cfg.deterministic)
+        self.model = build_model(cfg.model, len(self.data.class_names))
+        self.budget: Budget = run_budget(cfg.engine.memory_budget, self.device)
+        self.engine = wrap_engine(self.model, cfg.engine, self.device, self.budget.bytes, t.optimizer)
+        optimizer = build_optimizer(self.model.parameters(), t.optimizer, t.lr, t.momentum, t.weight_decay)
+        n_train = len(D.shard(list(range(len(self.data.train))), self.dist))
+        steps_per_epoch = max(1, -(-n_train // t.accumulate))
+        scheduler = build_scheduler(optimizer, t.schedule, steps_per_epoch * t.epochs, t.warmup_steps)
+        self.trainer = Trainer(
+            self.engine, optimizer, scheduler, device=self.device, precision=t.precision, loss=t.loss,
+            clip_grad_norm=t.clip_grad_norm, dist=self.dist, bucket_mb=cfg.distributed.bucket_mb,
+        )  # fmt: skip
+        rk = read_kwargs(cfg, self.model.stride)
+        self.train_ds = SlideDataset(self.data.train, rk, augment_settings(cfg), cfg.seed)
+        self.val_ds = SlideDataset(self.data.val, rk, None, cfg.seed) if self.data.val else None
+
+        # ---- the run folder: a new one, or the resumed one (only rank 0 writes)
+        run_dir = resume_dir
+        if self.dist.is_main and run_dir is None:
+            run_dir, note = create_run_dir(Path(cfg.log.dir), name or cfg.name)
+            if note:
+                self.out.print(f"[yellow]{escape(note)}[/yellow]")
+        self.run_dir = Path(D.broadcast_object(str(run_dir), self.dist))
+        if self.dist.is_main:
+            write_run_files(self.run_dir, self.cfg_dict, ckpt is not None, self.device, self.data)
+
+        if ckpt is not None:
+            self.model.load_state_dict(ckpt["model"])
+            self.trainer.load_state_dict(ckpt)
+            self.state = FitState.from_checkpoint(ckpt)
+            set_rng_states(ckpt["rng"])
+            self.out.print(
+                f"resuming {escape(str(self.run_dir))} at epoch {self.state.epoch + 1}, slide "
+                f"{self.state.next_index + 1}, step {self.state.global_step} (lr {self.trainer.lr:.3g})"
+            )
+        self._print_setup()
+        self.recorder = RunRecorder(self.run_dir if self.dist.is_main else None, cfg.log, t.precision, self.engine,
+                                    self.out)  # fmt: skip
+        if ckpt is not None:
+            # Rows after this marker redo the steps a killed run had logged past its last checkpoint.
+            self.recorder.metrics.write({"kind": "resume", "epoch": self.state.epoch + 1,
+                                         "index": self.state.next_index, "step": self.state.global_step,
+                                         "forced": bool(force)})  # fmt: skip
+        return self.run_dir
+
+    def _print_setup(self) -> None:
+        cfg, data = self.cfg, self.data
+        self.out.print(f"run folder: {self.run_dir}", markup=False)
+        self.out.print(
+            f"model {cfg.model.name}: {sum(p.numel() for p in self.model.parameters()):,} parameters, "
+            f"{len(data.class_names)} classes ({', '.join(map(str, data.class_names))}); "
+            f"{batchnorm_note(self.model, cfg.model.freeze_bn)}",
+            markup=False,
+        )
+        self.out.print(f"memory budget: {self.budget.describe()}", markup=False)
+        self.out.print(
+            f"data: {len(data.train)} training and {len(data.val)} validation slides; device {self.device}"
+            + (f"; {self.dist.world_size} ranks" if self.dist.enabled else ""),
+            markup=False,
+        )
+
+    # ---- train
+    def train(self) -> None:
+        """The epochs from where the state stands; interrupted runs say how to continue."""
+        try:
+            with FitProgress(self.out, self.quiet, self.cfg.train.epochs, self.engine) as progress:
+                for epoch in range(self.state.epoch, self.cfg.train.epochs):
+                    self._epoch(epoch, progress)
+        except KeyboardInterrupt:
+            self.out.print(
+                f"[yellow]interrupted; the last checkpoint is {escape(str(self.run_dir / 'last.pt'))}; continue with "
+                f"`wsitrain fit CONFIG --resume {escape(str(self.run_dir))}`[/yellow]"
+            )
+            raise
+        finally:
+            self.recorder.close()
+
+    def _epoch(self, epoch: int, progress: FitProgress) -> None:
+        cfg, t, st, trainer = self.cfg, self.cfg.train, self.state, self.trainer
+        self.train_ds.set_epoch(epoch)  # augmentations depend on (seed, epoch, slide) only: a resume redraws them
+        order = D.shard(epoch_order(len(self.data.train), cfg.seed, epoch), self.dist)
+        start = st.next_index if epoch == st.epoch else 0
+        progress.start_epoch(epoch, len(order), start)
+        losses: list[float] = []
+        window_start = start
+        todo = order[start:]
+        loader = PrefetchLoader(self.train_ds, todo) if cfg.data.prefetch else _in_order(self.train_ds, todo)
+        t_wait = time.perf_counter()
+        for j, (image, label, record, read) in enumerate(loader, start=start):
+            wait_s = time.perf_counter() - t_wait
+            window = min(t.accumulate, len(order) - window_start)
+            with self._plan_errors_named(record.slide_id):
+                self.recorder.plan_if_new(image, record.slide_id)
+                progress.start_slide(record.slide_id, self.recorder.tiles_total(image))
+                step = trainer.train_slide(image, label, 1.0 / window)
+            losses.append(step.loss)
+            lr = trainer.lr
+            closes = j + 1 - window_start == window
+            step_no = st.global_step + 1  # the optimizer step this slide's gradient goes into (1-based)
+            opt = trainer.optimizer_step() if closes else None
+            if closes:
+                st.global_step += 1
+                window_start = j + 1
+            self.recorder.slide(epoch, step_no, j, record, step, read, wait_s, lr, opt)
+            progress.end_slide(step.loss, step.peak_bytes)
+            if closes:
+                if st.global_step % cfg.log.every == 0:
+                    progress.step_line(epoch, j, len(order), st.global_step, step.loss, lr, step.peak_bytes)
+                every = t.checkpoint_every
+                if every and st.global_step % every == 0 and j + 1 < len(order):
+                    self.save("last.pt", epoch, j + 1)
+                for cb in self.callbacks:
+                    cb.on_step_end(st)
+            t_wait = time.perf_counter()
+        train_loss = _mean_over_ranks(losses, self.dist)
+        st.history.append({"epoch": epoch + 1, "train_loss": train_loss})
+        progress.end_epoch(epoch, train_loss, trainer.lr)
+        improved = False
+        if self.val_ds is not None and ((epoch + 1) % t.val_every == 0 or epoch + 1 == t.epochs):
+            metrics = self.validate()
+            self.recorder.validation(epoch, st.global_step, metrics)
+            progress.validation(epoch, metrics)
+            st.history[-1].update({f"val_{k}": v for k, v in metrics.items()})
+            improved = metrics["loss"] < st.best
+            st.best = min(st.best, metrics["loss"])
+        elif self.val_ds is None and train_loss < st.best:
+            improved, st.best = True, train_loss  # no validation slides: best by training loss
+        st.epoch, st.next_index = epoch + 1, 0
+        self.save("last.pt", epoch + 1, 0)
+        if improved:
+            self.save("best.pt", epoch + 1, 0)
+        D.barrier(self.dist)
+
+    @contextlib.contextmanager
+    def _plan_errors_named(self, slide: str) -> Iterator[None]:
+        """Re-raise the engine's PlanError naming the slide and the config keys that caused it."""
+        try:
+            yield
+        except PlanError as err:
+            raise annotate_plan_error(err, self.cfg, slide, has_batchnorm(self.model)) from err
+
+    # ---- validate
+    def validate(self) -> dict[str, float]:
+        """Loss, accuracy, balanced accuracy and ROC AUC over the validation slides (split across ranks)."""
+        assert self.val_ds is not None
+        mine = list(range(len(self.data.val)))[self.dist.rank :: self.dist.world_size]
+        results = []
+        t0 = time.perf_counter()
+        for i in mine:
+            image, label, record, _read = self.val_ds[i]
+            with self._plan_errors_named(record.slide_id):
+                r = self.trainer.eval_slide(image, label)
+            results.append((int(label), r.loss, r.probs.numpy()))
+        results = [x for part in D.gather_objects(results, self.dist) for x in part]
+        labels = np.array([r[0] for r in results])
+        probs = np.stack([r[2] for r in results])
+        metrics = {"loss": float(np.mean([r[1] for r in results]))}
+        metrics.update(classification_metrics(labels, probs))
+        metrics["n"] = len(results)
+        metrics["seconds"] = time.perf_counter() - t0
+        return metrics
+
+    # ---- save
+    def save(self, file_name: str, epoch: int, next_index: int) -> None:
+        """Write a checkpoint (rank 0 only) that resumes at slide ``next_index`` of epoch ``epoch``."""
+        if not self.dist.is_main:
+            return
+        st = self.state
+        save_checkpoint(
+            self.run_dir / file_name, model=self.model.state_dict(), **self.trainer.state_dict(), epoch=epoch,
+            next_index=next_index, global_step=st.global_step, best=st.best, history=st.history, rng=rng_states(),
+            config=self.cfg_dict, class_names=self.data.class_names,
+        )  # fmt: skip
+
+    def summary(self, wall_s: float) -> dict[str, Any]:
+        return self.recorder.summary(self.run_dir, self.state, wall_s)
+
+
+def annotate_plan_error(err: PlanError, cfg: WsiTrainConfig, slide: str, batchnorm: bool) -> PlanError:
+    """The engine's message (its text is the engine's), plus the slide and the config keys behind the situation."""
+    hints = []
+    # Training-mode BatchNorm cannot be tiled whatever the memory: the engine's "more memory" hint would mislead.
+    bn_cause = batchnorm and not cfg.model.freeze_bn and "BatchNorm" in f"{err.message} {err.hint}"
+    if bn_cause:
+        hints.append("set model.freeze_bn: true (the default) so BatchNorm uses its running statistics and can be "
+                     "tiled")  # fmt: skip
+    if cfg.engine.tile_size is not None:
+        hints.append(f"engine.tile_size is forced to {cfg.engine.tile_size}: remove it to let the planner choose the "
+                     "tiles, or give a smaller one")  # fmt: skip
+    if not bn_cause:
+        hints.append(err.hint or "")
+    return PlanError(f"slide {slide}: {err.message}", hint="; ".join(h for h in hints if h))
+
+
+def has_batchnorm(model: torch.nn.Module) -> bool:
+    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def _check_run_target(cfg: WsiTrainConfig, name: str | None) -> None:
+    """The new run folder can be made: --name is one folder name and log.dir is (or can become) a folder."""
+    if name is not None:
+        problem = check_run_name(name, what="--name")
+        if problem is not None:
+            raise WsiTrainError(problem, hint="pass --name with a plain folder name, e.g. --name lr-1e-4")
+    check_log_dir(Path(cfg.log.dir))
+
+
+def _check_same_classes(resume: Path, ckpt: dict[str, Any], data: FitData) -> None:
+    """The classifier's rows are the run's classes: another class list cannot continue the run's weights."""
+    old = [str(c) for c in ckpt.get("class_names") or []]
+    new = [str(c) for c in data.class_names]
+    if old and old != new:
+        raise WsiTrainError(
+            f"--resume {resume}: the run was trained on classes {old}, the labels now give {new}",
+            hint="resume with the run's labels CSV (see data.json in the run folder), or start a new run",
+        )
+
+
+def _in_order(ds: SlideDataset, order: list[int]) -> Iterator[Item]:
+    for i in order:
+        yield ds[i]
+
+
+def _mean_over_ranks(values: list[float], dist: D.DistInfo) -> float:
+    gathered = D.gather_objects(values, dist)
+    flat = [v for part in gathered for v in part]
+    return float(np.mean(flat)) if flat else math.nan
