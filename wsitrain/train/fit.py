@@ -15,6 +15,7 @@ from rich.markup import escape
 
 from wsitrain.config import config_to_dict, diff_configs
 from wsitrain.errors import WsiTrainError
+from wsitrain.preflight import check_run
 from wsitrain.train import distributed as D
 from wsitrain.train.checkpoint import load_checkpoint, rng_states, save_checkpoint, set_rng_states
 from wsitrain.train.data import FitData, augment_settings, epoch_order, load_fit_data, read_kwargs
@@ -40,12 +41,14 @@ def run_fit(
     name: str | None = None,
     console: Console | None = None,
     quiet: bool = False,
+    shapes_only: bool = False,
 ) -> Path:
     """Train as ``cfg`` says; return the run folder. Input errors are raised before anything is trained or written."""
     console = console or Console()
     info = D.init_distributed(cfg.distributed.backend, "cuda" if _wants_cuda(cfg) else "cpu")
     try:
-        return _fit(cfg, resume=resume, force=force, name=name, console=console, quiet=quiet, info=info)
+        return _fit(cfg, resume=resume, force=force, name=name, console=console, quiet=quiet, info=info,
+                    shapes_only=shapes_only)
     finally:
         D.cleanup(info)
 
@@ -55,7 +58,8 @@ def _wants_cuda(cfg: Any) -> bool:
 
 
 def _fit(
-    cfg: Any, *, resume: Path | None, force: bool, name: str | None, console: Console, quiet: bool, info: D.DistInfo
+    cfg: Any, *, resume: Path | None, force: bool, name: str | None, console: Console, quiet: bool, info: D.DistInfo,
+    shapes_only: bool = False,
 ) -> Path:
     t_start = time.perf_counter()
     main = info.is_main
@@ -63,6 +67,7 @@ def _fit(
     device = resolve_device(cfg.engine.device, info)
 
     # ---- everything that can fail on the user's input, before training starts or a folder is made
+    check_run(cfg, device, shapes_only=shapes_only, console=out)  # every slide and shape bucket, all problems at once
     data = load_fit_data(cfg)
     cfg_dict = config_to_dict(cfg)
     ckpt, resume_dir = None, None
