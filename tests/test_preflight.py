@@ -99,7 +99,8 @@ def test_validate_runs_preflight(cohort: Path, tmp_path: Path) -> None:
     assert all(name in bad.output for name in ("big.svs", "nompp.tif", "broken.svs"))
     good = runner.invoke(app, ["validate", str(config), "--set", f"data.labels={cohort / 'good-labels.csv'}"], env=env)
     assert good.exit_code == 0, good.output
-    assert "is valid" in good.output and "preflight: 2 slides" in good.output
+    assert "is valid" in good.output and "preflight: 2 slides in 2 shape buckets" in good.output
+    assert "320 x 320" in good.output  # the bucket table
 
 
 def test_every_slide_fits_its_bucket_and_buckets_are_planned(cohort: Path) -> None:

@@ -95,10 +95,21 @@ class PreflightReport:
     def ok(self) -> bool:
         return not self.problems
 
+    def summary(self) -> str:
+        """One line for the log: slides, buckets, the budget, host memory, time."""
+        n, k = len(self.slides), len(self.buckets)
+        return (
+            f"preflight: {n} slide{'s' if n != 1 else ''} in {k} shape bucket{'s' if k != 1 else ''}, each planned "
+            f"within {format_bytes(self.budget_bytes)} ({self.device}); host memory for the largest "
+            f"{format_bytes(self.host_needed_bytes)} of {format_bytes(self.host_available_bytes)} available "
+            f"({self.seconds:.1f} s{', whole slides' if self.shapes_only else ''})"
+        )
+
     def table(self) -> Table:
         """Buckets, their slide counts and planned peaks, for ``wsitrain validate``."""
-        t = Table(title=f"preflight: {len(self.slides)} slides in {len(self.buckets)} shape buckets, "
-                  f"budget {format_bytes(self.budget_bytes)} ({self.device})", title_justify="left")  # fmt: skip
+        t = Table(
+            title=f"shape buckets, budget {format_bytes(self.budget_bytes)} ({self.device})", title_justify="left"
+        )
         for col in ("bucket (H x W)", "slides", "planned peak", "tiles", "fits"):
             t.add_column(col, justify="left" if col == "bucket (H x W)" else "right")
         for b in self.buckets:
@@ -150,7 +161,10 @@ def check_run(
         from wsitrain.train.engine import resolve_device
 
         device = resolve_device(cfg.engine.device)
-    return run_preflight(cfg, run_budget(cfg, device), device, shapes_only=shapes_only, progress=console)
+    report = run_preflight(cfg, run_budget(cfg, device), device, shapes_only=shapes_only, progress=console)
+    if console is not None:
+        console.print(report.summary(), markup=False)
+    return report
 
 
 def run_preflight(
@@ -169,11 +183,11 @@ def run_preflight(
     from wsitrain.slides.dataset import load_labels
     from wsitrain.train.data import resolve_labels
 
-    t0 = time.perf_counter()
     dev = torch.device(device).type
     report = PreflightReport(device=dev, budget_bytes=int(budget_bytes), shapes_only=shapes_only)
     report.problems += _file_problems(cfg)
-    labels_csv, slides_dir = resolve_labels(cfg)
+    labels_csv, slides_dir = resolve_labels(cfg)  # generates data.synthetic's slides on first use, as fit would
+    t0 = time.perf_counter()
     records, class_names = load_labels(labels_csv, slides_dir, check_readable=False)
     model = _meta_model(cfg, cfg.model.num_classes or max(2, len(class_names)))
     stride = int(getattr(model, "stride", 1))
