@@ -233,3 +233,17 @@ def test_cuda_plan_stages_the_image_on_the_host(cohort: Path) -> None:
     report = run_preflight(make_cfg(cohort, "good-labels.csv"), 2**30, "cuda")
     assert all(b.plan is not None and b.plan.input_on_host and b.plan.device == "cuda" for b in report.buckets)
     assert report.device == "cuda"
+
+
+def test_no_objective_power_for_a_magnification_is_named(cohort: Path) -> None:
+    got = slide_shape(make_cfg(cohort, mpp=None, magnification=10), cohort / "nompp.tif", 16)
+    assert isinstance(got, pf.Problem) and got.subject == "nompp.tif"
+    assert "neither objective power" in got.message and "data.fallback_mpp" in got.hint
+
+
+def test_bucket_null_plans_each_shape_rounded_to_the_stride(cohort: Path) -> None:
+    cfg = make_cfg(cohort, "good-labels.csv", bucket=None, mpp=0.7)  # 256 and 320 px at 0.5 um: 183 and 229 px
+    report = run_preflight(cfg, 15 * MiB, "cpu")
+    assert {s.slide: s.bucket for s in report.slides} == {"good.svs": (192, 192), "good2.svs": (240, 240)}
+    cfg.data.bucket = 1  # one edge per doubling: powers of two (in stride units)
+    assert {s.bucket for s in run_preflight(cfg, 15 * MiB, "cpu").slides} == {(256, 256)}
