@@ -37,6 +37,7 @@ _state: dict[str, Any] = {"quiet": False, "verbose": False, "console": None}
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+SHAPES_ONLY_HELP = "Preflight: plan whole slides, skipping tissue detection (faster on thousands of slides)."
 SET_HELP = "Override a config key, e.g. --set train.lr=1e-4 --set data.level=1 (repeatable; values are YAML)."
 
 
@@ -131,6 +132,7 @@ def fit(
         "--name",
         help="Run folder name under log.dir, one plain folder name (default: config key `name`, else run-DATE-TIME).",
     ),
+    shapes_only: bool = typer.Option(False, "--shapes-only", help=SHAPES_ONLY_HELP),
 ) -> None:
     """Train a slide-level classifier on whole slides.
 
@@ -146,7 +148,9 @@ def fit(
     """
     cfg = _load_config(config, set_)
     run_fit = _entry("wsitrain.train.fit", "run_fit", "fit")
-    run_fit(cfg, resume=resume, force=force, name=name, console=_console(), quiet=_state["quiet"])
+    run_fit(
+        cfg, resume=resume, force=force, name=name, console=_console(), quiet=_state["quiet"], shapes_only=shapes_only
+    )
 
 
 @app.command()
@@ -280,6 +284,7 @@ def synth(
 def validate(
     config: Path = typer.Argument(..., metavar="CONFIG", help="YAML config file to check."),
     set_: list[str] | None = typer.Option(None, "--set", "-s", metavar="KEY=VALUE", help=SET_HELP),
+    shapes_only: bool = typer.Option(False, "--shapes-only", help=SHAPES_ONLY_HELP),
 ) -> None:
     """Check a config file (and overrides) and that the files it names exist, without running anything; list every
     problem found.
@@ -295,11 +300,14 @@ def validate(
     if problems:
         raise ConfigError(problems, source=str(config))
     console = _console()
+    report = _entry("wsitrain.preflight", "check_run", "validate")(cfg, shapes_only=shapes_only, console=console)
     console.print(f"[green]{config} is valid[/]", soft_wrap=True)
     table = Table(show_header=False, box=None, pad_edge=False)
     for key, value in config_summary(cfg).items():
         table.add_row(f"[bold]{key}[/]", value)
     console.print(table)
+    if report is not None:
+        console.print(report.table())
 
 
 @app.command()

@@ -117,6 +117,9 @@ class DataConfig(Section):
     background: tuple[
         Annotated[int, Field(ge=0, le=255)], Annotated[int, Field(ge=0, le=255)], Annotated[int, Field(ge=0, le=255)]
     ] = (255, 255, 255)
+    # Each side is padded (background colour) up to a ladder of edges with this many steps per doubling, so few
+    # distinct shapes (engine plans) exist: 4 grows a side by at most ~25%; null plans every slide shape on its own.
+    bucket: Annotated[int, Field(ge=1, le=64, strict=True)] | None = 4
     val_fraction: float = Field(0.25, ge=0, lt=1)
     augment: AugmentConfig = Field(default_factory=AugmentConfig)
     prefetch: bool = True

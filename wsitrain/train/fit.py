@@ -25,13 +25,14 @@ def run_fit(
     console: Console | None = None,
     quiet: bool = False,
     callbacks: Sequence[FitCallback] = (),
+    shapes_only: bool = False,
 ) -> Path:
     """Train as ``cfg`` says; return the run folder. Input errors are raised before anything is trained or written."""
     console = console or Console()
     info = D.init_distributed(cfg.distributed.backend, "cuda" if _wants_cuda(cfg) else "cpu")
     try:
         t_start = time.perf_counter()
-        recipe = FitRecipe(cfg, console=console, quiet=quiet, dist=info, callbacks=callbacks)
+        recipe = FitRecipe(cfg, console=console, quiet=quiet, dist=info, callbacks=callbacks, shapes_only=shapes_only)
         run_dir = recipe.setup(resume=resume, force=force, name=name)
         recipe.train()
         summary = recipe.summary(time.perf_counter() - t_start)

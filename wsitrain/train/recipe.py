@@ -23,6 +23,7 @@ from rich.markup import escape
 from wsitrain.config import WsiTrainConfig, check_run_name, config_to_dict
 from wsitrain.errors import PlanError, WsiTrainError
 from wsitrain.gpus import Budget, run_budget
+from wsitrain.preflight import check_run
 from wsitrain.slides.dataset import PrefetchLoader, SlideDataset, SlideRecord
 from wsitrain.slides.stream import ReadResult
 from wsitrain.train import distributed as D
@@ -57,8 +58,10 @@ class FitRecipe:
         quiet: bool,
         dist: D.DistInfo,
         callbacks: Sequence[FitCallback] = (),
+        shapes_only: bool = False,
     ) -> None:
         self.cfg = cfg
+        self.shapes_only = shapes_only  # preflight skips tissue detection
         self.dist = dist
         self.quiet = quiet or not dist.is_main
         self.out = console if dist.is_main else Console(quiet=True)
@@ -72,6 +75,9 @@ class FitRecipe:
         if resume is None:
             _check_run_target(cfg, name)
         self.device = resolve_device(cfg.engine.device, self.dist)
+        self.budget: Budget = run_budget(cfg.engine.memory_budget, self.device)
+        # every slide and shape bucket planned within the budget, all problems at once, before any folder exists
+        check_run(cfg, self.device, shapes_only=self.shapes_only, console=self.out, budget_bytes=self.budget.bytes)
         self.data: FitData = load_fit_data(cfg)
         self.cfg_dict = config_to_dict(cfg)
         ckpt, resume_dir = None, None
@@ -81,7 +87,6 @@ class FitRecipe:
 
         seed_everything(cfg.seed, cfg.deterministic)
         self.model = build_model(cfg.model, len(self.data.class_names))
-        self.budget: Budget = run_budget(cfg.engine.memory_budget, self.device)
         self.engine = wrap_engine(self.model, cfg.engine, self.device, self.budget.bytes, t.optimizer)
         optimizer = build_optimizer(self.model.parameters(), t.optimizer, t.lr, t.momentum, t.weight_decay)
         n_train = len(D.shard(list(range(len(self.data.train))), self.dist))

@@ -1,0 +1,249 @@
+"""Preflight: every slide opened, every shape bucket planned, every problem named at once, before a run folder."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tifffile
+from rich.console import Console
+from typer.testing import CliRunner
+
+import wsitrain.preflight as pf
+from wsitrain.cli import app
+from wsitrain.config import WsiTrainConfig
+from wsitrain.preflight import PreflightError, run_preflight, slide_shape
+from wsitrain.slides.stream import read_slide_region
+from wsitrain.slides.synth import write_synthetic_slide
+
+MiB = 2**20
+# The tiny model on CPU (adamw, fp32): a 256 px slide plans within 15 MiB, a 1024 px one needs ~17 MiB.
+BUDGET = "15MiB"
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def cohort(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Slides: two fine ones, one too large for BUDGET, one without mpp, one that is not a slide; labels.csv."""
+    d = tmp_path_factory.mktemp("cohort")
+    write_synthetic_slide(d / "good.svs", size=256, positive=True, seed=1)
+    write_synthetic_slide(d / "good2.svs", size=320, positive=False, seed=2)
+    write_synthetic_slide(d / "big.svs", size=1024, positive=False, seed=3)
+    tifffile.imwrite(d / "nompp.tif", np.full((300, 400, 3), 200, np.uint8))  # no resolution tags: no mpp
+    (d / "broken.svs").write_bytes(b"this is not a slide\n" * 50)
+    rows = ["slide,label", "good.svs,positive", "good2.svs,negative", "big.svs,negative", "nompp.tif,positive",
+            "broken.svs,negative"]  # fmt: skip
+    (d / "labels.csv").write_text("\n".join(rows) + "\n")
+    (d / "good-labels.csv").write_text("\n".join(rows[:3]) + "\n")
+    return d
+
+
+def make_cfg(cohort: Path, labels: str = "labels.csv", **data: object) -> WsiTrainConfig:
+    raw = {
+        "data": {"labels": str(cohort / labels), "mpp": 0.5, "region": "whole", **data},
+        "model": {"name": "tiny"},
+        "engine": {"memory_budget": BUDGET, "device": "cpu"},
+    }
+    return WsiTrainConfig.model_validate(raw)
+
+
+def subjects(err: PreflightError) -> list[str]:
+    return [p.subject for p in err.problems]
+
+
+def test_three_bad_slides_named_in_one_error(cohort: Path) -> None:
+    cfg = make_cfg(cohort)
+    with pytest.raises(PreflightError) as info:
+        run_preflight(cfg, 15 * MiB, "cpu")
+    err = info.value
+    assert err.exit_code == 2
+    assert sorted(subjects(err)) == ["big.svs", "broken.svs", "nompp.tif"]
+    by = {p.subject: p for p in err.problems}
+    assert "does not fit engine.memory_budget 15.00 MiB" in by["big.svs"].message
+    assert "1024 x 1024" in by["big.svs"].message
+    assert "no mpp" in by["nompp.tif"].message and "data.fallback_mpp" in by["nompp.tif"].hint
+    assert "not a readable slide" in by["broken.svs"].message
+    text = str(err)
+    assert "3 problems" in text and all(name in text for name in ("big.svs", "nompp.tif", "broken.svs"))
+    assert "good.svs" not in text
+    # The report travels with the error: the good slides were measured and planned.
+    assert {s.slide for s in err.report.slides} == {"good.svs", "good2.svs", "big.svs"}
+
+
+def test_fit_fails_in_preflight_and_creates_no_run_folder(cohort: Path, tmp_path: Path) -> None:
+    config = tmp_path / "run.yaml"
+    logs = tmp_path / "logs"
+    config.write_text(
+        f"data: {{labels: {cohort / 'labels.csv'}, mpp: 0.5, region: whole}}\nmodel: {{name: tiny}}\n"
+        f"engine: {{memory_budget: {BUDGET}, device: cpu}}\ntrain: {{epochs: 1}}\nlog: {{dir: {logs}}}\n"
+    )
+    result = runner.invoke(app, ["fit", str(config)], env={"COLUMNS": "200", "NO_COLOR": "1"})
+    assert result.exit_code == 2, result.output
+    for name in ("big.svs", "nompp.tif", "broken.svs"):
+        assert name in result.output
+    assert "Traceback" not in result.output
+    assert not logs.exists() or not any(logs.iterdir()), "a run folder was created before the preflight failed"
+
+
+def test_validate_runs_preflight(cohort: Path, tmp_path: Path) -> None:
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        f"data: {{labels: {cohort / 'labels.csv'}, mpp: 0.5, region: whole}}\nmodel: {{name: tiny}}\n"
+        f"engine: {{memory_budget: {BUDGET}, device: cpu}}\n"
+    )
+    env = {"COLUMNS": "200", "NO_COLOR": "1"}
+    bad = runner.invoke(app, ["validate", str(config), "--shapes-only"], env=env)
+    assert bad.exit_code == 2 and "is valid" not in bad.output
+    assert all(name in bad.output for name in ("big.svs", "nompp.tif", "broken.svs"))
+    good = runner.invoke(app, ["validate", str(config), "--set", f"data.labels={cohort / 'good-labels.csv'}"], env=env)
+    assert good.exit_code == 0, good.output
+    assert "is valid" in good.output and "preflight: 2 slides in 2 shape buckets" in good.output
+    assert "320 x 320" in good.output  # the bucket table
+
+
+def test_every_slide_fits_its_bucket_and_buckets_are_planned(cohort: Path) -> None:
+    report = run_preflight(make_cfg(cohort, "good-labels.csv"), 15 * MiB, "cpu")
+    assert report.ok and report.seconds > 0
+    assert {s.slide: s.shape for s in report.slides} == {"good.svs": (256, 256), "good2.svs": (320, 320)}
+    for s in report.slides:
+        assert s.bucket[0] >= s.shape[0] and s.bucket[1] >= s.shape[1]
+        assert s.bucket[0] % 16 == 0 and s.bucket[1] % 16 == 0  # the tiny model's stride
+    assert all(b.plan is not None and b.plan.fits for b in report.buckets)
+    assert {b.bucket for b in report.buckets} == {s.bucket for s in report.slides}
+    assert 0 < report.host_needed_bytes <= report.host_available_bytes
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        {"region": "whole", "mpp": 0.5},
+        {"region": "tissue", "mpp": 1.0},
+        {"region": "tissue", "mpp": None, "level": 1},
+        {"region": "fixed", "size": [200, 300], "mpp": 0.5},
+    ],
+)
+def test_shape_matches_what_the_reader_reads(cohort: Path, data: dict) -> None:
+    """The preflight's shape arithmetic is the reader's: read the slide for real and compare."""
+    cfg = make_cfg(cohort, **data)
+    path = cohort / "big.svs"
+    got = slide_shape(cfg, path, 16)
+    assert not isinstance(got, pf.Problem), got
+    d = cfg.data
+    size = tuple(d.size) if isinstance(d.size, list) else d.size
+    read = read_slide_region(path, level=d.level, mpp=d.mpp, region=d.region, size=size, pad_multiple=16)
+    assert got.shape == tuple(read.image.shape[-2:])
+    assert got.level == read.level
+
+
+def test_shapes_only_plans_the_whole_level(cohort: Path) -> None:
+    cfg = make_cfg(cohort, region="tissue")
+    tissue = slide_shape(cfg, cohort / "big.svs", 16)
+    whole = slide_shape(cfg, cohort / "big.svs", 16, shapes_only=True)
+    assert not isinstance(tissue, pf.Problem) and not isinstance(whole, pf.Problem)
+    assert whole.shape == (1024, 1024)
+    assert tissue.shape[0] < 1024 or tissue.shape[1] < 1024  # the synthetic tissue does not fill the slide
+
+
+def test_level_that_does_not_exist_is_named(cohort: Path) -> None:
+    got = slide_shape(make_cfg(cohort, mpp=None, level=5), cohort / "good.svs", 16)
+    assert isinstance(got, pf.Problem)
+    assert got.subject == "good.svs" and "level 5 does not exist" in got.message and "data.level" in got.hint
+
+
+def test_budget_too_small_is_one_problem_about_the_key(cohort: Path) -> None:
+    with pytest.raises(PreflightError) as info:
+        run_preflight(make_cfg(cohort, "good-labels.csv"), 1 * MiB, "cpu")
+    assert subjects(info.value) == ["engine.memory_budget"]
+    assert "less than the model alone needs" in info.value.problems[0].message
+
+
+def test_forced_checkpoint_that_is_not_a_cut_point(cohort: Path) -> None:
+    cfg = make_cfg(cohort, "good-labels.csv")
+    cfg.engine.checkpoints = ["features.relu1", "features.nope"]
+    with pytest.raises(PreflightError) as info:
+        run_preflight(cfg, 15 * MiB, "cpu")
+    assert subjects(info.value) == ["engine.checkpoints"]  # once, not once per bucket
+    assert "['features.nope'] are not cut points" in info.value.problems[0].message
+    assert "valid: normalize, features.conv1" in info.value.problems[0].hint
+
+
+def test_train_mode_batchnorm_where_tiling_is_needed_names_the_keys(cohort: Path) -> None:
+    raw = make_cfg(cohort, "good-labels.csv").model_dump()
+    raw["model"] = {"name": "resnet18", "freeze_bn": False}
+    raw["engine"]["tile_size"] = 128
+    cfg = WsiTrainConfig.model_validate(raw)
+    with pytest.raises(PreflightError) as info:
+        run_preflight(cfg, 2**30, "cpu")
+    (problem,) = info.value.problems
+    assert "good.svs" in problem.subject and "good2.svs" in problem.subject
+    assert "BatchNorm" in problem.message
+    assert "model.freeze_bn: true" in problem.hint and "engine.tile_size" in problem.hint
+
+
+def test_missing_weights_file_is_named(cohort: Path, tmp_path: Path) -> None:
+    cfg = make_cfg(cohort, "good-labels.csv")
+    cfg.model.weights = tmp_path / "absent.pt"
+    with pytest.raises(PreflightError) as info:
+        run_preflight(cfg, 15 * MiB, "cpu")
+    assert subjects(info.value) == ["model.weights"]
+
+
+def test_host_memory_for_the_largest_slide(cohort: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pf, "available_host_bytes", lambda: 100_000)
+    with pytest.raises(PreflightError) as info:
+        # For a GPU only the images stay on the host: the larger slide needs the most.
+        run_preflight(make_cfg(cohort, "good-labels.csv"), 2**30, "cuda")
+    (problem,) = info.value.problems
+    assert problem.subject == "good2.svs"
+    assert "320 x 320 px" in problem.message and "97.66 KiB is available" in problem.message
+    assert "data.prefetch" in problem.hint
+
+
+def test_host_bytes_count_images_and_the_cpu_plan(cohort: Path) -> None:
+    report = run_preflight(make_cfg(cohort, "good-labels.csv"), 15 * MiB, "cpu")
+    bucket = report.buckets[-1]
+    h, w = bucket.bucket
+    cfg = make_cfg(cohort, "good-labels.csv")
+    assert pf.host_bytes_needed(cfg, bucket, "cuda") == 2 * 3 * h * w  # this slide and the one read ahead
+    assert pf.host_bytes_needed(cfg, bucket, "cpu") == 3 * h * w + bucket.plan.estimated_peak_bytes
+    cfg.data.prefetch = False
+    assert pf.host_bytes_needed(cfg, bucket, "cuda") == 3 * h * w
+
+
+def test_rot90_plans_the_transposed_bucket_too(cohort: Path) -> None:
+    cfg = make_cfg(cohort, "good-labels.csv", region="fixed", size=[128, 256], mpp=0.5)
+    report = run_preflight(cfg, 15 * MiB, "cpu")
+    assert {b.bucket for b in report.buckets} == {(128, 256), (256, 128)}
+    cfg.data.augment.rot90 = False
+    assert {b.bucket for b in run_preflight(cfg, 15 * MiB, "cpu").buckets} == {(128, 256)}
+
+
+def test_progress_bar_appears_when_slow(cohort: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pf, "PROGRESS_DELAY_S", 0.0)
+    out = io.StringIO()
+    run_preflight(make_cfg(cohort, "good-labels.csv"), 15 * MiB, "cpu",
+                  progress=Console(file=out, force_terminal=True, width=100))  # fmt: skip
+    assert "preflight: reading slides" in out.getvalue()
+
+
+def test_cuda_plan_stages_the_image_on_the_host(cohort: Path) -> None:
+    """Planning for a GPU works on a machine without one (shapes only) and keeps the image off the device."""
+    report = run_preflight(make_cfg(cohort, "good-labels.csv"), 2**30, "cuda")
+    assert all(b.plan is not None and b.plan.input_on_host and b.plan.device == "cuda" for b in report.buckets)
+    assert report.device == "cuda"
+
+
+def test_no_objective_power_for_a_magnification_is_named(cohort: Path) -> None:
+    got = slide_shape(make_cfg(cohort, mpp=None, magnification=10), cohort / "nompp.tif", 16)
+    assert isinstance(got, pf.Problem) and got.subject == "nompp.tif"
+    assert "neither objective power" in got.message and "data.fallback_mpp" in got.hint
+
+
+def test_bucket_null_plans_each_shape_rounded_to_the_stride(cohort: Path) -> None:
+    cfg = make_cfg(cohort, "good-labels.csv", bucket=None, mpp=0.7)  # 256 and 320 px at 0.5 um: 183 and 229 px
+    report = run_preflight(cfg, 15 * MiB, "cpu")
+    assert {s.slide: s.bucket for s in report.slides} == {"good.svs": (192, 192), "good2.svs": (240, 240)}
+    cfg.data.bucket = 1  # one edge per doubling: powers of two (in stride units)
+    assert {s.bucket for s in run_preflight(cfg, 15 * MiB, "cpu").slides} == {(256, 256)}

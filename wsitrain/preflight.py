@@ -1,0 +1,438 @@
+"""Preflight: everything about a run's slides that can be known before its first step, checked before it.
+
+``run_preflight(cfg, budget_bytes, device)`` opens every slide of the labels CSV, resolves its level and mpp as
+training will, computes the shape of the region it will read (tissue detection on a thumbnail, or the whole level
+with ``shapes_only``), groups the shapes into buckets (``wsitrain.slides.buckets``: each side padded up to a ladder
+edge), plans the model once per bucket within the run's budget (shapes only, on the meta device), and checks host
+RAM for the largest slide. Every problem found is collected, each naming its slide or config key with a hint; if
+there is any, one ``PreflightError`` (exit code 2) lists them all. Nothing is written (a synthetic data set named
+by ``data.synthetic`` is generated into its cache first, as ``fit`` would).
+
+Problems in the labels CSV itself (missing columns, missing files, empty labels) come from ``load_labels``, which
+already lists every row at once; they stop the preflight before slides are opened.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from torch import nn
+
+from wsitrain.config import WsiTrainConfig
+from wsitrain.errors import PlanError, SlideError, WsiTrainError
+from wsitrain.gpus import run_budget
+from wsitrain.memory import available_host_bytes
+from wsitrain.precision import activation_dtype
+from wsitrain.sft.plan_types import Plan
+from wsitrain.slides.buckets import bucket_shape
+from wsitrain.train.engine import resolve_device
+from wsitrain.units import format_bytes
+
+# Autocast dtypes of train.precision (fp32 runs in the parameters' dtype).
+# A progress bar appears only once the slide loop has taken this long: a 24-slide demo stays quiet.
+PROGRESS_DELAY_S = 1.0
+# Slides named per problem before "and N more": a bucket of 300 slides stays one readable line.
+NAMES_SHOWN = 8
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing that would stop or spoil the run: ``subject`` is a slide (or slides) or a config key."""
+
+    subject: str
+    message: str
+    hint: str
+
+    def lines(self) -> str:
+        return f"{self.subject}: {self.message}\n      hint: {self.hint}"
+
+
+@dataclass(frozen=True)
+class SlideShape:
+    """How one slide will be read: its level, mpp, region shape (H, W, padded to the stride) and its bucket."""
+
+    slide: str  # the file name, as problems name it
+    path: Path
+    level: int
+    mpp: float | None
+    shape: tuple[int, int]
+    bucket: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """One bucket shape (H, W), the slides padded into it, and the engine's plan for it (None: planning failed)."""
+
+    bucket: tuple[int, int]
+    slides: tuple[str, ...]
+    plan: Plan | None
+
+    @property
+    def fits(self) -> bool:
+        return self.plan is not None and self.plan.fits
+
+
+@dataclass
+class PreflightReport:
+    """What the preflight found; ``problems`` empty means the run can start."""
+
+    device: str
+    budget_bytes: int
+    shapes_only: bool
+    slides: list[SlideShape] = field(default_factory=list)
+    buckets: list[BucketPlan] = field(default_factory=list)
+    host_needed_bytes: int = 0
+    host_available_bytes: int = 0
+    problems: list[Problem] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def summary(self) -> str:
+        """One line for the log: slides, buckets, the budget, host memory, time."""
+        n, k = len(self.slides), len(self.buckets)
+        return (
+            f"preflight: {n} slide{'s' if n != 1 else ''} in {k} shape bucket{'s' if k != 1 else ''}, each planned "
+            f"within {format_bytes(self.budget_bytes)} ({self.device}); host memory for the largest "
+            f"{format_bytes(self.host_needed_bytes)} of {format_bytes(self.host_available_bytes)} available "
+            f"({self.seconds:.1f} s{', whole slides' if self.shapes_only else ''})"
+        )
+
+    def table(self) -> Table:
+        """Buckets, their slide counts and planned peaks, for ``wsitrain validate``."""
+        t = Table(
+            title=f"shape buckets, budget {format_bytes(self.budget_bytes)} ({self.device})", title_justify="left"
+        )
+        for col in ("bucket (H x W)", "slides", "planned peak", "tiles", "fits"):
+            t.add_column(col, justify="left" if col == "bucket (H x W)" else "right")
+        for b in self.buckets:
+            p = b.plan
+            tiles = sum(s.n_tiles for s in p.tiled_segments) if p is not None else 0
+            t.add_row(
+                f"{b.bucket[0]} x {b.bucket[1]}", str(len(b.slides)),
+                format_bytes(p.estimated_peak_bytes) if p is not None else "-", str(tiles),
+                "[green]yes[/]" if b.fits else "[red]no[/]",
+            )  # fmt: skip
+        return t
+
+
+class PreflightError(WsiTrainError):
+    """The preflight found problems; ``problems`` lists every one, ``report`` holds what was found."""
+
+    def __init__(self, problems: Sequence[Problem], report: PreflightReport | None = None) -> None:
+        n = len(problems)
+        message = f"preflight found {n} problem{'s' if n != 1 else ''} before training:\n" + "\n".join(
+            f"  - {p.lines()}" for p in problems
+        )
+        super().__init__(
+            message,
+            hint="fix the problems above; `wsitrain validate CONFIG` repeats this check without training "
+            "(--shapes-only skips tissue detection)",
+        )
+        self.problems = list(problems)
+        self.report = report
+
+
+def check_run(
+    cfg: WsiTrainConfig,
+    device: torch.device | None = None,
+    *,
+    shapes_only: bool = False,
+    console: Console | None = None,
+    budget_bytes: int | None = None,
+) -> PreflightReport | None:
+    """The preflight of ``wsitrain fit`` and ``validate``: the run's device (``engine.device`` when not given) and
+    budget; None when the config names no slides yet (``data.labels`` unset, which fit reports by itself)."""
+    if cfg.data.labels is None and cfg.data.synthetic is None:
+        return None
+    if device is None:
+        device = resolve_device(cfg.engine.device)
+    if budget_bytes is None:  # validate: the budget fit would resolve at its start
+        budget_bytes = run_budget(cfg.engine.memory_budget, torch.device(device)).bytes
+    report = run_preflight(cfg, budget_bytes, device, shapes_only=shapes_only, progress=console)
+    if console is not None:
+        console.print(report.summary(), markup=False)
+    return report
+
+
+def run_preflight(
+    cfg: WsiTrainConfig,
+    budget_bytes: int,
+    device: torch.device | str,
+    *,
+    shapes_only: bool = False,
+    progress: Console | None = None,
+) -> PreflightReport:
+    """Check every slide and every bucket's plan; return the report, or raise ``PreflightError`` listing all problems.
+
+    ``device`` is the training device (its type decides whether the image is staged on the host). ``progress``:
+    a console to show a progress bar on when the slide loop takes more than a moment.
+    """
+    from wsitrain.slides.dataset import load_labels
+    from wsitrain.train.data import resolve_labels
+
+    dev = torch.device(device).type
+    report = PreflightReport(device=dev, budget_bytes=int(budget_bytes), shapes_only=shapes_only)
+    report.problems += _file_problems(cfg)
+    labels_csv, slides_dir = resolve_labels(cfg)  # generates data.synthetic's slides on first use, as fit would
+    t0 = time.perf_counter()
+    records, class_names = load_labels(labels_csv, slides_dir, check_readable=False)
+    model = _meta_model(cfg, cfg.model.num_classes or max(2, len(class_names)))
+    stride = int(getattr(model, "stride", 1))
+
+    with _DelayedProgress(progress, len(records), "preflight: reading slides") as bar:
+        for rec in records:
+            shape_or_problem = slide_shape(cfg, rec.path, stride, shapes_only=shapes_only)
+            if isinstance(shape_or_problem, Problem):
+                report.problems.append(shape_or_problem)
+            else:
+                report.slides.append(shape_or_problem)
+            bar.advance()
+
+    report.buckets = _group(report.slides, transposed=cfg.data.augment.rot90)
+    report.problems += _plan_buckets(cfg, model, report, dev)
+    report.problems += _host_problems(cfg, report, dev)
+    report.seconds = time.perf_counter() - t0
+    if report.problems:
+        raise PreflightError(report.problems, report)
+    return report
+
+
+# --------------------------------------------------------------------------------------------------- slides
+
+
+def slide_shape(cfg: WsiTrainConfig, path: Path, stride: int, *, shapes_only: bool = False) -> SlideShape | Problem:
+    """How ``path`` will be read under ``cfg`` (the same arithmetic as ``read_slide_region``), or its problem."""
+    from wsitrain.slides.readers import open_slide
+    from wsitrain.slides.resolution import choose_resolution
+    from wsitrain.slides.stream import _tissue_box
+
+    d = cfg.data
+    name = path.name
+    try:
+        with open_slide(path, tuple(d.background)) as reader:
+            info = reader.info
+            res = choose_resolution(
+                info, level=d.level, mpp=d.mpp, magnification=d.magnification, fallback_mpp=d.fallback_mpp
+            )
+            if d.region == "fixed":
+                assert d.size is not None  # the config's own validator requires it
+                h, w = (d.size, d.size) if isinstance(d.size, int) else tuple(d.size)
+            else:
+                # Tissue boxes go through the reader's per-process cache, so fit does not detect them twice.
+                box = _tissue_box(reader) if d.region == "tissue" and not shapes_only else None
+                bw, bh = info.dimensions if box is None else box[2:]
+                w, h = max(1, round(bw / res.downsample)), max(1, round(bh / res.downsample))
+    except SlideError as e:
+        return Problem(name, _without_name(e.message, name), e.hint or "check the slide file")
+    shape = (-(-h // stride) * stride, -(-w // stride) * stride)
+    return SlideShape(name, path, res.level, res.mpp, shape, bucket_shape(shape, multiple=stride, steps=d.bucket))
+
+
+def _without_name(message: str, name: str) -> str:
+    # Slide errors start with the file name; the problem line names the slide already.
+    return message[len(name) + 2 :] if message.startswith(f"{name}: ") else message
+
+
+def _group(slides: Iterable[SlideShape], *, transposed: bool) -> list[BucketPlan]:
+    """Slides by bucket, smallest area first. With 90-degree turns on, a (W, H) bucket is met too and is planned."""
+    members: dict[tuple[int, int], list[str]] = {}
+    for s in slides:
+        members.setdefault(s.bucket, []).append(s.slide)
+        if transposed and s.bucket[0] != s.bucket[1]:
+            members.setdefault((s.bucket[1], s.bucket[0]), []).append(s.slide)
+    order = sorted(members, key=lambda hw: (hw[0] * hw[1], hw))
+    return [BucketPlan(hw, tuple(members[hw]), None) for hw in order]
+
+
+def _names(slides: Sequence[str]) -> str:
+    shown = ", ".join(slides[:NAMES_SHOWN])
+    return shown + (f" and {len(slides) - NAMES_SHOWN} more" if len(slides) > NAMES_SHOWN else "")
+
+
+# --------------------------------------------------------------------------------------------------- plans
+
+
+def _meta_model(cfg: WsiTrainConfig, num_classes: int) -> nn.Module:
+    """The run's model on the meta device, in training mode: shapes and modes only, no memory, no weights read."""
+    from wsitrain.models import build
+
+    m = cfg.model
+    with torch.device("meta"):
+        model = build(m.name, num_classes, pool=m.pool, freeze_bn=m.freeze_bn)
+    return model.train()
+
+
+def _plan_buckets(cfg: WsiTrainConfig, model: nn.Module, report: PreflightReport, dev: str) -> list[Problem]:
+    """Plan every bucket as fit will run it (uint8 image, staged on the host for CUDA); problems for those that fail.
+
+    The same planning error on several buckets (a bad ``engine.checkpoints`` name, an untileable layer) is one
+    problem naming all their slides.
+    """
+    from wsitrain.sft import plan
+
+    e, budget = cfg.engine, report.budget_bytes
+    errors: dict[str, tuple[PlanError, list[str]]] = {}
+    problems: list[Problem] = []
+    for i, b in enumerate(report.buckets):
+        try:
+            p = plan(
+                model, (1, 3, *b.bucket), budget, activation_dtype(cfg.train.precision), tile_size=e.tile_size,
+                checkpoints=e.checkpoints, optimizer=cfg.train.optimizer, input_dtype=torch.uint8,
+                input_on_host=dev == "cuda", device=dev,
+            )  # fmt: skip
+        except PlanError as err:
+            _, named = errors.setdefault(err.message, (err, []))
+            named.extend(s for s in b.slides if s not in named)
+            continue
+        report.buckets[i] = BucketPlan(b.bucket, b.slides, p)
+    for message, (err, slides) in errors.items():
+        problems.append(_plan_error_problem(cfg, err, message, slides))
+    failing = [b for b in report.buckets if b.plan is not None and not b.plan.fits]
+    if failing:
+        fixed = _fixed_bytes(failing[0].plan)
+        if fixed >= budget:
+            # Nothing can fit, whatever the slide: one problem about the budget, not one per bucket.
+            return problems + [
+                Problem(
+                    "engine.memory_budget",
+                    f"{format_bytes(budget)} is less than the model alone needs before any activation "
+                    f"({format_bytes(fixed)}: parameters, gradients, optimizer state, runtime)",
+                    hint="raise engine.memory_budget (or remove it to use the device's free memory)",
+                )
+            ]
+    hint = (
+        "raise engine.memory_budget, read at a coarser resolution (data.mpp or data.level), train in bf16 "
+        "(train.precision), or remove the slide from the labels"
+    )
+    if e.tile_size is not None or e.checkpoints is not None:
+        hint += "; engine.tile_size and engine.checkpoints force the plan: remove them to let the planner choose"
+    if report.shapes_only and cfg.data.region == "tissue":
+        hint += "; --shapes-only planned whole slides, without it only the tissue box is read"
+    for b in failing:
+        assert b.plan is not None
+        problems.append(
+            Problem(
+                _names(b.slides),
+                f"{'whole-slide ' if report.shapes_only else ''}region padded to {b.bucket[0]} x {b.bucket[1]} px "
+                f"does not fit engine.memory_budget {format_bytes(budget)}: the best plan needs "
+                f"{format_bytes(b.plan.estimated_peak_bytes)}",
+                hint,
+            )
+        )
+    return problems
+
+
+def _fixed_bytes(p: Plan | None) -> int:
+    """Memory a plan needs whatever the image: parameters, gradients, optimizer state, runtime."""
+    if p is None:
+        return 0
+    return sum(p.breakdown.get(k, 0) for k in ("parameters", "gradients", "optimizer", "runtime"))
+
+
+def _plan_error_problem(cfg: WsiTrainConfig, err: PlanError, message: str, slides: list[str]) -> Problem:
+    """A planning error as a problem naming the config key behind it."""
+    e, m = cfg.engine, cfg.model
+    if e.checkpoints is not None and "not cut points" in message:
+        return Problem("engine.checkpoints", message, err.hint or "name layers every path passes through")
+    if "cannot be tiled" in message or "cannot be tiled" in (err.hint or "") or "no plan exists" in message:
+        hints = []
+        if "BatchNorm" in message and not m.freeze_bn:
+            hints.append("set model.freeze_bn: true (BatchNorm then uses its running statistics and tiles exactly)")
+        if e.tile_size is not None:
+            hints.append("remove engine.tile_size: it forces every segment to be tiled, even where plain would fit")
+        hints.append("or raise engine.memory_budget so this layer can run untiled")
+        return Problem(f"{_names(slides)}", message, "; ".join(hints))
+    return Problem(_names(slides), message, err.hint or "see the message")
+
+
+# --------------------------------------------------------------------------------------------------- host memory
+
+
+def host_bytes_needed(cfg: WsiTrainConfig, bucket: BucketPlan, dev: str) -> int:
+    """Host RAM the largest bucket takes while training: its uint8 images plus what the plan keeps on the host.
+
+    Images: the slide being trained, the next one read ahead (``data.prefetch``), and a 90-degree turn of a
+    non-square slide, which fills a new buffer before the old one is freed. On CPU the plan's whole peak (which
+    includes the one image) is host memory; on CUDA only the image is staged there (pinned).
+    """
+    h, w = bucket.bucket
+    image = 3 * h * w  # uint8 (3, H, W)
+    images = 1 + int(cfg.data.prefetch) + int(cfg.data.augment.rot90 and h != w)
+    if dev == "cuda" or bucket.plan is None:
+        return images * image
+    return (images - 1) * image + bucket.plan.estimated_peak_bytes
+
+
+def _host_problems(cfg: WsiTrainConfig, report: PreflightReport, dev: str) -> list[Problem]:
+    if not report.buckets:
+        return []
+    need = {b.bucket: host_bytes_needed(cfg, b, dev) for b in report.buckets}
+    largest = max(report.buckets, key=lambda b: need[b.bucket])
+    report.host_needed_bytes = need[largest.bucket]
+    report.host_available_bytes = available_host_bytes()
+    if report.host_needed_bytes <= report.host_available_bytes:
+        return []
+    where = "host memory (pinned for the GPU)" if dev == "cuda" else "memory"
+    return [
+        Problem(
+            _names(largest.slides),
+            f"the largest region, {largest.bucket[0]} x {largest.bucket[1]} px, needs "
+            f"{format_bytes(report.host_needed_bytes)} of {where} while training; "
+            f"{format_bytes(report.host_available_bytes)} is available",
+            hint="read at a coarser resolution (data.mpp or data.level), set data.prefetch: false, turn off "
+            "data.augment.rot90 for non-square slides, or train on a machine with more RAM",
+        )
+    ]
+
+
+# --------------------------------------------------------------------------------------------------- progress
+
+
+class _DelayedProgress:
+    """A rich progress bar that shows itself only once the loop has run for ``PROGRESS_DELAY_S``."""
+
+    def __init__(self, console: Console | None, total: int, description: str) -> None:
+        self.console, self.total, self.description = console, total, description
+        self.done = 0
+        self.t0 = time.perf_counter()
+        self.bar: Progress | None = None
+
+    def __enter__(self) -> _DelayedProgress:
+        return self
+
+    def advance(self) -> None:
+        self.done += 1
+        if self.console is None:
+            return
+        if self.bar is None and time.perf_counter() - self.t0 >= PROGRESS_DELAY_S and self.done < self.total:
+            self.bar = Progress(
+                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                console=self.console, transient=True,
+            )  # fmt: skip
+            self.bar.start()
+            self.task = self.bar.add_task(self.description, total=self.total, completed=self.done)
+        elif self.bar is not None:
+            self.bar.update(self.task, completed=self.done)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def _file_problems(cfg: WsiTrainConfig) -> list[Problem]:
+    """Files the config names that must exist before training (the labels CSV is checked by load_labels)."""
+    w = cfg.model.weights
+    if w is not None and not Path(w).is_file():
+        return [Problem("model.weights", f"{w} does not exist", "give the path of a local weights file, or remove "
+                        "model.weights to start from random weights")]  # fmt: skip
+    return []
