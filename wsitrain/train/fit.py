@@ -15,6 +15,8 @@ from rich.markup import escape
 
 from wsitrain.config import config_to_dict, diff_configs
 from wsitrain.errors import WsiTrainError
+from wsitrain.report.curves import write_curves
+from wsitrain.report.roc import write_validation_figures
 from wsitrain.train import distributed as D
 from wsitrain.train.checkpoint import load_checkpoint, rng_states, save_checkpoint, set_rng_states
 from wsitrain.train.data import FitData, augment_settings, epoch_order, load_fit_data, read_kwargs
@@ -257,7 +259,7 @@ def _train(
         progress.end_epoch(epoch, train_loss, trainer.lr)
         improved = False
         if val_ds is not None and ((epoch + 1) % t.val_every == 0 or epoch + 1 == t.epochs):
-            metrics = _validate(val_ds, data.val, trainer, info)
+            metrics = _validate(val_ds, data.val, trainer, info, run_dir if info.is_main else None, data.class_names)
             recorder.validation(epoch, state["global_step"], metrics)
             progress.validation(epoch, metrics)
             state["history"][-1].update({f"val_{k}": v for k, v in metrics.items()})
@@ -266,6 +268,8 @@ def _train(
         elif val_ds is None and train_loss < state["best"]:
             improved, state["best"] = True, train_loss  # no validation slides: best by training loss
         state["epoch"], state["next_index"] = epoch + 1, 0
+        if info.is_main:
+            write_curves(run_dir)
         checkpoint("last.pt", epoch + 1, 0)
         if improved:
             checkpoint("best.pt", epoch + 1, 0)
@@ -289,15 +293,17 @@ def _mean_over_ranks(values: list[float], info: D.DistInfo) -> float:
     return float(np.mean(flat)) if flat else math.nan
 
 
-def _validate(ds: Any, records: list[Any], trainer: Trainer, info: D.DistInfo) -> dict[str, float]:
+def _validate(
+    ds: Any, records: list[Any], trainer: Trainer, info: D.DistInfo, run_dir: Path | None, class_names: list[str]
+) -> dict[str, float]:
     """Loss, accuracy, balanced accuracy and ROC AUC over the validation slides (split across ranks)."""
     mine = list(range(len(records)))[info.rank :: info.world_size]
     results = []
     t0 = time.perf_counter()
     for i in mine:
-        image, label, _record, _read = ds[i]
+        image, label, record, _read = ds[i]
         r = trainer.eval_slide(image, label)
-        results.append((int(label), r.loss, r.probs.numpy()))
+        results.append((int(label), r.loss, r.probs.numpy(), _slide_id(record), str(getattr(record, "path", ""))))
     results = [x for part in D.gather_objects(results, info) for x in part]
     labels = np.array([r[0] for r in results])
     probs = np.stack([r[2] for r in results])
@@ -305,4 +311,6 @@ def _validate(ds: Any, records: list[Any], trainer: Trainer, info: D.DistInfo) -
     metrics.update(classification_metrics(labels, probs))
     metrics["n"] = len(results)
     metrics["seconds"] = time.perf_counter() - t0
+    if run_dir is not None:  # roc.png, confusion.png and validation.json of this validation
+        write_validation_figures(run_dir, labels, probs, class_names, [r[3] for r in results], [r[4] for r in results])
     return metrics

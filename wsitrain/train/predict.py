@@ -11,6 +11,7 @@ from rich.console import Console
 
 from wsitrain.config import config_to_dict, diff_configs
 from wsitrain.errors import SlideError, WsiTrainError
+from wsitrain.report.heatmap_files import HeatmapWriter
 from wsitrain.train.checkpoint import load_checkpoint
 from wsitrain.train.data import read_kwargs
 from wsitrain.train.engine import resolve_device, wrap_engine
@@ -54,7 +55,10 @@ def _check_readable(paths: list[Path]) -> None:
         )
 
 
-def run_predict(cfg: Any, *, checkpoint: Path, slides: Path, out: Path, console: Console | None = None) -> Path:
+def run_predict(
+    cfg: Any, *, checkpoint: Path, slides: Path, out: Path, console: Console | None = None,
+    heatmaps: Path | None = None, saliency: bool = False,
+) -> Path:
     """Write ``out`` (CSV: slide, path, one probability column per class, predicted class); return its path."""
     from wsitrain.models import build
     from wsitrain.slides.stream import read_slide_region
@@ -88,6 +92,7 @@ def run_predict(cfg: Any, *, checkpoint: Path, slides: Path, out: Path, console:
                      precision=cfg.train.precision, loss=cfg.train.loss)
     rk = read_kwargs(cfg, int(getattr(model, "stride", 1)))
 
+    maps = HeatmapWriter(Path(heatmaps), class_names, saliency) if heatmaps is not None else None
     rows = []
     t0 = time.perf_counter()
     for i, p in enumerate(paths, 1):
@@ -99,6 +104,10 @@ def run_predict(cfg: Any, *, checkpoint: Path, slides: Path, out: Path, console:
         console.print(f"[{i}/{len(paths)}] {p.name}: {pred} ({max(probs):.3f}), "
                       f"{tuple(read.image.shape[1:])} px, read {read.seconds:.2f} s, forward {res.forward_s:.2f} s",
                       markup=False, highlight=False)
+        if maps is not None:
+            maps.add(p, read, engine)
+    if maps is not None:
+        console.print(f"wrote heatmaps of {len(paths)} slides to {maps.close().parent}", markup=False)
     with open(out, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["slide", "path", *(f"prob_{c}" for c in class_names), "predicted"])
