@@ -53,9 +53,11 @@ def tile_histograms(t: TileTimes, device: str) -> bytes:
     ax_t.set_ylabel("tiles" if t.per_tile else "steps")
     ax_t.set_title("tile time", fontsize=10)
     ax_t.legend(fontsize=8)
+    colors = {"forward": "tab:blue", "backward": "tab:red", "step": "tab:purple"}
     for key, values in t.bytes.items():
         if values:
-            ax_m.hist([v / MiB for v in values], bins=40, alpha=0.6, label=f"{key} ({len(values)})")
+            ax_m.hist([v / MiB for v in values], bins=40, alpha=0.6, color=colors.get(key),
+                      label=f"{key} ({len(values)})")
     where = "CUDA max allocated per tile" if "cpu" not in device.lower() else "process peak RSS so far (CPU)"
     ax_m.set_xlabel(f"MiB, {where}")
     ax_m.set_title("peak memory" + (" per tile" if t.per_tile else " per step"), fontsize=10)

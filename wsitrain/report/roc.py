@@ -62,7 +62,7 @@ def write_validation_figures(
         raise ValueError(f"y_prob has {p.shape[1]} columns but there are {len(names)} class names")
     pred = p.argmax(axis=1) if len(y) else np.zeros(0, dtype=np.int64)
 
-    fig, ax = plt.subplots(figsize=(4.8, 4.4), layout="constrained")
+    fig, ax = plt.subplots(figsize=(4.2, 3.9), layout="constrained")
     shown = [1] if len(names) == 2 else range(len(names))
     for k in shown:
         fpr, tpr = roc_points(y == k, p[:, k])
@@ -81,7 +81,7 @@ def write_validation_figures(
     plt.close(fig)
 
     cm = confusion_matrix(y, pred, len(names))
-    fig, ax = plt.subplots(figsize=(1.2 * len(names) + 3.2, 1.0 * len(names) + 2.6), layout="constrained")
+    fig, ax = plt.subplots(figsize=(0.9 * len(names) + 2.6, 0.8 * len(names) + 2.2), layout="constrained")
     ax.imshow(cm, cmap="Blues", vmin=0, vmax=max(1, int(cm.max())))
     for i in range(len(names)):
         for j in range(len(names)):
