@@ -37,18 +37,20 @@ def _rows(tmp_path: Path) -> list[dict]:
     rng = np.random.default_rng(0)
     rows = []
     for epoch in (1, 2):
+        mine = []
         for i in range(4):
             label = i % 2
             p1 = float(rng.uniform(0.2, 0.9)) if label else float(rng.uniform(0.1, 0.6))
-            rows.append({"kind": "train", "epoch": epoch, "step": (epoch - 1) * 4 + i + 1, "index": i,
+            mine.append({"kind": "train", "epoch": epoch, "step": (epoch - 1) * 4 + i + 1, "index": i,
                          "slide": f"s{i}", "label": label, "loss": float(rng.uniform(0.2, 1.0)),
                          "probs": [1 - p1, p1], "lr": 0.01 * (1 - ((epoch - 1) * 4 + i) / 8)})
+        rows += mine
         if epoch == 2:
             rows.append({"kind": "resume", "epoch": 2, "index": 2, "step": 6, "forced": False})
-            for i in (2, 3):  # the redone slides: these rows replace the two above
-                rows.append({**rows[-6 + i - 1], "loss": 5.0 + i, "probs": [0.9, 0.1]})
-        rows.append({"kind": "val", "epoch": epoch, "step": epoch * 4, "loss": 0.5 / epoch, "accuracy": 0.5 + 0.25 * epoch,
-                     "balanced_accuracy": 0.5 + 0.2 * epoch, "roc_auc": 0.6 + 0.2 * epoch, "n": 4})
+            rows += [{**mine[i], "loss": 5.0 + i, "probs": [0.9, 0.1]} for i in (2, 3)]  # replace the two above
+        rows.append({"kind": "val", "epoch": epoch, "step": epoch * 4, "loss": 0.5 / epoch, "n": 4,
+                     "accuracy": 0.5 + 0.25 * epoch, "balanced_accuracy": 0.5 + 0.2 * epoch,
+                     "roc_auc": 0.6 + 0.2 * epoch})
     return rows
 
 
@@ -92,7 +94,8 @@ def test_epoch_curves_aggregate_per_epoch_and_resumed_rows_win(run_dir: Path) ->
         val = next(r for r in rows if r.get("kind") == "val" and r["epoch"] == epoch)
         for k in ("loss", "accuracy", "balanced_accuracy", "roc_auc"):
             assert c.val[k][epoch - 1] == pytest.approx(val[k])
-    assert c.train["loss"][1] > 2.0  # the redone rows (loss 7 and 8) replaced the first attempt
+    epoch2 = [r for r in rows if r.get("kind") == "train" and r["epoch"] == 2]
+    assert c.train["loss"][1] == pytest.approx((epoch2[0]["loss"] + epoch2[1]["loss"] + 7.0 + 8.0) / 4)
     assert len(c.lr_steps) == 8
 
 

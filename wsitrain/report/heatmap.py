@@ -58,7 +58,8 @@ def slide_maps(
     """CAM of every class for one image (3, H, W) or (1, 3, H, W), the logits, and optionally the saliency.
 
     ``model``: an SFT engine (tiled, hooks) or a plain model with a global pool -> Linear head. The image may be
-    uint8 (the model normalises) unless saliency is asked, which needs a float input to differentiate.
+    uint8 (the model normalises); for saliency a uint8 image is differentiated as the [0, 1] float image
+    ``InputNormalization`` makes of it (so the gradient is per unit of that scale).
     ``probabilities``: logits (1, K) -> probabilities (1, K); softmax when None.
     ``saliency_block``: cell edge in image pixels of the block-summed gradient of the predicted class's logit.
     """
@@ -67,7 +68,9 @@ def slide_maps(
     if x.shape[0] != 1:
         raise ValueError(f"one slide at a time; got a batch of {x.shape[0]}")
     if saliency_block is not None:
-        x = x.to(head.weight.dtype if head.weight.is_floating_point() else torch.float32).requires_grad_(True)
+        if not x.is_floating_point():  # the same [0, 1] image InputNormalization makes of uint8, now differentiable
+            x = x.to(head.weight.dtype) / 255
+        x = x.detach().requires_grad_(True)
     hooks = _has_hooks(model)
     if hooks:
         acc = CamAccumulator(head, 1, _trunk_hw(model, head, x))
