@@ -10,6 +10,8 @@ from sft_models import MODELS
 from torch import nn
 
 from wsitrain.sft import SFT
+from wsitrain.sft.facts import annotate
+from wsitrain.sft.graph import ModelGraph
 
 F64 = {"rtol": 1e-10, "atol": 1e-11}
 # odd_ops uses padding="same" with an even kernel on purpose; PyTorch warns that it pads a copy
@@ -78,18 +80,13 @@ def test_forced_segmentations_exact(name: str) -> None:
     """Different checkpoint placements (every cut, a few cuts) give the same gradients."""
     model, x, t = make(name, (1, 3, 53, 41), seed=1)
     ref = reference(model, x, t)
-    probe = SFT(model, tile_size=16, memory_budget="4GiB")
-    from wsitrain.sft.graph import ModelGraph
-    from wsitrain.sft.planner import PlanContext
-
-    ctx = PlanContext(ModelGraph(model), tuple(x.shape), torch.float64, torch.float64, "cpu", False, True)
-    names = [ctx.name(i) for i in ctx.cands[1:-1]]
+    facts = annotate(ModelGraph(model), tuple(x.shape), torch.float64, torch.float64, True)
+    names = [facts.name(i) for i in facts.candidates[1:-1]]
     assert len(names) >= 2
     for cps in (names, names[::2], names[-1:]):
         var = variant(model, x, t, tile_size=16, checkpoints=cps, memory_budget="4GiB")
         assert_same(ref, var)
         assert len(var[3].plan_for(tuple(x.shape), input_dtype=torch.float64).segments) == len(cps) + 1
-    del probe
 
 
 @pytest.mark.parametrize("name", ["vgg_chain", "resnet_basic", "odd_ops"])
@@ -144,7 +141,17 @@ def test_recomputed_tiles_match_plan() -> None:
     assert p.recomputed_tiles == sum(s.n_tiles for s in p.segments if s.mode == "tiled") > 4
     assert stats.recomputed_tiles == p.recomputed_tiles
     assert sum(1 for s in stats.tiles if s.phase == "forward") == p.recomputed_tiles
-    assert all(s.ms >= 0 and s.peak_bytes > 0 for s in stats.tiles)
+    grid = {
+        (sp.index, r, c)
+        for sp in p.segments
+        if sp.mode == "tiled"
+        for r in range(sp.tile_grid[0])
+        for c in range(sp.tile_grid[1])
+    }
+    for phase in ("forward", "backward"):
+        seen = [(s.segment, s.row, s.col) for s in stats.tiles if s.phase == phase]
+        assert sorted(seen) == sorted(grid), f"{phase}: every tile of the plan's grids exactly once"
+    assert all(s.peak_bytes is None for s in stats.tiles), "per-tile peaks only when asked for (tile_peaks=True)"
 
 
 def test_float32_and_autocast() -> None:
@@ -183,4 +190,9 @@ def test_parameters_are_shared() -> None:
     m = SFT(model, memory_budget="1GiB")
     assert [id(p) for p in m.parameters()] == [id(p) for p in model.parameters()]
     clone = copy.deepcopy(m)  # a wrapped model can be copied (e.g. for EMA weights)
-    assert isinstance(clone, SFT)
+    cp = list(clone.parameters())
+    assert {id(p) for p in cp}.isdisjoint(id(p) for p in model.parameters()), "the copy owns its weights"
+    for a, b in zip(cp, model.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+    x = torch.randn(1, 3, 24, 24)
+    torch.testing.assert_close(clone(x), model(x))  # and runs with them

@@ -1,21 +1,34 @@
-"""The public engine API: ``plan(model, input_shape, ...)`` and ``SFT(model, ...)``."""
+"""The public engine API: ``plan(model, input_shape, ...)``, ``max_square_size`` and ``SFT(model, ...)``."""
 
 from __future__ import annotations
 
+import contextlib
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.fx.node import map_arg
 
 from wsitrain.errors import PlanError
-from wsitrain.memory import detect_budget
-from wsitrain.sft.executor import NodeRunner, TiledSegment, run_segment
+from wsitrain.memory import DeviceMemory, PeakMeter, detect_budget
+from wsitrain.sft.executor import ExecHooks, TiledSegment, TileObserver, run_segment
+from wsitrain.sft.facts import GraphFacts
 from wsitrain.sft.graph import ModelGraph
 from wsitrain.sft.plan_types import Plan
-from wsitrain.sft.planner import PlanContext, build_plan, fitting_plan
+from wsitrain.sft.planner import build_plan, new_session
+from wsitrain.sft.runner import NodeRunner
+from wsitrain.sft.search import fitting_plan
+from wsitrain.sft.staging import HostStager
 from wsitrain.sft.stats import StatsRecorder, StepStats
 from wsitrain.units import format_bytes, parse_bytes
+
+MemoryProbe = Callable[[torch.device | str], DeviceMemory]
+
+# Plans kept per SFT, least recently used evicted. A run with data.region: tissue sees one shape per
+# slide; shape buckets keep that to a few, and a plan is rebuilt in well under a second when evicted.
+PLAN_CACHE_SIZE = 4
 
 
 def _device_str(device: torch.device | str | None) -> str:
@@ -24,9 +37,14 @@ def _device_str(device: torch.device | str | None) -> str:
     return torch.device(device).type
 
 
-def _budget(memory_budget: int | float | str | None, device: str) -> int:
+def resolve_budget_bytes(
+    memory_budget: int | float | str | None, device: str, probe: MemoryProbe | None = None
+) -> int:
+    """Bytes from an explicit budget, else detected from ``device`` (see ``wsitrain.memory.detect_budget``)."""
     if memory_budget is not None:
         return parse_bytes(memory_budget, what="memory_budget")
+    if probe is not None:
+        return detect_budget(device, probe)
     if device == "cuda" and not torch.cuda.is_available():
         raise PlanError(
             "cannot detect the memory of a CUDA device on a machine without one",
@@ -40,6 +58,11 @@ def _param_dtype(model: nn.Module) -> torch.dtype:
         if p.is_floating_point():
             return p.dtype
     return torch.float32
+
+
+def _model_name(model: nn.Module) -> str:
+    name = getattr(model, "name", None)
+    return name if isinstance(name, str) else type(model).__name__
 
 
 def plan(
@@ -66,10 +89,10 @@ def plan(
     dtype = dtype or _param_dtype(model)
     on_host = dev == "cuda" if input_on_host is None else input_on_host
     in_dtype = input_dtype or (torch.uint8 if on_host else dtype)
-    budget = _budget(memory_budget, dev)
+    budget = resolve_budget_bytes(memory_budget, dev)
     p, _ = build_plan(
-        model,
         ModelGraph(model),
+        _model_name(model),
         tuple(input_shape),
         budget,
         dtype,
@@ -96,17 +119,17 @@ def max_square_size(
     """Largest square edge (a multiple of the model's stride) whose plan fits; 0 if none."""
     graph = ModelGraph(model)
     dev = _device_str(device)
-    budget = _budget(memory_budget, dev)
+    budget = resolve_budget_bytes(memory_budget, dev)
     on_host = dev == "cuda"
     in_dtype = torch.uint8 if on_host else dtype
     stride = int(getattr(model, "stride", 32))
 
     def fits(edge: int) -> bool:
         try:
-            ctx = PlanContext(graph, (batch, channels, edge, edge), dtype, in_dtype, dev, on_host, False, optimizer)
+            sess = new_session(graph, (batch, channels, edge, edge), dtype, in_dtype, dev, on_host, False, optimizer)
         except PlanError:
             return False
-        return fitting_plan(ctx, budget) is not None
+        return fitting_plan(sess, budget) is not None
 
     lo, hi = 0, stride * 2
     while hi <= limit and fits(hi):
@@ -125,13 +148,26 @@ def max_square_size(
     return lo
 
 
+@dataclass(frozen=True)
+class _Compiled:
+    """A cached plan with what executing it needs."""
+
+    plan: Plan
+    facts: GraphFacts
+    segments: tuple[TiledSegment | None, ...]
+
+
 class SFT(nn.Module):
     """Segmented fused-tiled execution of ``model``: same outputs and gradients, bounded memory.
 
-    ``SFT(model, memory_budget="11GiB")`` plans per input shape (cached) and runs tiled where the
-    activations would not fit. ``tile_size`` forces the tile edge (image pixels, halo excluded) and
-    tiles every segment; ``checkpoints`` forces the checkpoint layers. The input may be uint8 or
-    float and may live on the host while the model is on the GPU: tiles are cut on the host.
+    ``SFT(model, memory_budget="11GiB")`` plans per input shape (a few plans cached) and runs tiled
+    where the activations would not fit. Without ``memory_budget`` the budget is detected once, at
+    the first plan, and kept for every later shape (``memory_probe`` replaces the device probe).
+    ``tile_size`` forces the tile edge (image pixels, halo excluded) and tiles every segment;
+    ``checkpoints`` forces the checkpoint layers. The input may be uint8 or float and may live on the
+    host while the model is on the GPU: tiles are cut on the host. ``tile_peaks`` records each tile's
+    peak memory in ``last_stats`` (it restarts the device's peak counter per tile, so leave it off
+    while measuring whole steps).
     """
 
     def __init__(
@@ -142,6 +178,8 @@ class SFT(nn.Module):
         checkpoints: list[str] | None = None,
         optimizer: str | None = None,
         collect_stats: bool = True,
+        tile_peaks: bool = False,
+        memory_probe: MemoryProbe | None = None,
     ) -> None:
         super().__init__()
         self.model = model
@@ -150,9 +188,14 @@ class SFT(nn.Module):
         self.checkpoints = checkpoints
         self.optimizer = optimizer
         self.collect_stats = collect_stats
+        self.tile_peaks = tile_peaks
+        self._probe = memory_probe  # how the budget is detected when none is given (injectable for tests)
+        self._budget_bytes: int | None = None if memory_budget is None else parse_bytes(memory_budget, "memory_budget")
         self._graph = ModelGraph(model)
         self._runner = NodeRunner(self._graph)
-        self._cache: dict[tuple[Any, ...], tuple[Plan, list[TiledSegment | None]]] = {}
+        self._cache: OrderedDict[tuple[Any, ...], _Compiled] = OrderedDict()
+        self._stager = HostStager()
+        self._hooks = ExecHooks()
         self.last_stats = StepStats()
 
     # ---- planning ------------------------------------------------------------------------------
@@ -168,6 +211,21 @@ class SFT(nn.Module):
             return torch.get_autocast_dtype(device.type)
         return _param_dtype(self.model)
 
+    @property
+    def budget_bytes(self) -> int:
+        """The run's budget: given, or detected once on first use and then fixed."""
+        if self._budget_bytes is None:
+            self._budget_bytes = resolve_budget_bytes(None, self._device().type, self._probe)
+        return self._budget_bytes
+
+    @property
+    def cached_plans(self) -> int:
+        return len(self._cache)
+
+    @property
+    def staging_buffers(self) -> int:
+        return self._stager.buffers
+
     def plan_for(
         self,
         input_shape: tuple[int, ...],
@@ -178,66 +236,121 @@ class SFT(nn.Module):
         """The plan for an input shape (cached per shape, dtype and the modules' train/eval modes)."""
         device = self._device()
         act = dtype or self._act_dtype(device)
-        return self._plan(tuple(input_shape), act, input_dtype or act, input_on_host, False)[0]
+        return self._compiled(tuple(input_shape), act, input_dtype or act, input_on_host, False).plan
 
-    def _plan(
+    def _compiled(
         self, shape: tuple[int, ...], act: torch.dtype, in_dtype: torch.dtype, on_host: bool, x_grad: bool
-    ) -> tuple[Plan, list[TiledSegment | None]]:
+    ) -> _Compiled:
         device = self._device()
         key = (shape, act, in_dtype, on_host, x_grad, device, self._graph.mode_key())
-        if key not in self._cache:
-            budget = _budget(self.memory_budget, device.type)
-            p, ctx = build_plan(
-                self.model,
-                self._graph,
-                shape,
-                budget,
-                act,
-                in_dtype,
-                device.type,
-                on_host,
-                x_grad,
-                tile_size=self.tile_size,
-                checkpoints=self.checkpoints,
-                optimizer=self.optimizer,
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+            return hit
+        budget = self.budget_bytes
+        p, facts = build_plan(
+            self._graph,
+            _model_name(self.model),
+            shape,
+            budget,
+            act,
+            in_dtype,
+            device.type,
+            on_host,
+            x_grad,
+            tile_size=self.tile_size,
+            checkpoints=self.checkpoints,
+            optimizer=self.optimizer,
+        )
+        if not p.fits:
+            raise PlanError(
+                f"{p.model_name} on input {shape} does not fit {format_bytes(budget)}: "
+                f"the best plan needs {format_bytes(p.estimated_peak_bytes)}",
+                hint="raise the memory budget, read slides at a coarser resolution (data.mpp / data.level), "
+                "or train in bf16",
             )
-            if not p.fits:
-                raise PlanError(
-                    f"{p.model_name} on input {shape} does not fit {format_bytes(budget)}: "
-                    f"the best plan needs {format_bytes(p.estimated_peak_bytes)}",
-                    hint="raise the memory budget, read slides at a coarser resolution (data.mpp / data.level), "
-                    "or train in bf16",
-                )
-            segs = [TiledSegment(ctx, s, self._runner, device) if s.mode == "tiled" else None for s in p.segments]
-            self._cache[key] = (p, segs)
-        return self._cache[key]
+        segs = tuple(
+            TiledSegment(facts, s, self._runner, device, self._stager, self._hooks) if s.mode == "tiled" else None
+            for s in p.segments
+        )
+        compiled = _Compiled(p, facts, segs)
+        self._cache[key] = compiled
+        while len(self._cache) > PLAN_CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return compiled
+
+    # ---- hooks ---------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def observe_trunk(self, fn: TileObserver) -> Iterator[None]:
+        """Within the block, forward calls ``fn(tile, rows, cols)`` for each tile of the trunk's last feature map.
+
+        ``tile`` is (B, C, th, tw), detached; ``rows``/``cols`` are its intervals in trunk-output pixels.
+        A plain (untiled) last segment calls ``fn`` once with the whole map.
+        """
+        old = self._hooks.trunk_observer
+        self._hooks.trunk_observer = fn
+        try:
+            yield
+        finally:
+            self._hooks.trunk_observer = old
+
+    @contextlib.contextmanager
+    def input_gradient_sink(self, fn: TileObserver) -> Iterator[None]:
+        """Within the block, backward hands each tile's share of the image gradient to ``fn(grad, rows, cols)``.
+
+        Shares of overlapping tiles add up to the exact input gradient, in image pixels; a tiled first
+        segment then builds no full-size input gradient (the image's ``.grad`` stays None). With a plain
+        first segment ``fn`` is called once with the whole gradient.
+        """
+        old = self._hooks.input_grad_sink
+        self._hooks.input_grad_sink = fn
+        try:
+            yield
+        finally:
+            self._hooks.input_grad_sink = old
 
     # ---- execution -----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> Any:
         device = self._device()
         on_host = x.device != device
-        act = self._act_dtype(device)
-        p, segs = self._plan(tuple(x.shape), act, x.dtype, on_host, x.requires_grad)
+        c = self._compiled(tuple(x.shape), self._act_dtype(device), x.dtype, on_host, x.requires_grad)
         stats = StepStats()
         self.last_stats = stats
-        recorder = StatsRecorder(device, stats) if self.collect_stats else None
-        if recorder is not None:
-            stats.peak_bytes = recorder.peak_now()
+        meter = PeakMeter(device) if self.tile_peaks else None
+        self._hooks.stats = StatsRecorder(device, stats, meter) if self.collect_stats else None
         env: dict[int, Any] = {0: x}
-        for sp, seg in zip(p.segments, segs, strict=True):
+        for sp, seg in zip(c.plan.segments, c.segments, strict=True):
             if seg is None:
-                if sp.start == 0 and on_host:
-                    env[0] = x.to(device, non_blocking=True)
+                if sp.start == 0:
+                    self._plain_input_sink(env)
+                    if on_host:
+                        env[0] = env[0].to(device, non_blocking=True)
                 self._runner.run_plain(sp.start, sp.end, env)
             else:
-                seg.stats = recorder
                 env[sp.end] = run_segment(seg, env[sp.start])
             for k in [k for k in env if k < sp.end]:
                 del env[k]  # autograd keeps what backward needs; this frame keeps nothing more
-        trunk_end = p.segments[-1].end
-        self._runner.run_plain(trunk_end, len(self._graph.nodes) - 1, env)
-        idx = self._runner.index
-        return map_arg(self._graph.output_fx.args[0], lambda n: env[idx[n]])
+        trunk_end = c.facts.trunk_end
+        if c.segments[-1] is None and self._hooks.trunk_observer is not None:
+            fmap = env[trunk_end]  # (B, C, h, w)
+            self._hooks.trunk_observer(fmap.detach(), (0, fmap.shape[2]), (0, fmap.shape[3]))
+        self._runner.run_plain(trunk_end, c.facts.n - 1, env)
+        return self._runner.output(env)
+
+    def _plain_input_sink(self, env: dict[int, Any]) -> None:
+        """With a plain first segment, the sink gets the whole image gradient at once (read at backward time)."""
+        x = env[0]
+        if not (isinstance(x, torch.Tensor) and x.requires_grad):
+            return
+        hooks = self._hooks
+
+        def hook(g: torch.Tensor) -> torch.Tensor:
+            if hooks.input_grad_sink is not None:
+                hooks.input_grad_sink(g, (0, g.shape[2]), (0, g.shape[3]))
+            return g
+
+        env[0] = x.view_as(x)  # a hook on a view leaves the caller's tensor without a hook after the step
+        env[0].register_hook(hook)
 
     def extra_repr(self) -> str:
         return f"memory_budget={self.memory_budget!r}, tile_size={self.tile_size!r}, checkpoints={self.checkpoints!r}"

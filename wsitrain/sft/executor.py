@@ -1,11 +1,12 @@
-"""Run a plan: plain segments with ordinary autograd, tiled segments tile by tile.
+"""Run a tiled segment of a plan: forward tile by tile, recompute and back-propagate tile by tile.
 
-A tiled segment is one autograd Function. Forward runs the segment's original layers on each
-tile's input region under no_grad and joins the output tiles into the next checkpoint (the join
-operator); only the segment input is saved. Backward recomputes each tile with grad, back-propagates
-exactly its share of the output gradient, sums parameter gradients over tiles and overlap-adds each
-tile's input gradient into the segment's input-gradient buffer (the split operator in reverse).
-Backward uses the same regions as forward: no wider backward halo.
+A tiled segment is one autograd Function. Forward runs the segment's original layers on each tile's
+input region under no_grad and joins the output tiles into the next checkpoint; only the segment
+input is saved. Backward recomputes each tile with grad, back-propagates exactly its share of the
+output gradient, sums parameter gradients over tiles and overlap-adds each tile's input gradient
+into the segment's input-gradient buffer. Backward uses the same regions as forward.
+
+The executor reads plans (``SegmentPlan`` with its ``regions``) and frozen facts; it never plans.
 """
 
 from __future__ import annotations
@@ -15,15 +16,27 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import fx, nn
-from torch.fx.node import map_arg
+from torch import nn
 
-from wsitrain.sft.graph import ModelGraph
-from wsitrain.sft.ops import WINDOW, out_of_place_callable
+from wsitrain.sft.facts import GraphFacts
+from wsitrain.sft.ops import WINDOW
 from wsitrain.sft.plan_types import SegmentPlan
-from wsitrain.sft.planner import PlanContext
 from wsitrain.sft.regions import AxisTile
+from wsitrain.sft.runner import NodeRunner
+from wsitrain.sft.staging import HostStager
 from wsitrain.sft.stats import StatsRecorder
+
+# fn(tile, rows, cols): a tile of a feature map, detached, with its interval along H and W
+TileObserver = Callable[[torch.Tensor, tuple[int, int], tuple[int, int]], None]
+
+
+@dataclass
+class ExecHooks:
+    """Callbacks the caller registers on an ``SFT`` (read when used, so a ``with`` block can wrap backward)."""
+
+    trunk_observer: TileObserver | None = None  # tiles of the trunk's last feature map, in forward
+    input_grad_sink: TileObserver | None = None  # tiles' shares of the image gradient, in backward
+    stats: StatsRecorder | None = None
 
 
 @dataclass(frozen=True)
@@ -45,117 +58,38 @@ class _AutocastState:
         return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled, cache_enabled=False)
 
 
-def _call(node: fx.Node, fn: Any, kwargs: dict[str, Any], args: tuple[Any, ...]) -> Any:
-    if node.op == "call_method":
-        return getattr(args[0], fn)(*args[1:], **kwargs)
-    return fn(*args, **kwargs)
-
-
-class NodeRunner:
-    """Calls the traced nodes of a graph on tensors, as plain autograd or out of place."""
-
-    def __init__(self, graph: ModelGraph) -> None:
-        self.graph = graph
-        self.index = {g.fx_node: g.index for g in graph.nodes}
-        self.original: dict[int, tuple[Any, dict[str, Any]]] = {}
-        self.safe: dict[int, tuple[Any, dict[str, Any]]] = {}
-        for g in graph.nodes[1:]:
-            n = g.fx_node
-            module = graph.gm.get_submodule(str(n.target)) if n.op == "call_module" else None
-            fn = module if module is not None else n.target
-            self.original[g.index] = (fn, dict(n.kwargs))
-            self.safe[g.index] = out_of_place_callable(n, module)
-        # users in execution order, to free values after their last reader
-        self.last_user = {g.index: max(g.users, default=g.index) for g in graph.nodes}
-
-    def get_attr(self, n: fx.Node) -> Any:
-        obj: Any = self.graph.gm
-        for part in str(n.target).split("."):
-            obj = getattr(obj, part)
-        return obj
-
-    def run(self, i: int, env: dict[int, Any], out_of_place: bool, fetch: Callable[[int], Any] | None = None) -> Any:
-        n = self.graph.nodes[i].fx_node
-        fn, kwargs = (self.safe if out_of_place else self.original)[i]
-
-        def arg(a: fx.Node) -> Any:
-            if a.op == "get_attr":
-                return self.get_attr(a)
-            j = self.index[a]
-            return fetch(j) if fetch is not None else env[j]
-
-        args = map_arg(n.args, arg)
-        kw = map_arg(kwargs, arg)
-        return _call(n, fn, kw, args)
-
-    def run_plain(self, start: int, end: int, env: dict[int, Any]) -> None:
-        """Nodes start+1..end with ordinary autograd; values are dropped after their last reader."""
-        for i in range(start + 1, end + 1):
-            # never write into the segment input: it may be a checkpoint or the caller's tensor
-            reads_start = start in self.graph.nodes[i].inputs
-            env[i] = self.run(i, env, out_of_place=reads_start)
-            for j in self.graph.nodes[i].inputs:
-                if self.last_user[j] <= i and j != end:
-                    env.pop(j, None)
-
-
-class HostStager:
-    """Copies tile regions from host memory to the GPU through reused pinned buffers.
-
-    A region cut from the image is a strided view; copying it to the device directly would go through
-    a pageable temporary and block. Two pinned buffers per tile shape alternate, so the host-side copy
-    of the next tile overlaps the transfer and compute of the current one; an event guards reuse.
-    """
-
-    def __init__(self) -> None:
-        self.buffers: dict[tuple[Any, ...], torch.Tensor] = {}
-        self.events: dict[tuple[Any, ...], torch.cuda.Event] = {}
-        self.turn = 0
-
-    def to_device(self, region: torch.Tensor, device: torch.device) -> torch.Tensor:
-        if device.type != "cuda":
-            return region.to(device)
-        key = (tuple(region.shape), region.dtype, self.turn % 2)
-        self.turn += 1
-        buf = self.buffers.get(key)
-        if buf is None:
-            buf = self.buffers[key] = torch.empty(region.shape, dtype=region.dtype, pin_memory=True)
-        if key in self.events:
-            self.events[key].synchronize()  # the previous transfer out of this buffer is done
-        buf.copy_(region)
-        out = buf.to(device, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self.events[key] = event
-        return out
-
-
 class TiledSegment:
-    """Executes one tiled segment of a plan; holds its tile regions (no tensors)."""
+    """Executes one tiled segment of a plan; holds its regions and layer list (no tensors)."""
 
-    def __init__(self, ctx: PlanContext, seg: SegmentPlan, runner: NodeRunner, device: torch.device) -> None:
+    def __init__(
+        self,
+        facts: GraphFacts,
+        seg: SegmentPlan,
+        runner: NodeRunner,
+        device: torch.device,
+        stager: HostStager,
+        hooks: ExecHooks,
+    ) -> None:
+        assert seg.regions is not None, "a tiled segment's plan carries its regions"
         self.seg = seg
+        self.regions = seg.regions
         self.runner = runner
         self.device = device
+        self.stager = stager
+        self.hooks = hooks
         self.start, self.end = seg.start, seg.end
+        self.is_trunk_end = seg.end == facts.trunk_end
         self.nodes = list(range(seg.start + 1, seg.end + 1))
-        self.specs = ctx.specs
-        self.inputs = ctx.inputs
-        self.rows_out, self.rows = ctx.axis_tiles(seg.start, seg.end, seg.tile_edge, 0)
-        self.cols_out, self.cols = ctx.axis_tiles(seg.start, seg.end, seg.tile_edge, 1)
+        self.specs = {i: facts.nodes[i].spec for i in self.nodes}
+        self.inputs = {i: facts.nodes[i].inputs for i in self.nodes}
         params: dict[int, nn.Parameter] = {}
         for i in self.nodes:
-            n = ctx.graph.nodes[i].fx_node
-            if n.op == "call_module":
-                for p in ctx.graph.gm.get_submodule(str(n.target)).parameters():
-                    if p.requires_grad:
-                        params.setdefault(id(p), p)
+            for p in runner.graph.trainable_params(i):
+                params.setdefault(id(p), p)
         self.params = list(params.values())
         self.last_user = {
-            i: max((u for u in ctx.graph.nodes[i].users if u <= seg.end), default=i) for i in [seg.start, *self.nodes]
+            i: max((u for u in facts.nodes[i].users if u <= seg.end), default=i) for i in [seg.start, *self.nodes]
         }
-        self.stats: StatsRecorder | None = None
-        self.stager = HostStager()
 
     # ---- one tile ------------------------------------------------------------------------------
     def input_region(self, x: torch.Tensor, rt: AxisTile, ct: AxisTile) -> torch.Tensor:
@@ -167,7 +101,7 @@ class TiledSegment:
         return region
 
     def run_tile(self, region: torch.Tensor, rt: AxisTile, ct: AxisTile) -> torch.Tensor:
-        """Run the segment's layers on one tile; returns the tile's exact output. Shapes: (B, C, th, tw)."""
+        """Run the segment's layers on one tile; returns the tile's exact output. (B, C, th, tw)."""
         env: dict[int, torch.Tensor] = {self.start: region}
         for u in self.nodes:
 
@@ -192,20 +126,26 @@ class TiledSegment:
         return env[self.end]
 
     def tiles(self) -> list[tuple[int, int]]:
-        return [(r, c) for r in range(len(self.rows)) for c in range(len(self.cols))]
+        rows, cols = self.regions.grid
+        return [(r, c) for r in range(rows) for c in range(cols)]
 
-    # ---- the whole segment -------------------------------------------------------------------------
+    # ---- the whole segment ---------------------------------------------------------------------
     def forward_all(self, x: torch.Tensor) -> torch.Tensor:
         """Forward tile by tile without keeping activations; join tiles into the output. (B, C, Ho, Wo)."""
+        reg = self.regions
+        observer = self.hooks.trunk_observer if self.is_trunk_end else None
         out: torch.Tensor | None = None
         for r, c in self.tiles():
             t0 = self._tick()
-            y = self.run_tile(self.input_region(x, self.rows[r], self.cols[c]), self.rows[r], self.cols[c])
+            y = self.run_tile(self.input_region(x, reg.rows[r], reg.cols[c]), reg.rows[r], reg.cols[c])
             if out is None:
-                shape = (y.shape[0], y.shape[1], self.rows_out[-1][1], self.cols_out[-1][1])
-                out = torch.empty(shape, dtype=y.dtype, device=y.device)
-            (r0, r1), (c0, c1) = self.rows_out[r], self.cols_out[c]
+                out = torch.empty(
+                    (y.shape[0], y.shape[1], reg.rows_out[-1][1], reg.cols_out[-1][1]), dtype=y.dtype, device=y.device
+                )
+            (r0, r1), (c0, c1) = reg.rows_out[r], reg.cols_out[c]
             out[:, :, r0:r1, c0:c1] = y
+            if observer is not None:
+                observer(y.detach(), (r0, r1), (c0, c1))
             del y
             self._tock(t0, r, c, "forward")
         assert out is not None
@@ -215,25 +155,29 @@ class TiledSegment:
         self, x: torch.Tensor, grad_out: torch.Tensor, need_x: bool, autocast: _AutocastState
     ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
         """Recompute and back-propagate tile by tile; returns the input gradient and parameter gradients."""
-        grad_x = torch.zeros_like(x) if need_x else None
+        reg = self.regions
+        sink = self.hooks.input_grad_sink if self.start == 0 else None
+        grad_x = torch.zeros_like(x) if need_x and sink is None else None
         grads: list[torch.Tensor | None] = [None] * len(self.params)
         for r, c in self.tiles():
             t0 = self._tick()
-            rt, ct = self.rows[r], self.cols[c]
+            rt, ct = reg.rows[r], reg.cols[c]
             region = self.input_region(x, rt, ct).detach().requires_grad_(need_x)
             with torch.enable_grad(), autocast.context():
                 y = self.run_tile(region, rt, ct)
-            (r0, r1), (c0, c1) = self.rows_out[r], self.cols_out[c]
-            g = grad_out[:, :, r0:r1, c0:c1]
+            (r0, r1), (c0, c1) = reg.rows_out[r], reg.cols_out[c]
             targets = ([region] if need_x else []) + self.params
             if y.requires_grad and targets:
-                res = torch.autograd.grad(y, targets, g, allow_unused=True)
+                res = torch.autograd.grad(y, targets, grad_out[:, :, r0:r1, c0:c1], allow_unused=True)
                 if need_x:
-                    (a, b), (cc, d) = rt.need[self.start], ct.need[self.start]
                     gx = res[0]
                     if gx is not None:
-                        assert grad_x is not None
-                        grad_x[:, :, a:b, cc:d] += gx.to(grad_x.device)
+                        rows, cols = rt.need[self.start], ct.need[self.start]
+                        if sink is not None:
+                            sink(gx, rows, cols)
+                        else:
+                            assert grad_x is not None
+                            grad_x[:, :, rows[0] : rows[1], cols[0] : cols[1]] += gx.to(grad_x.device)
                     res = res[1:]
                 for k, gp in enumerate(res):
                     if gp is not None:
@@ -242,18 +186,16 @@ class TiledSegment:
                         grads[k] = gp.clone() if grads[k] is None else grads[k].add_(gp)
             del y
             self._tock(t0, r, c, "backward")
-            if self.stats is not None:
-                self.stats.recomputed_tiles += 1
+            if self.hooks.stats is not None:
+                self.hooks.stats.stats.recomputed_tiles += 1
         return grad_x, grads
 
     def _tick(self) -> float:
-        if self.stats is not None:
-            return self.stats.tick()
-        return 0.0
+        return self.hooks.stats.tick() if self.hooks.stats is not None else 0.0
 
     def _tock(self, t0: float, r: int, c: int, phase: str) -> None:
-        if self.stats is not None:
-            self.stats.tock(t0, self.seg.index, r, c, phase)
+        if self.hooks.stats is not None:
+            self.hooks.stats.tock(t0, self.seg.index, r, c, phase)
 
 
 class TiledFunction(torch.autograd.Function):

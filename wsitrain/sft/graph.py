@@ -1,14 +1,13 @@
-"""Trace a model into a DAG of operators, annotate shapes on meta tensors, and find the cut points.
+"""Trace a model into a DAG of operators: the structure every later pass annotates.
 
-This is the annotating pass: it records frozen facts per node (spec, inputs, shape) and never
-runs the model on real data. A *cut point* is a node through which every path from the image to
-the head passes; only there can a checkpoint sit (never inside a residual block).
+``ModelGraph`` holds the fx trace, the nodes in execution order with their inputs and users, and
+the names users know (module paths). It does not depend on an input shape; the facts that do
+(shapes, bytes, cut points) are computed by ``wsitrain.sft.facts.annotate``.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,15 +15,7 @@ import torch
 from torch import fx, nn
 
 from wsitrain.errors import PlanError
-from wsitrain.sft.ops import (
-    HEAD,
-    INPUT,
-    POINTWISE,
-    OpSpec,
-    function_spec,
-    is_leaf_module,
-    module_spec,
-)
+from wsitrain.sft.ops import INPUT, OpSpec, function_spec, is_leaf_module, module_spec
 
 
 class _Tracer(fx.Tracer):
@@ -37,7 +28,7 @@ class GNode:
     """One operator of the traced model, in execution order."""
 
     index: int
-    name: str  # the layer name users know: module path for modules, fx name otherwise
+    name: str  # the layer name users know: module path for modules, "path (op)" for functions
     fx_node: fx.Node
     inputs: tuple[int, ...]  # indices of the nodes whose tensors it reads
     users: tuple[int, ...]
@@ -55,8 +46,35 @@ def trace(model: nn.Module) -> fx.GraphModule:
     return fx.GraphModule(model, graph)
 
 
+def user_name(n: fx.Node) -> str:
+    """The name a user knows: ``features.3`` for a module, ``layer1.0 (add)`` for a function inside one."""
+    if n.op == "call_module":
+        return str(n.target)
+    if n.op == "placeholder":
+        return "input"
+    stack = n.meta.get("nn_module_stack") or {}
+    owner = next(reversed(stack.values()))[0] if stack else ""
+    what = str(n.target) if n.op == "call_method" else getattr(n.target, "__name__", n.name)
+    return f"{owner} ({what})" if owner else n.name
+
+
+def _meta_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` whose parameters and buffers are meta tensors of the same shapes.
+
+    Shape propagation runs on it, so planning never touches (or swaps out) the user's weights and
+    costs no memory for them. Done with deepcopy's memo rather than ``torch.func.functional_call``,
+    which imports ~900 modules (seconds) on first use in every process that plans.
+    """
+    memo: dict[int, Any] = {}
+    for p in gm.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+    for b in gm.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(gm, memo)
+
+
 class ModelGraph:
-    """The operator DAG of a model with its cut points. Shapes are computed per input shape."""
+    """The operator DAG of a model. Shape-dependent facts live in ``GraphFacts``."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -69,17 +87,37 @@ class ModelGraph:
             )
         pos = {n: i for i, n in enumerate(fx_nodes)}
         users: list[list[int]] = [[] for _ in fx_nodes]
-        nodes: list[GNode] = []
+        ins_of: list[tuple[int, ...]] = []
         for i, n in enumerate(fx_nodes):
             ins = tuple(dict.fromkeys(pos[a] for a in n.all_input_nodes if a in pos))
             for j in ins:
                 users[j].append(i)
-            nodes.append(GNode(i, str(n.target) if n.op == "call_module" else n.name, n, ins, ()))
-        self.nodes = [GNode(g.index, g.name, g.fx_node, g.inputs, tuple(users[g.index])) for g in nodes]
-        outputs = [n for n in self.gm.graph.nodes if n.op == "output"]
-        self.output_fx = outputs[0]
+            ins_of.append(ins)
+        names = [user_name(n) for n in fx_nodes]
+        seen: dict[str, int] = {}
+        for nm in names:
+            seen[nm] = seen.get(nm, 0) + 1
+        # two functions in one module (two adds in a block) would share a name: tell them apart by fx name
+        names = [
+            nm if seen[nm] == 1 or n.op == "call_module" else f"{nm.split(' (')[0]} ({n.name})"
+            for nm, n in zip(names, fx_nodes, strict=True)
+        ]
+        self.nodes = tuple(GNode(i, names[i], n, ins_of[i], tuple(users[i])) for i, n in enumerate(fx_nodes))
+        self.index = {g.fx_node: g.index for g in self.nodes}
+        self.output_fx = next(n for n in self.gm.graph.nodes if n.op == "output")
+        self._meta: fx.GraphModule | None = None
 
-    # ---- facts that depend on the modules' current modes -------------------------------------
+    @property
+    def meta_gm(self) -> fx.GraphModule:
+        """The graph on meta parameters, for shape propagation (made on first use)."""
+        if self._meta is None:
+            self._meta = _meta_copy(self.gm)
+        return self._meta
+
+    def module(self, i: int) -> nn.Module | None:
+        n = self.nodes[i].fx_node
+        return self.gm.get_submodule(str(n.target)) if n.op == "call_module" else None
+
     def specs(self) -> list[OpSpec]:
         """Spec of every node under the modules' current train/eval modes."""
         out: list[OpSpec] = []
@@ -97,120 +135,6 @@ class ModelGraph:
         """Train/eval flags of every module: plans are cached per mode (BatchNorm and Dropout change tileability)."""
         return tuple(m.training for m in self.gm.modules())
 
-    # ---- shapes ------------------------------------------------------------------------------
-    def shapes(
-        self, input_shape: tuple[int, ...], input_dtype: torch.dtype
-    ) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        """Shape and dtype of every node's output for an input shape, on meta tensors (nothing allocated)."""
-        recorder = _ShapeRecorder(self.gm)
-        x = torch.empty(input_shape, dtype=input_dtype, device="meta")
-        try:
-            with _on_meta(self.gm):
-                recorder(x)
-        except PlanError:
-            raise
-        except Exception as exc:
-            raise PlanError(
-                f"shape propagation failed at layer {recorder.current!r} for input shape {tuple(input_shape)}: {exc}",
-                hint="check that the image is large enough for the model's strides and has the channels it expects",
-            ) from exc
-        return [recorder.result[g.fx_node] for g in self.nodes]
-
-    # ---- structure -----------------------------------------------------------------------------
-    def cut_points(
-        self, specs: list[OpSpec], shapes: list[tuple[tuple[int, ...], torch.dtype]]
-    ) -> tuple[list[int], int]:
-        """Valid checkpoint positions in the trunk, and the index of the trunk's last node.
-
-        A cut after node i is valid when no later node reads a node before i: the whole future
-        depends on node i alone. This is the dominator/post-dominator condition for a DAG laid out
-        in execution order. The trunk ends at the last cut before the first head operator.
-        """
-        n = len(self.nodes)
-        min_input_after = [n] * (n + 1)  # min over nodes j > i of their smallest input index
-        for i in range(n - 1, -1, -1):
-            ins = self.nodes[i].inputs
-            m = min(ins) if ins else i
-            min_input_after[i] = min(min_input_after[i + 1], m)
-        final_users = {a for a in self.output_fx.all_input_nodes}
-        valid = []
-        for i in range(n):
-            later_ok = min_input_after[i + 1] >= i
-            # a value the model returns besides the last node cannot sit inside a segment
-            later_ok = later_ok and all(self.nodes[k].fx_node not in final_users for k in range(i))
-            if later_ok:
-                valid.append(i)
-        first_head = next(
-            (
-                i
-                for i, (s, (shape, _)) in enumerate(zip(specs, shapes, strict=True))
-                if s.kind == HEAD or len(shape) != 4
-            ),
-            n,
-        )
-        trunk = [i for i in valid if i < first_head]
-        if not trunk:
-            raise PlanError("the model has no spatial trunk to tile")
-        return trunk, trunk[-1]
-
-    def candidate_cuts(self, specs: list[OpSpec], cuts: list[int], trunk_end: int) -> list[int]:
-        """Cuts worth a checkpoint: after an activation chain, not between a conv and its activation."""
-        out = []
-        for i in cuts:
-            if i in (0, trunk_end):
-                out.append(i)
-                continue
-            us = self.nodes[i].users
-            nxt = specs[us[0]] if len(us) == 1 else None
-            if nxt is not None and nxt.kind == POINTWISE and not nxt.alias:
-                continue  # storing the pre-activation costs the same and forces an extra recompute step
-            out.append(i)
-        return out
-
-
-@contextlib.contextmanager
-def _on_meta(root: nn.Module) -> Iterator[None]:
-    """Temporarily give every module meta parameters and buffers of the same shapes.
-
-    Done by hand: torch.func.functional_call would do the same but imports ~900 modules (seconds)
-    on first use, in every process that plans.
-    """
-    saved: list[tuple[dict[str, Any], str, Any]] = []
-    try:
-        for m in root.modules():
-            for store in (m._parameters, m._buffers):
-                for k, v in store.items():
-                    if v is None or v.device.type == "meta":
-                        continue
-                    saved.append((store, k, v))
-                    meta = torch.empty_like(v, device="meta")
-                    store[k] = nn.Parameter(meta, v.requires_grad) if isinstance(v, nn.Parameter) else meta
-        yield
-    finally:
-        for store, k, v in reversed(saved):
-            store[k] = v
-
-
-class _ShapeRecorder(nn.Module):
-    """Runs the traced graph node by node on meta tensors and records each output's shape."""
-
-    def __init__(self, gm: fx.GraphModule) -> None:
-        super().__init__()
-        self.gm = gm
-        self.result: dict[fx.Node, tuple[tuple[int, ...], torch.dtype]] = {}
-        self.current = ""
-
-    def forward(self, x: torch.Tensor) -> Any:
-        recorder = self
-
-        class _Interp(fx.Interpreter):
-            def run_node(self, n: fx.Node) -> Any:
-                recorder.current = str(n.target) if n.op == "call_module" else n.name
-                out = super().run_node(n)
-                if isinstance(out, torch.Tensor):
-                    recorder.result[n] = (tuple(out.shape), out.dtype)
-                else:
-                    recorder.result[n] = ((), torch.float32)
-                return out
-
-        return _Interp(self.gm).run(x)
+    def trainable_params(self, i: int) -> list[nn.Parameter]:
+        m = self.module(i)
+        return [p for p in m.parameters() if p.requires_grad] if m is not None else []

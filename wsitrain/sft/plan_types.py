@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
+from wsitrain.sft.regions import SegmentRegions
 from wsitrain.units import format_bytes
 
 
@@ -28,13 +29,15 @@ class SegmentPlan:
     flops: float  # forward + recompute + backward FLOPs of this segment
     start: int = field(default=0, repr=False)  # node index of the segment input (a cut)
     end: int = field(default=0, repr=False)  # node index of the segment output (a cut)
+    # every tile's intervals (tiled segments): what the executor runs; not part of the printed plan
+    regions: SegmentRegions | None = field(default=None, repr=False, compare=False)
 
     @property
     def n_tiles(self) -> int:
         return self.tile_grid[0] * self.tile_grid[1]
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "regions"}
         d["n_tiles"] = self.n_tiles
         for k in ("tile_grid", "tile_shape", "halo", "input_shape", "output_shape", "layers"):
             d[k] = list(d[k])

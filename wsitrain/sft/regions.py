@@ -9,6 +9,7 @@ the crop is aligned to the layer's stride and starts at 0 only at the true image
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from wsitrain.sft.ops import WINDOW, OpSpec
@@ -25,6 +26,20 @@ class AxisTile:
     computed: dict[int, Interval]  # node -> interval its operator produces before narrowing
 
 
+@dataclass(frozen=True)
+class SegmentRegions:
+    """A tiled segment's grid: output intervals and every tile's regions, per axis (tile (r, c) = rows[r] x cols[c])."""
+
+    rows_out: tuple[Interval, ...]
+    rows: tuple[AxisTile, ...]
+    cols_out: tuple[Interval, ...]
+    cols: tuple[AxisTile, ...]
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return len(self.rows), len(self.cols)
+
+
 def _hull(a: Interval | None, b: Interval) -> Interval:
     return b if a is None else (min(a[0], b[0]), max(a[1], b[1]))
 
@@ -32,9 +47,9 @@ def _hull(a: Interval | None, b: Interval) -> Interval:
 def axis_tile(
     seg_nodes: list[int],
     seg_input: int,
-    inputs: dict[int, tuple[int, ...]],
-    specs: list[OpSpec],
-    sizes: dict[int, int],
+    inputs: Mapping[int, tuple[int, ...]],
+    specs: Mapping[int, OpSpec] | Sequence[OpSpec],
+    sizes: Mapping[int, int],
     axis: int,
     out_interval: Interval,
 ) -> AxisTile:

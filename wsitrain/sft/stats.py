@@ -1,4 +1,4 @@
-"""Per-tile timings and peak memory of the last step (``SFT.last_stats``)."""
+"""Per-tile timings (and, when asked for, per-tile peak memory) of the last step: ``SFT.last_stats``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from wsitrain.memory import peak_rss_bytes
+from wsitrain.memory import PeakMeter
 
 
 @dataclass(frozen=True)
@@ -18,7 +18,7 @@ class TileStat:
     col: int
     phase: str  # "forward" | "backward" (recompute + backward)
     ms: float
-    peak_bytes: int  # CUDA: max allocated during the tile; CPU: process peak RSS so far
+    peak_bytes: int | None  # peak during the tile, only with SFT(tile_peaks=True)
 
 
 @dataclass
@@ -26,7 +26,6 @@ class StepStats:
     tiles: list[TileStat] = field(default_factory=list)
     forward_ms: float = 0.0
     backward_ms: float = 0.0
-    peak_bytes: int = 0
     recomputed_tiles: int = 0
 
     def summary(self) -> dict[str, Any]:
@@ -37,13 +36,15 @@ class StepStats:
             "recomputed_tiles": self.recomputed_tiles,
             "forward_ms": round(self.forward_ms, 3),
             "backward_ms": round(self.backward_ms, 3),
-            "peak_bytes": self.peak_bytes,
         }
         for phase in ("forward", "backward"):
             ms = [t.ms for t in self.tiles if t.phase == phase]
             if ms:
                 out[f"{phase}_tile_ms_mean"] = round(sum(ms) / len(ms), 3)
                 out[f"{phase}_tile_ms_max"] = round(max(ms), 3)
+            peaks = [t.peak_bytes for t in self.tiles if t.phase == phase and t.peak_bytes is not None]
+            if peaks:
+                out[f"{phase}_tile_peak_bytes_max"] = max(peaks)
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -53,43 +54,31 @@ class StepStats:
 
 
 class StatsRecorder:
-    """Times tiles and reads peak memory around each (CUDA: max_memory_allocated, CPU: peak RSS).
+    """Times each tile; with ``meter`` also reads that tile's peak memory.
 
-    On CUDA the allocator's peak counter is reset before each tile to read that tile's peak; the
-    step's overall peak is folded into ``StepStats.peak_bytes`` first, so read it there.
+    Per-tile peaks need the meter's counter restarted before each tile (on CUDA the device's peak
+    counter), so they are taken only when the caller asked for them (``SFT(tile_peaks=True)``); a
+    caller measuring a whole step then reads its own meter, which this restarts, only between steps.
     """
 
-    def __init__(self, device: torch.device, stats: StepStats) -> None:
+    def __init__(self, device: torch.device, stats: StepStats, meter: PeakMeter | None = None) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
         self.stats = stats
-
-    @property
-    def recomputed_tiles(self) -> int:
-        return self.stats.recomputed_tiles
-
-    @recomputed_tiles.setter
-    def recomputed_tiles(self, v: int) -> None:
-        self.stats.recomputed_tiles = v
-
-    def peak_now(self) -> int:
-        if self.cuda:
-            return int(torch.cuda.max_memory_allocated(self.device))
-        return peak_rss_bytes()
+        self.meter = meter
 
     def tick(self) -> float:
         if self.cuda:
             torch.cuda.synchronize(self.device)
-            self.stats.peak_bytes = max(self.stats.peak_bytes, self.peak_now())
-            torch.cuda.reset_peak_memory_stats(self.device)
+        if self.meter is not None:
+            self.meter.start()
         return time.perf_counter()
 
     def tock(self, t0: float, segment: int, row: int, col: int, phase: str) -> None:
         if self.cuda:
             torch.cuda.synchronize(self.device)
         ms = (time.perf_counter() - t0) * 1000.0
-        peak = self.peak_now()
-        self.stats.peak_bytes = max(self.stats.peak_bytes, peak)
+        peak = self.meter.peak() if self.meter is not None else None
         self.stats.tiles.append(TileStat(segment, row, col, phase, ms, peak))
         if phase == "forward":
             self.stats.forward_ms += ms

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from wsitrain.memory import PeakMeter
 from wsitrain.train.distributed import DistInfo, allreduce_gradients
 from wsitrain.train.optim import compute_loss, probabilities
 
@@ -49,6 +50,7 @@ class Trainer:
         dist: DistInfo | None = None,
         bucket_mb: float = 25.0,
     ) -> None:
+        self._meter: PeakMeter | None = None
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -74,16 +76,12 @@ class Trainer:
             torch.cuda.synchronize(self.device)
 
     def _reset_peak(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+        if self._meter is None:
+            self._meter = PeakMeter(self.device)
+        self._meter.start()  # the step owns the measurement: the engine never restarts this counter
 
     def _peak(self, stats: Any) -> int | None:
-        # The engine resets CUDA's peak counter per tile and folds each tile's peak into stats.peak_bytes,
-        # so the step's peak is the larger of that and what the counter saw since the last tile (head, loss).
-        engine_peak = getattr(stats, "peak_bytes", None)
-        if self.device.type == "cuda":
-            return max(int(engine_peak or 0), int(torch.cuda.max_memory_allocated(self.device)))
-        return int(engine_peak) if engine_peak is not None else None
+        return self._meter.peak() if self._meter is not None else None
 
     def train_slide(self, image: torch.Tensor, label: int, scale: float) -> SlideStep:
         """Forward + backward of one slide; gradients accumulate into .grad (scaled by ``scale``)."""

@@ -1,0 +1,199 @@
+"""The annotating pass: frozen facts per node for one (model, input shape, dtype).
+
+Like torch.fx's ``passes/shape_prop.py``, it runs the traced graph once on meta tensors (nothing
+allocated, the user's module untouched) and records per node what planning needs: shape, dtype and
+bytes, whether it requires grad, the bytes of its trainable parameters, its operator spec, its users,
+and whether a checkpoint may sit after it (a *cut point*: every later node depends on it alone, so
+never inside a residual block). Errors name the node's module path.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+
+from wsitrain.errors import PlanError
+from wsitrain.sft.graph import ModelGraph
+from wsitrain.sft.ops import HEAD, POINTWISE, OpSpec
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """What one operator is and produces on one input shape."""
+
+    index: int
+    name: str  # module path users know
+    spec: OpSpec
+    inputs: tuple[int, ...]
+    users: tuple[int, ...]
+    shape: tuple[int, ...]  # () for non-tensor values
+    dtype: torch.dtype
+    nbytes: int  # output bytes at the planned activation dtype (the image at its own dtype)
+    requires_grad: bool
+    param_bytes: int  # trainable parameter bytes of this operator
+    is_cut: bool  # a checkpoint may sit after this node
+
+    def __str__(self) -> str:
+        shape = "x".join(map(str, self.shape)) or "-"
+        flags = ("cut " if self.is_cut else "") + ("grad" if self.requires_grad else "")
+        return f"{self.index:4d} {self.name:<40s} {self.spec.kind:<9s} {shape:<22s} {self.nbytes:>14d} {flags}"
+
+
+@dataclass(frozen=True)
+class GraphFacts:
+    """Facts of every node, the cut points and the model-wide byte counts for one input shape."""
+
+    nodes: tuple[NodeFacts, ...]
+    input_shape: tuple[int, ...]
+    act_dtype: torch.dtype
+    input_dtype: torch.dtype
+    cuts: tuple[int, ...]  # valid checkpoint positions in the trunk, 0 and trunk_end included
+    candidates: tuple[int, ...]  # the cuts worth a checkpoint
+    trunk_end: int  # last node of the spatial trunk; the head runs plain after it
+    model_bytes: int  # parameters and buffers
+    trainable_bytes: int  # parameters that receive gradients
+    largest_param_bytes: int
+
+    @property
+    def n(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def act_size(self) -> int:
+        return torch.empty((), dtype=self.act_dtype).element_size()
+
+    def name(self, i: int) -> str:
+        return self.nodes[i].name
+
+    def __str__(self) -> str:
+        head = f"{'#':>4s} {'layer':<40s} {'kind':<9s} {'shape':<22s} {'bytes':>14s} flags"
+        return "\n".join([head, *(str(f) for f in self.nodes)])
+
+
+def annotate(
+    graph: ModelGraph,
+    input_shape: tuple[int, ...],
+    act_dtype: torch.dtype,
+    input_dtype: torch.dtype,
+    input_requires_grad: bool = False,
+) -> GraphFacts:
+    """Annotate every node of ``graph`` for an input of ``input_shape`` (shapes only, on meta tensors)."""
+    if len(input_shape) != 4 or min(input_shape) <= 0:
+        raise PlanError(f"input shape {tuple(input_shape)} is not (B, C, H, W) with positive sizes")
+    shape_dtype = torch.float32 if act_dtype in (torch.bfloat16, torch.float16) else act_dtype
+    meta_in = input_dtype if not input_dtype.is_floating_point else shape_dtype
+    shapes = _propagate(graph, tuple(input_shape), meta_in)
+    specs = graph.specs()
+    act = torch.empty((), dtype=act_dtype).element_size()
+    inp = torch.empty((), dtype=input_dtype).element_size()
+    n = len(graph.nodes)
+    rg = [False] * n
+    rg[0] = input_requires_grad
+    param_bytes = [0] * n
+    for g in graph.nodes[1:]:
+        param_bytes[g.index] = sum(p.numel() * p.element_size() for p in graph.trainable_params(g.index))
+        rg[g.index] = any(rg[v] for v in g.inputs) or param_bytes[g.index] > 0
+    cuts, trunk_end = _cut_points(graph, specs, [s for s, _ in shapes])
+    cut_set = set(cuts)
+    nodes = tuple(
+        NodeFacts(
+            index=g.index,
+            name=g.name,
+            spec=specs[g.index],
+            inputs=g.inputs,
+            users=g.users,
+            shape=shapes[g.index][0],
+            dtype=shapes[g.index][1],
+            nbytes=math.prod(shapes[g.index][0]) * (inp if g.index == 0 else act) if shapes[g.index][0] else 0,
+            requires_grad=rg[g.index],
+            param_bytes=param_bytes[g.index],
+            is_cut=g.index in cut_set,
+        )
+        for g in graph.nodes
+    )
+    params = {id(p): p for p in graph.model.parameters()}.values()
+    return GraphFacts(
+        nodes=nodes,
+        input_shape=tuple(int(s) for s in input_shape),
+        act_dtype=act_dtype,
+        input_dtype=input_dtype,
+        cuts=tuple(cuts),
+        candidates=tuple(_candidate_cuts(graph, specs, cuts, trunk_end)),
+        trunk_end=trunk_end,
+        model_bytes=sum(p.numel() * p.element_size() for p in params)
+        + sum(b.numel() * b.element_size() for b in graph.model.buffers()),
+        trainable_bytes=sum(p.numel() * p.element_size() for p in params if p.requires_grad),
+        largest_param_bytes=max((p.numel() * p.element_size() for p in params), default=0),
+    )
+
+
+def _propagate(
+    graph: ModelGraph, input_shape: tuple[int, ...], input_dtype: torch.dtype
+) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Shape and dtype of every node's output, run on the graph's meta copy."""
+    gm = graph.meta_gm
+    result: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    current = ["input"]
+    names = {g.fx_node.name: g.name for g in graph.nodes}
+
+    class _Interp(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            current[0] = names.get(n.name, n.name)
+            out = super().run_node(n)
+            result[n.name] = (tuple(out.shape), out.dtype) if isinstance(out, torch.Tensor) else ((), torch.float32)
+            return out
+
+    x = torch.empty(input_shape, dtype=input_dtype, device="meta")
+    try:
+        _Interp(gm).run(x)
+    except PlanError:
+        raise
+    except Exception as exc:
+        raise PlanError(
+            f"shape propagation failed at layer {current[0]!r} for input shape {tuple(input_shape)}: {exc}",
+            hint="check that the image is large enough for the model's strides and has the channels it expects",
+        ) from exc
+    return [result[g.fx_node.name] for g in graph.nodes]
+
+
+def _cut_points(graph: ModelGraph, specs: list[OpSpec], shapes: list[tuple[int, ...]]) -> tuple[list[int], int]:
+    """Valid checkpoint positions in the trunk, and the index of the trunk's last node.
+
+    A cut after node i is valid when no later node reads a node before i: the whole future depends
+    on node i alone (the dominator/post-dominator condition for a DAG laid out in execution order).
+    The trunk ends at the last cut before the first head operator or non-4-D value.
+    """
+    n = len(graph.nodes)
+    min_input_after = [n] * (n + 1)  # min over nodes j > i of their smallest input index
+    for i in range(n - 1, -1, -1):
+        ins = graph.nodes[i].inputs
+        min_input_after[i] = min(min_input_after[i + 1], min(ins) if ins else i)
+    returned = set(graph.output_fx.all_input_nodes)
+    first_returned = min((graph.index[a] for a in returned if a in graph.index), default=n)
+    valid = [i for i in range(n) if min_input_after[i + 1] >= i and i <= first_returned]
+    first_head = next(
+        (i for i, (s, sh) in enumerate(zip(specs, shapes, strict=True)) if s.kind == HEAD or len(sh) != 4), n
+    )
+    trunk = [i for i in valid if i < first_head]
+    if not trunk:
+        raise PlanError("the model has no spatial trunk to tile")
+    return trunk, trunk[-1]
+
+
+def _candidate_cuts(graph: ModelGraph, specs: list[OpSpec], cuts: list[int], trunk_end: int) -> list[int]:
+    """Cuts worth a checkpoint: after an activation chain, not between a conv and its activation."""
+    out = []
+    for i in cuts:
+        if i in (0, trunk_end):
+            out.append(i)
+            continue
+        us = graph.nodes[i].users
+        nxt = specs[us[0]] if len(us) == 1 else None
+        if nxt is not None and nxt.kind == POINTWISE and not nxt.alias:
+            continue  # storing the pre-activation costs the same and forces an extra recompute step
+        out.append(i)
+    return out

@@ -1,0 +1,116 @@
+"""One planning session: the frozen facts and memory terms of a shape, plus memos of the replays.
+
+The session lives only while a plan (or ``max_square_size``) is computed; the executor never sees it.
+Its replay helpers turn nodes into steps of the memory model (``wsitrain.sft.memory_model``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from wsitrain.sft.costs import TILE_OVERHEAD_FLOPS, MemoryTerms, device_kind, node_flops
+from wsitrain.sft.facts import GraphFacts
+from wsitrain.sft.memory_model import SimOp, SimResult, simulate
+from wsitrain.sft.ops import MERGE
+
+
+@dataclass
+class PlanSession:
+    facts: GraphFacts
+    terms: MemoryTerms
+    device: str
+    input_on_host: bool
+    _plain: dict[tuple[int, int], tuple[SimResult, float]] = field(default_factory=dict, repr=False)
+    _tiles: dict[tuple[int, int, int], object] = field(default_factory=dict, repr=False)  # memo of tile_memory
+
+    def __post_init__(self) -> None:
+        f = self.facts
+        # parameter gradients that exist once backward has passed node i (suffix sums)
+        after = [0] * (f.n + 1)
+        for i in range(f.n - 1, -1, -1):
+            after[i] = after[i + 1] + f.nodes[i].param_bytes
+        self.grads_after = after
+        self.overhead_flops = TILE_OVERHEAD_FLOPS[device_kind(self.device)]
+
+    # ---- basic facts ---------------------------------------------------------------------------
+    def nbytes(self, i: int) -> int:
+        return self.facts.nodes[i].nbytes
+
+    def device_bytes(self, i: int) -> int:
+        """Bytes a value takes on the device (the image stays on the host when streamed)."""
+        return 0 if i == 0 and self.input_on_host else self.nbytes(i)
+
+    def grad_bytes(self, i: int) -> int:
+        """Bytes of the gradient backward builds for node i's output (0 when it needs none)."""
+        return self.nbytes(i) if self.facts.nodes[i].requires_grad else 0
+
+    def image_stride(self, i: int) -> int:
+        """How many image pixels one pixel of node i spans (its cumulative stride)."""
+        return max(1, round(self.facts.input_shape[2] / max(1, self.facts.nodes[i].shape[2])))
+
+    # ---- replay steps --------------------------------------------------------------------------
+    def sim_op(self, i: int, out_bytes: int, grad: bool = True) -> SimOp:
+        node = self.facts.nodes[i]
+        spec = node.spec
+        ins = node.inputs
+        rg = node.requires_grad and grad
+        saved: list[int] = []
+        if spec.saves_input:
+            saved += list(ins[:1]) if spec.kind != MERGE else list(ins)
+        if spec.saves_output:
+            saved.append(i)
+        alias = ins[0] if (spec.inplace or spec.alias) and ins else None
+        elem = out_bytes // max(1, self.facts.act_size)
+        return SimOp(
+            out=i,
+            out_bytes=out_bytes,
+            inputs=ins,
+            saved=tuple(saved) if rg else (),
+            extra_saved=elem * spec.index_bytes if rg else 0,
+            alias_of=alias,
+            requires_grad=rg,
+            grad_inputs=tuple(self.facts.nodes[v].requires_grad and grad for v in ins),
+            param_grad_bytes=node.param_bytes if grad else 0,
+            label=node.name,
+        )
+
+    def with_cpu_reorder(self, op: SimOp, tile_bytes: int) -> SimOp:
+        """oneDNN copies a conv's strided input crop into its blocked layout, in forward and backward."""
+        spec = self.facts.nodes[op.out].spec
+        if self.device != "cpu" or spec.kind != "window" or not spec.has_params:
+            return op
+        return replace(op, fwd_extra=op.fwd_extra + tile_bytes, bwd_extra=op.bwd_extra + tile_bytes)
+
+    def plain_sim(self, start: int, end: int) -> tuple[SimResult, float]:
+        """Replay of nodes start+1..end run with plain autograd from the value at ``start``, and their FLOPs."""
+        key = (start, end)
+        if key not in self._plain:
+            ops = [self.sim_op(i, self.nbytes(i)) for i in range(start + 1, end + 1)]
+            res = simulate(ops, {start: self.device_bytes(start)})
+            flops = 0.0
+            for i in range(start + 1, end + 1):
+                f, b = node_flops(self.facts, i, self.nbytes(i) / self.facts.act_size)
+                flops += f + b
+            self._plain[key] = (res, flops)
+        return self._plain[key]
+
+    def head_sim(self) -> tuple[SimResult, float]:
+        """The head (after the trunk) run plain."""
+        f = self.facts
+        return self.plain_sim(f.trunk_end, f.n - 1) if f.trunk_end < f.n - 1 else (SimResult(0, 0, 0, ""), 0.0)
+
+    def head_ops(self) -> list[SimOp]:
+        f = self.facts
+        return [self.sim_op(i, self.nbytes(i)) for i in range(f.trunk_end + 1, f.n)]
+
+    def saves(self, start: int, end: int, value: int) -> bool:
+        """Does plain autograd over (start, end] keep ``value`` for backward?"""
+        for i in range(start + 1, end + 1):
+            node = self.facts.nodes[i]
+            if not node.requires_grad:
+                continue
+            if node.spec.saves_input and value in node.inputs:
+                return True
+            if node.spec.saves_output and i == value:
+                return True
+        return False

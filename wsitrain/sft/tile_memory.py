@@ -1,0 +1,130 @@
+"""One tile of a segment: its working set in memory, its FLOPs with halos, and its regions.
+
+A segment (start, end] tiled with square tiles of ``edge`` output pixels: the working set is the
+replay of the segment's nodes on the largest tile's extents (forward alone, and recompute plus
+backward), the FLOPs count every tile's computed extents (halos included) for forward, recompute
+and backward.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from wsitrain.sft.costs import node_flops
+from wsitrain.sft.facts import GraphFacts
+from wsitrain.sft.memory_model import simulate
+from wsitrain.sft.regions import AxisTile, SegmentRegions, axis_tile, representative_tiles, split_axis
+from wsitrain.sft.session import PlanSession
+
+
+@dataclass(frozen=True)
+class TileChoice:
+    edge: int  # tile edge in segment-output pixels
+    fwd_peak: int  # one tile's forward working set
+    bwd_peak: int  # one tile's recompute + backward working set
+    flops: float  # forward + recompute + backward FLOPs over all tiles (halos included)
+    overhead: float  # per-tile launch cost in FLOP-equivalents (planning only)
+    tile_shape: tuple[int, int]  # largest tile's input region incl. halo, segment-input pixels
+    halo: tuple[int, int]  # per side, of an interior tile, segment-input pixels
+
+
+def _axis_sizes(facts: GraphFacts, start: int, end: int, axis: int) -> dict[int, int]:
+    return {i: facts.nodes[i].shape[2 + axis] for i in range(start, end + 1)}
+
+
+def _inputs(facts: GraphFacts, start: int, end: int) -> dict[int, tuple[int, ...]]:
+    return {i: facts.nodes[i].inputs for i in range(start + 1, end + 1)}
+
+
+def _axis_tile(facts: GraphFacts, start: int, end: int, axis: int, out: tuple[int, int]) -> AxisTile:
+    nodes = list(range(start + 1, end + 1))
+    specs = {i: facts.nodes[i].spec for i in nodes}
+    return axis_tile(nodes, start, _inputs(facts, start, end), specs, _axis_sizes(facts, start, end, axis), axis, out)
+
+
+def segment_regions(facts: GraphFacts, start: int, end: int, edge: int) -> SegmentRegions:
+    """Every tile's intervals along H and W: what the executor runs."""
+    per_axis = []
+    for axis in (0, 1):
+        outs = split_axis(facts.nodes[end].shape[2 + axis], edge)
+        per_axis.append((tuple(outs), tuple(_axis_tile(facts, start, end, axis, o) for o in outs)))
+    (rows_out, rows), (cols_out, cols) = per_axis
+    return SegmentRegions(rows_out, rows, cols_out, cols)
+
+
+def tile_choice(sess: PlanSession, start: int, end: int, edge: int) -> TileChoice:
+    """Memory and FLOPs of tiling segment (start, end] with square tiles of ``edge`` output pixels."""
+    key = (start, end, edge)
+    cached = sess._tiles.get(key)
+    if isinstance(cached, TileChoice):
+        return cached
+    f = sess.facts
+    nodes = list(range(start + 1, end + 1))
+    per_axis = []
+    square = f.nodes[end].shape[2] == f.nodes[end].shape[3] and f.nodes[start].shape[2] == f.nodes[start].shape[3]
+    for axis in (0,) if square else (0, 1):  # square: the W axis is the H axis
+        outs = split_axis(f.nodes[end].shape[2 + axis], edge)
+        reps = [(_axis_tile(f, start, end, axis, outs[k]), m) for k, m in representative_tiles(outs)]
+        per_axis.append((len(outs), reps))
+    (nr, rows), (nc, cols) = per_axis[0], per_axis[-1]
+
+    def ext(t: AxisTile, i: int) -> int:
+        lo, hi = t.computed[i]
+        return hi - lo
+
+    # the largest tile's working set: per node the largest extent along each axis
+    mx_h = {i: max(ext(t, i) for t, _ in rows) for i in [start, *nodes]}
+    mx_w = {i: max(ext(t, i) for t, _ in cols) for i in [start, *nodes]}
+    b = f.nodes[start].shape[0]
+
+    def tile_bytes(i: int) -> int:
+        node = f.nodes[i]
+        elem = node.nbytes // max(1, math.prod(node.shape))
+        return b * node.shape[1] * mx_h[i] * mx_w[i] * elem
+
+    # the image crop is staged to the device, and an integer image is converted per tile
+    crop = tile_bytes(start) if start == 0 and (sess.input_on_host or not f.input_dtype.is_floating_point) else 0
+
+    def ops(grad: bool):  # noqa: ANN202 - a list of SimOp
+        return [
+            sess.with_cpu_reorder(sess.sim_op(i, tile_bytes(i), grad=grad), tile_bytes(f.nodes[i].inputs[0]))
+            for i in nodes
+        ]
+
+    fwd = simulate(ops(False), {start: crop}, backward=False).forward_peak
+    bres = simulate(ops(True), {start: crop})
+    bwd = max(bres.forward_peak, bres.backward_peak)
+    flops = 0.0
+    overhead = 0.0
+    for i in nodes:
+        sum_h = sum(ext(t, i) * m for t, m in rows)
+        sum_w = sum(ext(t, i) * m for t, m in cols)
+        fw, bw = node_flops(f, i, b * f.nodes[i].shape[1] * sum_h * sum_w)
+        flops += 2 * fw + bw  # forward, recompute, backward
+        overhead += 2 * sess.overhead_flops * nr * nc
+    mid_r, mid_c = rows[len(rows) // 2][0], cols[len(cols) // 2][0]
+    in_h, in_w = f.nodes[start].shape[2], f.nodes[start].shape[3]
+    core_h = edge * in_h // max(1, f.nodes[end].shape[2])
+    core_w = edge * in_w // max(1, f.nodes[end].shape[3])
+    halo_h = max(0, (ext(mid_r, start) - min(core_h, in_h) + 1) // 2)
+    halo_w = max(0, (ext(mid_c, start) - min(core_w, in_w) + 1) // 2)
+    choice = TileChoice(edge, fwd, bwd, flops, overhead, (mx_h[start], mx_w[start]), (halo_h, halo_w))
+    sess._tiles[key] = choice
+    return choice
+
+
+def edge_candidates(sess: PlanSession, end: int, forced_tile: int | None) -> list[int]:
+    """Tile edges (segment-output pixels) to try, largest first: powers of two and the whole extent."""
+    shape = sess.facts.nodes[end].shape
+    length = max(shape[2], shape[3])
+    if forced_tile is not None:
+        # the forced edge in this segment's output pixels, rounded, and at least 2 pixels: 1-pixel
+        # tiles recompute their whole halo for a single output (and hit kernel corner cases)
+        return [min(length, max(2, round(forced_tile / sess.image_stride(end))))]
+    edges = {length}
+    e = 1
+    while e < length:
+        edges.add(e)
+        e *= 2
+    return sorted(edges, reverse=True)
