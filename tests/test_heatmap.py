@@ -191,3 +191,59 @@ def test_heatmap_files_for_a_synthetic_slide(tmp_path: Path, saliency: bool) -> 
         assert rec["predicted"] == ["negative", "positive"][int(logits.argmax())]
         (grad,) = torch.autograd.grad(logits[0, int(logits.argmax())], x)
         np.testing.assert_allclose(np.load(sal), block_sum(grad, 16)[0].numpy(), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("pool", ["avg", "max"])
+def test_engine_cam_equals_the_plain_cam_with_ragged_tiles(pool: str) -> None:
+    from wsitrain.sft import SFT
+
+    model, x = _model(pool), _image(208, 176, seed=6)  # trunk map 13 x 11
+    engine = SFT(model, tile_size=48)  # 48 px tiles: 3 px of the map, ragged at the far edges (13 = 3+3+3+3+1)
+    last = engine.plan_for(tuple(x.shape)).segments[-1]
+    assert last.mode == "tiled" and last.n_tiles > 1 and 13 % last.tile_edge != 0
+    calls: list[tuple[tuple[int, int], tuple[int, int]]] = []
+    head = find_head(model)
+    acc = CamAccumulator(head, 1, (13, 11))
+
+    def spy(tile: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> None:
+        calls.append((rows, cols))
+        acc(tile, rows, cols)
+
+    with torch.no_grad(), engine.observe_trunk(spy):
+        engine(x)
+    assert len(calls) == last.n_tiles
+    plain = slide_maps(model, x)
+    tiled = slide_maps(engine, x)
+    assert_close(acc.result()[0], plain.cam)
+    assert_close(tiled.cam, plain.cam)
+    assert_close(tiled.logits, plain.logits)
+    if pool == "max":
+        assert_close(tiled.decisive, plain.decisive)
+
+
+def test_engine_saliency_equals_the_block_summed_plain_input_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
+    import wsitrain.report.heatmap as heatmap
+    from wsitrain.sft import SFT
+
+    shares: list[tuple[int, int]] = []
+
+    class Counting(BlockSumAccumulator):
+        def __call__(self, grad: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> None:
+            shares.append(tuple(grad.shape[-2:]))
+            super().__call__(grad, rows, cols)
+
+    monkeypatch.setattr(heatmap, "BlockSumAccumulator", Counting)
+
+    model, x = _model("avg"), _image(208, 176, seed=7)
+    engine = SFT(model, tile_size=48)
+    assert engine.plan_for(tuple(x.shape)).segments[0].mode == "tiled"
+    xr = x.clone().requires_grad_(True)
+    logits = model(xr)
+    k = int(logits.argmax())
+    (grad,) = torch.autograd.grad(logits[0, k], xr)
+    for block in (8, 13):  # 13 does not divide the image or the tiles: cells straddle tile borders
+        tiled = slide_maps(engine, x, saliency_block=block)
+        assert tiled.predicted == k
+        assert_close(tiled.saliency, block_sum(grad, block)[0])
+    # The engine handed over tile shares (never one full-size gradient).
+    assert len(shares) > 2 and all(s != (208, 176) for s in shares)

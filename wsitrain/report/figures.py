@@ -9,6 +9,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only; never a window
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from wsitrain.report.runlog import TileTimes  # noqa: E402
 from wsitrain.units import format_bytes  # noqa: E402
@@ -53,14 +54,18 @@ def tile_histograms(t: TileTimes, device: str) -> bytes:
     ax_t.set_ylabel("tiles" if t.per_tile else "steps")
     ax_t.set_title("tile time", fontsize=10)
     ax_t.legend(fontsize=8)
+    for ax in (ax_t, ax_m):
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # counts
     colors = {"forward": "tab:blue", "backward": "tab:red", "step": "tab:purple"}
     for key, values in t.bytes.items():
         if values:
             ax_m.hist([v / MiB for v in values], bins=40, alpha=0.6, color=colors.get(key),
                       label=f"{key} ({len(values)})")
-    where = "CUDA max allocated per tile" if "cpu" not in device.lower() else "process peak RSS so far (CPU)"
+    where = "CUDA max allocated" if "cpu" not in device.lower() else "process peak RSS so far (CPU)"
     ax_m.set_xlabel(f"MiB, {where}")
-    ax_m.set_title("peak memory" + (" per tile" if t.per_tile else " per step"), fontsize=10)
+    ax_m.set_title("peak memory" + (" per tile" if "forward" in t.bytes else " per step"), fontsize=10)
     if any(t.bytes.values()):
         ax_m.legend(fontsize=8)
+    else:
+        ax_m.text(0.5, 0.5, "not recorded", ha="center", va="center", transform=ax_m.transAxes, color="gray")
     return png_bytes(fig)

@@ -41,7 +41,7 @@ def _has_hooks(model: nn.Module) -> bool:
     return hasattr(model, "observe_trunk") and hasattr(model, "input_gradient_sink")
 
 
-def _trunk_hw(model: nn.Module, head: ClassifierHead, x: torch.Tensor) -> tuple[int, int]:
+def _trunk_hw(model: nn.Module, x: torch.Tensor) -> tuple[int, int]:
     """The trunk output's (h, w) for input ``x``: the engine's plan knows it without running anything."""
     plan = model.plan_for(tuple(x.shape))  # type: ignore[operator]
     shape = plan.segments[-1].output_shape
@@ -73,7 +73,7 @@ def slide_maps(
         x = x.detach().requires_grad_(True)
     hooks = _has_hooks(model)
     if hooks:
-        acc = CamAccumulator(head, 1, _trunk_hw(model, head, x))
+        acc = CamAccumulator(head, 1, _trunk_hw(model, x))
     grad_ctx: contextlib.AbstractContextManager[Any] = torch.enable_grad() if saliency_block else torch.no_grad()
     with grad_ctx:
         if hooks:

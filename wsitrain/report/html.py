@@ -17,7 +17,7 @@ import yaml
 
 from wsitrain.errors import WsiTrainError
 from wsitrain.report.figures import plan_memory_figure, tile_histograms
-from wsitrain.report.runlog import VALIDATION, plans, read_json, tile_times
+from wsitrain.report.runlog import VALIDATION, plans, read_json, step_peaks, tile_times
 from wsitrain.units import format_bytes
 
 REPORT = "report.html"
@@ -254,6 +254,10 @@ def _tiles(run_dir: Path) -> str:
     if not t.per_tile:
         out.append(_note(f"log.tiles: {mode} records one summary per step, not every tile: the histograms show "
                          "per-step mean tile times and per-step peaks. Set log.tiles: all for per-tile ones."))
+    if not any(t.bytes.values()):
+        t.bytes = {"step": step_peaks(run_dir)}
+        out.append(_note("the tiles carry no memory (per-tile peaks are measured only with the engine's "
+                         "tile_peaks=True): the memory histogram shows each training step's peak from metrics.jsonl"))
     if "cpu" in str(device).lower():
         out.append(_note("on CPU a tile's memory is the process's peak resident set so far (it only grows), "
                          "not the tile's own use; on CUDA it is the allocator's peak during the tile"))

@@ -133,3 +133,9 @@ def tile_times(run_dir: Path) -> TileTimes | None:
         {"step": [float(r["peak_bytes"]) for r in rows if r.get("peak_bytes")]},
         len(rows),
     )
+
+
+def step_peaks(run_dir: Path) -> list[float]:
+    """Each training step's peak bytes from metrics.jsonl (the fallback when tiles carry no memory)."""
+    return [float(r["peak_bytes"]) for r in read_jsonl(Path(run_dir) / "metrics.jsonl")
+            if r.get("kind") == "train" and r.get("peak_bytes")]
