@@ -8,7 +8,7 @@ from ``input_gradient_sink``; only the small maps are ever held. A model without
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +54,7 @@ def slide_maps(
     *,
     saliency_block: int | None = None,
     probabilities: Any = None,
+    autocast: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
 ) -> SlideMaps:
     """CAM of every class for one image (3, H, W) or (1, 3, H, W), the logits, and optionally the saliency.
 
@@ -62,6 +63,7 @@ def slide_maps(
     ``InputNormalization`` makes of it (so the gradient is per unit of that scale).
     ``probabilities``: logits (1, K) -> probabilities (1, K); softmax when None.
     ``saliency_block``: cell edge in image pixels of the block-summed gradient of the predicted class's logit.
+    ``autocast``: the precision context predict runs the model in (the plan, and so the memory, depend on it).
     """
     head = find_head(model)
     x = image.unsqueeze(0) if image.dim() == 3 else image  # (1, 3, H, W)
@@ -75,7 +77,7 @@ def slide_maps(
     if hooks:
         acc = CamAccumulator(head, 1, _trunk_hw(model, x))
     grad_ctx: contextlib.AbstractContextManager[Any] = torch.enable_grad() if saliency_block else torch.no_grad()
-    with grad_ctx:
+    with grad_ctx, (autocast or contextlib.nullcontext)():
         if hooks:
             with model.observe_trunk(acc):  # type: ignore[operator]
                 logits = model(x)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,11 @@ def saliency_block(image_hw: tuple[int, int], stride: int) -> int:
 class HeatmapWriter:
     """Writes each slide's maps into ``out_dir`` (created) and the index at ``close()``."""
 
-    def __init__(self, out_dir: Path, class_names: list[str], saliency: bool = False) -> None:
+    def __init__(
+        self, out_dir: Path, class_names: list[str], saliency: bool = False,
+        autocast: Callable[[], AbstractContextManager[Any]] | None = None,
+    ) -> None:
+        self.autocast = autocast  # predict's precision (e.g. Trainer.autocast), so the maps run under the same plan
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.class_names = [str(c) for c in class_names]
@@ -51,7 +56,7 @@ class HeatmapWriter:
         stride = int(getattr(getattr(model, "model", model), "stride", 1))
         block = saliency_block(tuple(image.shape[-2:]), stride) if self.saliency else None
         with eval_mode(model):
-            maps = slide_maps(model, image, saliency_block=block, probabilities=probabilities)
+            maps = slide_maps(model, image, saliency_block=block, probabilities=probabilities, autocast=self.autocast)
         stem = _stem(slide)
         np.save(self.out_dir / f"{stem}.cam.npy", maps.cam.float().numpy())
         if maps.saliency is not None:

@@ -92,7 +92,7 @@ def run_predict(
                      precision=cfg.train.precision, loss=cfg.train.loss)
     rk = read_kwargs(cfg, int(getattr(model, "stride", 1)))
 
-    maps = HeatmapWriter(Path(heatmaps), class_names, saliency) if heatmaps is not None else None
+    maps = HeatmapWriter(Path(heatmaps), class_names, saliency, runner.autocast) if heatmaps is not None else None
     rows = []
     t0 = time.perf_counter()
     for i, p in enumerate(paths, 1):
