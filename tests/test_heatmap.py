@@ -247,3 +247,39 @@ def test_engine_saliency_equals_the_block_summed_plain_input_gradient(monkeypatc
         assert_close(tiled.saliency, block_sum(grad, block)[0])
     # The engine handed over tile shares (never one full-size gradient).
     assert len(shares) > 2 and all(s != (208, 176) for s in shares)
+
+
+def _levels_read(reader: object) -> list[int]:
+    """Wrap ``reader.read_region`` to record which pyramid levels are read."""
+    levels: list[int] = []
+    original = reader.read_region  # type: ignore[attr-defined]
+
+    def spy(level: int, *args: int) -> np.ndarray:
+        levels.append(level)
+        return original(level, *args)
+
+    reader.read_region = spy  # type: ignore[attr-defined]
+    return levels
+
+
+def test_thumbnail_comes_from_a_pyramid_level_or_the_image_in_memory(tmp_path: Path) -> None:
+    from wsitrain.report.overlay import Placement, slide_thumbnail
+    from wsitrain.slides.readers import open_slide
+    from wsitrain.slides.synth import write_synthetic_slide
+
+    pyramid = write_synthetic_slide(tmp_path / "big.svs", size=1024, seed=8)
+    with open_slide(pyramid) as reader:
+        assert reader.info.level_count > 1
+        image = torch.zeros((3, 1024, 1024), dtype=torch.uint8)  # stands for the level-0 read predict already did
+        levels = _levels_read(reader)
+        thumb = slide_thumbnail(reader, image, Placement((0, 0, 1024, 1024), 1.0, (1024, 1024)), max_side=256)
+        assert levels and min(levels) > 0  # never level 0 again
+        assert max(thumb.rgb.shape[:2]) <= 256 and thumb.extent == (0.0, 1024.0, 1024.0, 0.0)
+        # Read at the coarsest level already: no level is coarser, so the image in memory is shrunk, nothing read.
+        ds = reader.info.level_downsamples[-1]
+        levels.clear()
+        side = int(1024 / ds)
+        small = torch.randint(0, 255, (3, side, side), dtype=torch.uint8)
+        thumb = slide_thumbnail(reader, small, Placement((0, 0, 1024, 1024), ds, (1024, 1024)), max_side=side // 2)
+        assert levels == [] and thumb.rgb.shape == (side // 2, side // 2, 3)
+        assert thumb.extent == (0.0, 1024.0, 1024.0, 0.0)
