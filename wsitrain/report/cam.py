@@ -104,6 +104,10 @@ class CamAccumulator:
         t = tile.detach().to(self.head.weight.dtype)  # (B, C, th, tw); autocast tiles come in bf16/fp16
         if t.shape[-2:] != (r1 - r0, c1 - c0):
             raise ValueError(f"tile {tuple(t.shape)} does not match rows {rows} cols {cols}")
+        if t.shape[1] != self.head.weight.shape[1]:
+            # The engine's trunk must end where the pooling starts, or this is some other feature map.
+            raise ValueError(f"the observed map has {t.shape[1]} channels but {self.head.linear_path} expects "
+                             f"{self.head.weight.shape[1]}")
         self.cam[:, :, r0:r1, c0:c1] = cam_of_features(self.head, t).cpu()
         self.covered[r0:r1, c0:c1] = True
         if self.head.pool == "max":

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,7 +30,6 @@ class SlideMaps:
     decisive: torch.Tensor | None = None  # (K, 2) (row, col) in CAM pixels; max-pooling heads only
     saliency: torch.Tensor | None = None  # (C, H/block, W/block) block-summed d logit_pred / d image
     block: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def predicted(self) -> int:
