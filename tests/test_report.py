@@ -215,3 +215,12 @@ def test_report_command(run_dir: Path, tmp_path: Path) -> None:
 def test_report_nan_metrics_show_as_dash(run_dir: Path) -> None:
     (run_dir / "summary.json").write_text(json.dumps({"epochs": 1, "val_roc_auc": math.nan}))
     assert "–" in write_report(run_dir, heatmaps=False).read_text()
+
+
+def test_predict_saliency_needs_heatmaps(tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["predict", "cfg.yaml", "--checkpoint", "x.pt", "--slides", str(tmp_path),
+                                      "--out", str(tmp_path / "p.csv"), "--saliency"],
+                                env={"COLUMNS": "200", "NO_COLOR": "1"})
+    assert result.exit_code == 2
+    assert "--saliency needs --heatmaps" in result.output
+    assert list(tmp_path.iterdir()) == []

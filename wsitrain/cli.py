@@ -163,10 +163,10 @@ def predict(
 
       wsitrain predict configs/demo.yaml --checkpoint runs/demo/best.pt --slides new-slides/ --out preds.csv
     """
-    cfg = _load_config(config, set_)
-    run_predict = _entry("wsitrain.train.predict", "run_predict", "predict")
     if saliency and heatmaps is None:
         raise typer.BadParameter("--saliency needs --heatmaps DIR (the folder the maps are written to)")
+    cfg = _load_config(config, set_)
+    run_predict = _entry("wsitrain.train.predict", "run_predict", "predict")
     run_predict(cfg, checkpoint=checkpoint, slides=slides, out=out, console=_console(), heatmaps=heatmaps,
                 saliency=saliency)
 
