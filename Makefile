@@ -15,9 +15,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -e ".[test]"
 	touch $(STAMP)
 
-# The run name carries date, time and process id, so it never collides with an earlier run folder.
+# The run name carries date, time and process id, so it never collides with an earlier run folder; the last
+# line printed is the path of the run's report.html.
 demo: $(STAMP)
-	$(BIN)/wsitrain fit configs/demo.yaml --name demo-$$(date +%Y%m%d-%H%M%S)-$$$$
+	name=demo-$$(date +%Y%m%d-%H%M%S)-$$$$ && $(BIN)/wsitrain fit configs/demo.yaml --name $$name && \
+	$(BIN)/wsitrain report runs/$$name
 
 test: $(STAMP)
 	$(BIN)/ruff check $(LINT_PATHS)

@@ -161,6 +161,10 @@ def predict(
     slides: Path = typer.Option(..., "--slides", help="Folder of slides to predict (every slide file in it)."),
     out: Path = typer.Option(..., "--out", help="CSV to write: one row per slide with class probabilities."),
     set_: list[str] | None = typer.Option(None, "--set", "-s", metavar="KEY=VALUE", help=SET_HELP),
+    heatmaps: Path | None = typer.Option(
+        None, "--heatmaps", help="Folder for per-slide class activation maps (.npy and .png over the thumbnail)."
+    ),
+    saliency: bool = typer.Option(False, "--saliency", help="With --heatmaps: add the exact input-gradient map."),
 ) -> None:
     """Predict slide-level class probabilities with a trained checkpoint.
 
@@ -168,9 +172,31 @@ def predict(
 
       wsitrain predict configs/demo.yaml --checkpoint runs/demo/best.pt --slides new-slides/ --out preds.csv
     """
+    if saliency and heatmaps is None:
+        raise typer.BadParameter("--saliency needs --heatmaps DIR (the folder the maps are written to)")
     cfg = _load_config(config, set_)
     run_predict = _entry("wsitrain.train.predict", "run_predict", "predict")
-    run_predict(cfg, checkpoint=checkpoint, slides=slides, out=out, console=_console())
+    run_predict(cfg, checkpoint=checkpoint, slides=slides, out=out, console=_console(), heatmaps=heatmaps,
+                saliency=saliency)
+
+
+@app.command()
+@_handled
+def report(
+    run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="A run folder written by fit, e.g. runs/demo."),
+    heatmaps: bool = typer.Option(
+        True, "--heatmaps/--no-heatmaps", help="Compute validation heatmaps when RUN_DIR/heatmaps has none."
+    ),
+) -> None:
+    """Write RUN_DIR/report.html: one self-contained page (curves, plan, tile stats, validation slides, heatmaps).
+
+    Example:
+
+      wsitrain report runs/demo
+    """
+    write_report = _entry("wsitrain.report.html", "write_report", "report")
+    path = write_report(run_dir, heatmaps=heatmaps, console=_console())
+    typer.echo(str(path))  # the result itself: printed even with --quiet
 
 
 @app.command()

@@ -13,6 +13,7 @@ from wsitrain.config import WsiTrainConfig, config_to_dict, diff_configs
 from wsitrain.errors import SlideError, WsiTrainError
 from wsitrain.gpus import run_budget
 from wsitrain.models import build
+from wsitrain.report.heatmap_files import HeatmapWriter
 from wsitrain.slides.readers import open_slide
 from wsitrain.slides.stream import read_slide_region
 from wsitrain.slides.suffixes import SLIDE_SUFFIXES, is_slide_name
@@ -80,7 +81,14 @@ def _check_model(cfg: WsiTrainConfig, trained: dict[str, Any], checkpoint: Path)
 
 
 def run_predict(
-    cfg: WsiTrainConfig, *, checkpoint: Path, slides: Path, out: Path, console: Console | None = None
+    cfg: WsiTrainConfig,
+    *,
+    checkpoint: Path,
+    slides: Path,
+    out: Path,
+    console: Console | None = None,
+    heatmaps: Path | None = None,
+    saliency: bool = False,
 ) -> Path:
     """Write ``out`` (CSV: slide, path, one probability column per class, predicted class); return its path."""
     console = console or Console()
@@ -112,6 +120,7 @@ def run_predict(
     rk = read_kwargs(cfg, model.stride)
     console.print(f"memory budget: {budget.describe()}", markup=False, highlight=False)
 
+    maps = HeatmapWriter(Path(heatmaps), class_names, saliency, runner.autocast) if heatmaps is not None else None
     rows = []
     t0 = time.perf_counter()
     for i, p in enumerate(paths, 1):
@@ -123,6 +132,10 @@ def run_predict(
         console.print(f"[{i}/{len(paths)}] {p.name}: {pred} ({max(probs):.3f}), "
                       f"{tuple(read.image.shape[1:])} px, read {read.seconds:.2f} s, forward {res.forward_s:.2f} s",
                       markup=False, highlight=False)  # fmt: skip
+        if maps is not None:
+            maps.add(p, read, engine)
+    if maps is not None:
+        console.print(f"wrote heatmaps of {len(paths)} slides to {maps.close().parent}", markup=False)
     with open(out, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["slide", "path", *(f"prob_{c}" for c in class_names), "predicted"])

@@ -24,6 +24,8 @@ from wsitrain.config import WsiTrainConfig, check_run_name, config_to_dict
 from wsitrain.errors import PlanError, WsiTrainError
 from wsitrain.gpus import Budget, run_budget
 from wsitrain.preflight import check_run
+from wsitrain.report.curves import write_curves
+from wsitrain.report.roc import write_validation_figures
 from wsitrain.slides.dataset import PrefetchLoader, SlideDataset, SlideRecord
 from wsitrain.slides.stream import ReadResult
 from wsitrain.train import distributed as D
@@ -212,6 +214,8 @@ class FitRecipe:
         elif self.val_ds is None and train_loss < st.best:
             improved, st.best = True, train_loss  # no validation slides: best by training loss
         st.epoch, st.next_index = epoch + 1, 0
+        if self.dist.is_main:
+            write_curves(self.run_dir)  # curves.png, redrawn every epoch from metrics.jsonl
         self.save("last.pt", epoch + 1, 0)
         if improved:
             self.save("best.pt", epoch + 1, 0)
@@ -236,14 +240,17 @@ class FitRecipe:
             image, label, record, _read = self.val_ds[i]
             with self._plan_errors_named(record.slide_id):
                 r = self.trainer.eval_slide(image, label)
-            results.append((int(label), r.loss, r.probs.numpy()))
+            results.append((int(label), r.loss, r.probs.numpy(), record.slide_id, str(record.path)))
         results = [x for part in D.gather_objects(results, self.dist) for x in part]
         labels = np.array([r[0] for r in results])
-        probs = np.stack([r[2] for r in results])
+        probs = np.stack([r[2] for r in results])  # (N, K)
         metrics = {"loss": float(np.mean([r[1] for r in results]))}
         metrics.update(classification_metrics(labels, probs))
         metrics["n"] = len(results)
         metrics["seconds"] = time.perf_counter() - t0
+        if self.dist.is_main:  # ROC, confusion matrix and per-slide probabilities of this validation
+            write_validation_figures(self.run_dir, labels, probs, self.data.class_names,
+                                     [r[3] for r in results], [r[4] for r in results])  # fmt: skip
         return metrics
 
     # ---- save

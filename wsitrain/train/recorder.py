@@ -85,7 +85,8 @@ class RunRecorder:
         stats = res.stats
         self.metrics.write({
             "kind": "train", "epoch": epoch + 1, "step": step, "index": index, "slide": sid, "label": record.label,
-            "loss": res.loss, "lr": lr, "step_s": step_s, "read_s": read_s, "wait_s": wait_s,
+            "loss": res.loss, "probs": [float(v) for v in res.probs.tolist()], "lr": lr, "step_s": step_s,
+            "read_s": read_s, "wait_s": wait_s,
             "read_mb_per_s": read.mb_per_s, "forward_s": res.forward_s,
             "backward_s": res.backward_s, "optimizer_s": optimizer_s,
             "grad_norm": opt.grad_norm if opt is not None else None,

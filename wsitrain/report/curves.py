@@ -1,0 +1,58 @@
+"""curves.png: training and validation loss, accuracy, balanced accuracy, ROC AUC and learning rate per epoch."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; never a window
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+from wsitrain.report.runlog import epoch_curves  # noqa: E402
+
+CURVES = "curves.png"
+_TITLES = {"loss": "loss", "accuracy": "accuracy", "balanced_accuracy": "balanced accuracy", "roc_auc": "ROC AUC"}
+
+
+def write_curves(run_dir: Path) -> Path:
+    """Draw ``run_dir/curves.png`` from ``run_dir/metrics.jsonl`` (rewritten at every call; empty panels say so)."""
+    run_dir = Path(run_dir)
+    c = epoch_curves(run_dir)
+    fig, axes = plt.subplots(1, 5, figsize=(19, 3.6), layout="constrained")
+    for ax, key in zip(axes[:4], _TITLES, strict=True):
+        drew = False
+        for series, style, label, color in ((c.train, "o-", "training", "tab:blue"),
+                                            (c.val, "s-", "validation", "tab:orange")):
+            ys = series.get(key, [])
+            pts = [(e, y) for e, y in zip(c.epochs, ys, strict=False) if not math.isnan(y)]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label, ms=4, color=color)
+                drew = True
+        if key != "loss" and c.epochs and not c.train_has_probs:
+            ax.text(0.02, 0.02, "no training curve: train rows carry no probabilities", fontsize=7, color="gray",
+                    transform=ax.transAxes)
+        ax.set_title(_TITLES[key])
+        ax.set_xlabel("epoch")
+        if key != "loss":
+            ax.set_ylim(-0.02, 1.02)
+        if drew:
+            ax.legend(fontsize=8)
+        else:
+            ax.text(0.5, 0.5, "not logged yet", ha="center", va="center", transform=ax.transAxes, color="gray")
+        ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax = axes[4]
+    if c.lr_steps:
+        ax.plot([s[0] for s in c.lr_steps], [s[1] for s in c.lr_steps], "-", color="tab:purple")
+    else:
+        ax.text(0.5, 0.5, "not logged yet", ha="center", va="center", transform=ax.transAxes, color="gray")
+    ax.set_title("learning rate (per step)")
+    ax.set_xlabel("epoch")
+    ax.grid(alpha=0.3)
+    path = run_dir / CURVES
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,126 @@
+"""Slide heatmaps: class activation maps (and optionally the exact input-gradient saliency) of one slide.
+
+Through the SFT engine the CAM is filled tile by tile from ``observe_trunk`` and the saliency is block-summed
+from ``input_gradient_sink``; only the small maps are ever held. A model without those hooks (plain
+``nn.Module``) is run whole, which is the reference the engine's maps are tested against.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from wsitrain.report.cam import BlockSumAccumulator, CamAccumulator, ClassifierHead, find_head
+
+
+@dataclass
+class SlideMaps:
+    """One slide's maps. Map pixel (i, j) covers image pixels [i*stride, (i+1)*stride) (likewise saliency/block)."""
+
+    cam: torch.Tensor  # (K, h, w), logit units
+    logits: torch.Tensor  # (K,)
+    probs: torch.Tensor  # (K,)
+    stride: float  # image pixels per CAM pixel
+    pool: str
+    decisive: torch.Tensor | None = None  # (K, 2) (row, col) in CAM pixels; max-pooling heads only
+    saliency: torch.Tensor | None = None  # (C, H/block, W/block) block-summed d logit_pred / d image
+    block: int = 0
+
+    @property
+    def predicted(self) -> int:
+        return int(self.probs.argmax())
+
+
+def _has_hooks(model: nn.Module) -> bool:
+    return hasattr(model, "observe_trunk") and hasattr(model, "input_gradient_sink")
+
+
+def _trunk_hw(model: nn.Module, x: torch.Tensor) -> tuple[int, int]:
+    """The trunk output's (h, w) for input ``x``: the engine's plan knows it without running anything."""
+    plan = model.plan_for(tuple(x.shape))  # type: ignore[operator]
+    shape = plan.segments[-1].output_shape
+    return int(shape[-2]), int(shape[-1])
+
+
+def slide_maps(
+    model: nn.Module,
+    image: torch.Tensor,
+    *,
+    saliency_block: int | None = None,
+    probabilities: Any = None,
+    autocast: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+) -> SlideMaps:
+    """CAM of every class for one image (3, H, W) or (1, 3, H, W), the logits, and optionally the saliency.
+
+    ``model``: an SFT engine (tiled, hooks) or a plain model with a global pool -> Linear head. The image may be
+    uint8 (the model normalises); for saliency a uint8 image is differentiated as the [0, 1] float image
+    ``InputNormalization`` makes of it (so the gradient is per unit of that scale).
+    ``probabilities``: logits (1, K) -> probabilities (1, K); softmax when None.
+    ``saliency_block``: cell edge in image pixels of the block-summed gradient of the predicted class's logit.
+    ``autocast``: the precision context predict runs the model in (the plan, and so the memory, depend on it).
+    """
+    head = find_head(model)
+    x = image.unsqueeze(0) if image.dim() == 3 else image  # (1, 3, H, W)
+    if x.shape[0] != 1:
+        raise ValueError(f"one slide at a time; got a batch of {x.shape[0]}")
+    if saliency_block is not None:
+        if not x.is_floating_point():  # the same [0, 1] image InputNormalization makes of uint8, now differentiable
+            x = x.to(head.weight.dtype) / 255
+        x = x.detach().requires_grad_(True)
+    hooks = _has_hooks(model)
+    if hooks:
+        acc = CamAccumulator(head, 1, _trunk_hw(model, x))
+    grad_ctx: contextlib.AbstractContextManager[Any] = torch.enable_grad() if saliency_block else torch.no_grad()
+    with grad_ctx, (autocast or contextlib.nullcontext)():
+        if hooks:
+            with model.observe_trunk(acc):  # type: ignore[operator]
+                logits = model(x)
+        else:
+            f = head.trunk(x.to(head.weight.device))  # (1, C, h, w)
+            acc = CamAccumulator(head, 1, tuple(f.shape[-2:]))  # type: ignore[arg-type]
+            acc(f, (0, f.shape[-2]), (0, f.shape[-1]))
+            logits = _plain_head(head, f)
+    cam = acc.result()[0]
+    probs = probabilities(logits.detach()) if probabilities is not None else torch.softmax(logits.detach(), dim=1)
+    stride = x.shape[-2] / cam.shape[-2]
+    out = SlideMaps(cam, logits.detach()[0].cpu(), probs[0].float().cpu(), stride, head.pool)
+    if head.pool == "max":
+        out.decisive = acc.decisive_positions()[0]
+    if saliency_block:
+        out.saliency, out.block = _saliency(model, x, logits, out.predicted, saliency_block, hooks), saliency_block
+    return out
+
+
+def _plain_head(head: ClassifierHead, f: torch.Tensor) -> torch.Tensor:
+    v = f.amax(dim=(2, 3)) if head.pool == "max" else f.mean(dim=(2, 3))  # (B, C)
+    return v.to(head.weight.dtype) @ head.weight.T.to(f.device) + head.bias.to(f.device)
+
+
+def _saliency(
+    model: nn.Module, x: torch.Tensor, logits: torch.Tensor, k: int, block: int, hooks: bool
+) -> torch.Tensor:
+    acc = BlockSumAccumulator(tuple(x.shape), block, torch.float64 if x.dtype == torch.float64 else torch.float32)
+    target = logits[:, k].sum()
+    if hooks:
+        with model.input_gradient_sink(acc):  # type: ignore[operator]
+            target.backward()
+    else:
+        (grad,) = torch.autograd.grad(target, x)
+        acc(grad, (0, x.shape[-2]), (0, x.shape[-1]))
+    return acc.sum[0]
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """Eval mode for the maps, the model's previous mode restored after."""
+    was = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was)

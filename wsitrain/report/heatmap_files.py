@@ -1,0 +1,109 @@
+"""`predict --heatmaps DIR`: per slide ``NAME.cam.npy`` (K, h, w), ``NAME.png``, optional ``NAME.saliency.npy``
+(3, H/block, W/block), and ``heatmaps.json`` indexing them (what the run report reads)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from wsitrain.report.heatmap import SlideMaps, eval_mode, slide_maps
+from wsitrain.report.overlay import Placement, render_heatmap, slide_thumbnail
+
+INDEX = "heatmaps.json"
+# Saliency cells: at least the model's stride, and coarse enough that the map's longer side stays <= this.
+SALIENCY_MAX_SIDE = 1024
+
+
+def saliency_block(image_hw: tuple[int, int], stride: int) -> int:
+    return max(int(stride), -(-max(image_hw) // SALIENCY_MAX_SIDE))
+
+
+class HeatmapWriter:
+    """Writes each slide's maps into ``out_dir`` (created) and the index at ``close()``."""
+
+    def __init__(
+        self, out_dir: Path, class_names: list[str], saliency: bool = False,
+        autocast: Callable[[], AbstractContextManager[Any]] | None = None,
+    ) -> None:
+        self.autocast = autocast  # predict's precision (e.g. Trainer.autocast), so the maps run under the same plan
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.class_names = [str(c) for c in class_names]
+        self.saliency = saliency
+        self.records: list[dict[str, Any]] = []
+
+    def add(
+        self,
+        slide: str | Path,
+        read: Any,
+        model: nn.Module,
+        probabilities: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        label: int | None = None,
+    ) -> dict[str, Any]:
+        """One slide: ``read`` is the ReadResult predict already has (image and where it sits on the slide)."""
+        from wsitrain.slides.readers import open_slide
+        from wsitrain.slides.tissue import tissue_mask
+
+        slide = Path(slide)
+        image = read.image  # (3, H, W) uint8
+        stride = int(getattr(getattr(model, "model", model), "stride", 1))
+        block = saliency_block(tuple(image.shape[-2:]), stride) if self.saliency else None
+        with eval_mode(model):
+            maps = slide_maps(model, image, saliency_block=block, probabilities=probabilities, autocast=self.autocast)
+        stem = _stem(slide)
+        np.save(self.out_dir / f"{stem}.cam.npy", maps.cam.float().numpy())
+        if maps.saliency is not None:
+            np.save(self.out_dir / f"{stem}.saliency.npy", maps.saliency.float().numpy())
+        with open_slide(slide) as reader:
+            where = Placement(tuple(float(v) for v in read.box), float(read.downsample),  # type: ignore[arg-type]
+                              tuple(reader.info.dimensions))  # type: ignore[arg-type]
+            thumb = slide_thumbnail(reader, image, where)
+        tissue, _ = tissue_mask(thumb.rgb)
+        png = render_heatmap(self.out_dir / f"{stem}.png", maps, thumb, where, self.class_names, slide.name, tissue)
+        rec = self._record(slide, stem, maps, where, png, label)
+        self.records.append(rec)
+        return rec
+
+    def _record(
+        self, slide: Path, stem: str, maps: SlideMaps, where: Placement, png: Path, label: int | None
+    ) -> dict[str, Any]:
+        return {
+            "slide": slide.name,
+            "path": str(slide),
+            "png": png.name,
+            "cam": f"{stem}.cam.npy",
+            "saliency": f"{stem}.saliency.npy" if maps.saliency is not None else None,
+            "label": self.class_names[label] if label is not None else None,
+            "predicted": self.class_names[maps.predicted],
+            "probs": {c: float(p) for c, p in zip(self.class_names, maps.probs.tolist(), strict=True)},
+            "logits": [float(v) for v in maps.logits.tolist()],
+            "pool": maps.pool,
+            "cam_shape": list(maps.cam.shape),
+            "stride": maps.stride,
+            "saliency_block": maps.block or None,
+            "box": list(where.box),
+            "downsample": where.downsample,
+            "decisive": maps.decisive.tolist() if maps.decisive is not None else None,
+        }
+
+    def close(self) -> Path:
+        path = self.out_dir / INDEX
+        with open(path, "w") as f:
+            json.dump({"classes": self.class_names, "slides": self.records}, f, indent=2)
+            f.write("\n")
+        return path
+
+
+def _stem(path: Path) -> str:
+    name = path.name
+    for suffix in (".ome.tif", ".ome.tiff"):
+        if name.lower().endswith(suffix):
+            return name[: -len(suffix)]
+    return path.stem
