@@ -218,6 +218,7 @@ class SFT(nn.Module):
         on_host = x.device != device
         act = self._act_dtype(device)
         p, segs = self._plan(tuple(x.shape), act, x.dtype, on_host, x.requires_grad)
+        self._runner.masks.new_step()  # stochastic depth: one draw per sample and step, replayed by every tile
         stats = StepStats()
         self.last_stats = stats
         recorder = StatsRecorder(device, stats) if self.collect_stats else None

@@ -19,7 +19,9 @@ from torch import fx, nn
 from torch.fx.node import map_arg
 
 from wsitrain.sft.graph import ModelGraph
-from wsitrain.sft.ops import WINDOW, out_of_place_callable
+from wsitrain.sft.ops import WINDOW, node_parameters, out_of_place_callable
+from wsitrain.sft.ops_drop import MaskReplay, replay_callable
+from wsitrain.sft.ops_space import check_tile_extent, crop
 from wsitrain.sft.plan_types import SegmentPlan
 from wsitrain.sft.planner import PlanContext
 from wsitrain.sft.regions import AxisTile
@@ -59,12 +61,14 @@ class NodeRunner:
         self.index = {g.fx_node: g.index for g in graph.nodes}
         self.original: dict[int, tuple[Any, dict[str, Any]]] = {}
         self.safe: dict[int, tuple[Any, dict[str, Any]]] = {}
+        self.masks = MaskReplay()  # per-sample drop masks of the current step (ops_drop.py)
         for g in graph.nodes[1:]:
             n = g.fx_node
             module = graph.gm.get_submodule(str(n.target)) if n.op == "call_module" else None
             fn = module if module is not None else n.target
-            self.original[g.index] = (fn, dict(n.kwargs))
-            self.safe[g.index] = out_of_place_callable(n, module)
+            drop = replay_callable(module, g.index, self.masks)
+            self.original[g.index] = (drop or fn, dict(n.kwargs))
+            self.safe[g.index] = (drop, dict(n.kwargs)) if drop else out_of_place_callable(n, module)
         # users in execution order, to free values after their last reader
         self.last_user = {g.index: max(g.users, default=g.index) for g in graph.nodes}
 
@@ -145,11 +149,9 @@ class TiledSegment:
         self.cols_out, self.cols = ctx.axis_tiles(seg.start, seg.end, seg.tile_edge, 1)
         params: dict[int, nn.Parameter] = {}
         for i in self.nodes:
-            n = ctx.graph.nodes[i].fx_node
-            if n.op == "call_module":
-                for p in ctx.graph.gm.get_submodule(str(n.target)).parameters():
-                    if p.requires_grad:
-                        params.setdefault(id(p), p)
+            for p in node_parameters(ctx.graph.nodes[i].fx_node, ctx.graph.gm):  # get_attr ones too (layer scale)
+                if p.requires_grad:
+                    params.setdefault(id(p), p)
         self.params = list(params.values())
         self.last_user = {
             i: max((u for u in ctx.graph.nodes[i].users if u <= seg.end), default=i) for i in [seg.start, *self.nodes]
@@ -174,7 +176,8 @@ class TiledSegment:
             def fetch(v: int, u: int = u) -> torch.Tensor:
                 (rl, rh), (cl, ch) = rt.req[(u, v)], ct.req[(u, v)]
                 nr, nc = rt.need[v][0], ct.need[v][0]
-                return env[v][:, :, rl - nr : rh - nr, cl - nc : ch - nc]
+                # on the dims where v holds H and W; ints from size() and constants whole
+                return crop(env[v], self.specs[v].spatial_dims, (rl - nr, rh - nr), (cl - nc, ch - nc))
 
             out = self.runner.run(u, env, out_of_place=True, fetch=fetch)
             spec = self.specs[u]
@@ -185,6 +188,8 @@ class TiledSegment:
                 g0c = spec.windows[1].first_output(ct.req[(u, v)][0])
                 (a, b), (c, d) = rt.need[u], ct.need[u]
                 out = out[:, :, a - g0r : b - g0r, c - g0c : d - g0c]
+            (a, b), (c, d) = rt.need[u], ct.need[u]
+            check_tile_extent(out, spec, b - a, d - c, self.runner.graph.nodes[u].name)
             env[u] = out
             for v in self.inputs[u]:
                 if self.last_user.get(v, u) <= u:
@@ -262,6 +267,7 @@ class TiledFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, seg: TiledSegment, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.seg = seg
+        ctx.masks = seg.runner.masks.current  # the recompute replays this step's drop masks
         ctx.autocast = _AutocastState.capture(seg.device.type)
         ctx.save_for_backward(x)
         with torch.no_grad(), ctx.autocast.context():
@@ -270,7 +276,8 @@ class TiledFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         (x,) = ctx.saved_tensors
-        grad_x, grads = ctx.seg.backward_all(x, grad_out, ctx.needs_input_grad[1], ctx.autocast)
+        with ctx.seg.runner.masks.replaying(ctx.masks):
+            grad_x, grads = ctx.seg.backward_all(x, grad_out, ctx.needs_input_grad[1], ctx.autocast)
         return (None, grad_x, *grads)
 
 

@@ -25,6 +25,7 @@ from wsitrain.sft.ops import (
     is_leaf_module,
     module_spec,
 )
+from wsitrain.sft.ops_space import can_checkpoint, ends_trunk, prune_unused_shape_reads
 
 
 class _Tracer(fx.Tracer):
@@ -52,6 +53,7 @@ def trace(model: nn.Module) -> fx.GraphModule:
             f"cannot trace {type(model).__name__} with torch.fx: {exc}",
             hint="the model's forward must not branch on tensor values; wrap such code in a leaf module",
         ) from exc
+    prune_unused_shape_reads(graph)
     return fx.GraphModule(model, graph)
 
 
@@ -138,13 +140,15 @@ class ModelGraph:
             later_ok = min_input_after[i + 1] >= i
             # a value the model returns besides the last node cannot sit inside a segment
             later_ok = later_ok and all(self.nodes[k].fx_node not in final_users for k in range(i))
+            # tiles are cut from and joined into (B, C, H, W) checkpoints; never an int, a tuple or channels-last
+            later_ok = later_ok and can_checkpoint(specs[i], shapes[i][0])
             if later_ok:
                 valid.append(i)
         first_head = next(
             (
                 i
                 for i, (s, (shape, _)) in enumerate(zip(specs, shapes, strict=True))
-                if s.kind == HEAD or len(shape) != 4
+                if ends_trunk(s)
             ),
             n,
         )

@@ -21,7 +21,8 @@ from torch import nn
 from wsitrain.errors import PlanError
 from wsitrain.sft.graph import ModelGraph
 from wsitrain.sft.memory_model import SimOp, SimResult, simulate
-from wsitrain.sft.ops import MERGE, SPATIAL_KINDS, WINDOW, OpSpec
+from wsitrain.sft.ops import MERGE, SPATIAL_KINDS, WINDOW, OpSpec, node_parameters
+from wsitrain.sft.ops_space import resolve_layouts, spatial_extent, tile_numel
 from wsitrain.sft.plan_types import Plan, SegmentPlan
 from wsitrain.sft.regions import AxisTile, axis_tile, representative_tiles, split_axis
 from wsitrain.units import format_bytes
@@ -97,6 +98,8 @@ class PlanContext:
         shape_dtype = torch.float32 if act_dtype in (torch.bfloat16, torch.float16) else act_dtype
         meta_in = input_dtype if not input_dtype.is_floating_point else shape_dtype
         self.shapes = [s for s, _ in graph.shapes(self.input_shape, meta_in)]
+        # where H and W sit in every node's output (channels-last, ShuffleNet's 5-D view), from these shapes
+        self.specs = resolve_layouts(graph.gm, [g.fx_node for g in graph.nodes], self.specs, self.shapes, self.name)
         self.cuts, self.trunk_end = graph.cut_points(self.specs, [(s, None) for s in self.shapes])  # type: ignore[misc]
         self.cands = graph.candidate_cuts(self.specs, self.cuts, self.trunk_end)
         self.inputs = {g.index: g.inputs for g in graph.nodes}
@@ -111,9 +114,8 @@ class PlanContext:
         self.param_bytes = [0] * self.n
         for g in graph.nodes[1:]:
             n = g.fx_node
-            if n.op == "call_module":
-                ps = [p for p in graph.gm.get_submodule(str(n.target)).parameters() if p.requires_grad]
-                self.param_bytes[g.index] = sum(p.numel() * p.element_size() for p in ps)
+            ps = [p for p in node_parameters(n, graph.gm) if p.requires_grad]  # module and get_attr parameters
+            self.param_bytes[g.index] = sum(p.numel() * p.element_size() for p in ps)
             rg[g.index] = any(rg[v] for v in g.inputs) or self.param_bytes[g.index] > 0
         self.requires_grad = rg
         params = {id(p): p for p in graph.model.parameters()}
@@ -215,7 +217,7 @@ class PlanContext:
         length = self.shapes[end][2 + axis]
         outs = split_axis(length, edge)
         nodes = list(range(start + 1, end + 1))
-        sizes = {i: self.shapes[i][2 + axis] for i in range(start, end + 1)}
+        sizes = {i: spatial_extent(self.specs[i], self.shapes[i], axis) for i in range(start, end + 1)}
         tiles = [axis_tile(nodes, start, self.inputs, self.specs, sizes, axis, o) for o in outs]
         return outs, tiles
 
@@ -229,7 +231,7 @@ class PlanContext:
         for axis in (0, 1):
             length = self.shapes[end][2 + axis]
             outs = split_axis(length, edge)
-            sizes = {i: self.shapes[i][2 + axis] for i in range(start, end + 1)}
+            sizes = {i: spatial_extent(self.specs[i], self.shapes[i], axis) for i in range(start, end + 1)}
             reps = representative_tiles(outs)
             tiles = [(axis_tile(nodes, start, self.inputs, self.specs, sizes, axis, outs[k]), m) for k, m in reps]
             per_axis.append((len(outs), tiles))
@@ -245,11 +247,11 @@ class PlanContext:
         # the largest tile's working set: per node the largest extent along each axis
         mx_h = {i: max(ext(t, i) for t, _ in rows) for i in [start, *nodes]}
         mx_w = {i: max(ext(t, i) for t, _ in cols) for i in [start, *nodes]}
-        b, _c = self.shapes[start][0], self.shapes[start][1]
+        b = self.shapes[start][0]
 
         def tile_bytes(i: int) -> int:
             elem = self.bytes[i] // max(1, math.prod(self.shapes[i]))
-            return b * self.shapes[i][1] * mx_h[i] * mx_w[i] * elem
+            return tile_numel(self.specs[i], self.shapes[i], mx_h[i], mx_w[i]) * elem
 
         crop = tile_bytes(start) if (start == 0 and self.input_on_host) else 0
         if start == 0 and not self.input_dtype.is_floating_point:
@@ -272,7 +274,7 @@ class PlanContext:
         for i in nodes:
             sum_h = sum(ext(t, i) * m for t, m in rows)
             sum_w = sum(ext(t, i) * m for t, m in cols)
-            numel = b * self.shapes[i][1] * sum_h * sum_w
+            numel = tile_numel(self.specs[i], self.shapes[i], sum_h, sum_w)
             f, bw = self.node_flops(i, numel)
             flops += 2 * f + bw  # forward, recompute, backward
             overhead += 2 * self.overhead_flops * nr * nc
