@@ -41,8 +41,9 @@ class StepMasks:
             self._masks[key] = m
         return m
 
-    def __len__(self) -> int:
-        return len(self._masks)
+    def drawn(self) -> list[torch.Tensor]:
+        """The masks drawn so far in this step, in drawing order."""
+        return list(self._masks.values())
 
 
 class MaskReplay:
