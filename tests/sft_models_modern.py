@@ -1,4 +1,4 @@
-"""Small models with the operators of modern backbones: channels-last blocks, channel shuffles, arithmetic, stochastic depth.
+"""Small models with the operators of modern backbones: channels-last, channel shuffles, arithmetic, drop path.
 
 Each exercises operators that are pointwise in space but are not convs or activations: ConvNeXt's
 permute / LayerNorm / Linear / layer scale, ShuffleNetV2's chunk / cat / channel shuffle built from

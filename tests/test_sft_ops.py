@@ -101,7 +101,9 @@ def test_dropout_in_training_refused() -> None:
     torch.manual_seed(0)
     model = dropout_net().double().train()
     x = torch.randn(1, 3, 40, 40, dtype=torch.float64)
-    with pytest.raises(PlanError, match=r"features\.2.*Dropout.*element-wise Dropout in training mode"):
+    with pytest.raises(
+        PlanError, match=r"features\.2.*Dropout.*Dropout in training mode draws position-dependent masks"
+    ):
         SFT(model, tile_size=16, memory_budget="4GiB")(x)
     model.eval()  # in eval mode the same model tiles (the plan follows the current mode)
     torch.testing.assert_close(SFT(model, tile_size=16, memory_budget="4GiB")(x), model(x))

@@ -17,7 +17,6 @@ from torch import fx, nn
 
 from wsitrain.errors import PlanError
 from wsitrain.sft.ops import (
-    HEAD,
     INPUT,
     POINTWISE,
     OpSpec,

@@ -118,7 +118,11 @@ class _Resolver:
     """One pass over the nodes in execution order; each spec is resolved from its inputs' resolved specs."""
 
     def __init__(
-        self, gm: fx.GraphModule, nodes: Sequence[fx.Node], shapes: Sequence[tuple[int, ...]], name: Callable[[int], str]
+        self,
+        gm: fx.GraphModule,
+        nodes: Sequence[fx.Node],
+        shapes: Sequence[tuple[int, ...]],
+        name: Callable[[int], str],
     ) -> None:
         self.gm = gm
         self.index = {n: i for i, n in enumerate(nodes)}
@@ -146,7 +150,9 @@ class _Resolver:
         global_ = [a for a, s in specs if s is not None and s.spatial_dims is None and s.kind not in _NOT_SPATIAL]
         if not spatial and not global_:
             shape_like = any(s is not None and s.kind == SHAPE for _, s in specs)
-            return OpSpec(SHAPE if shape_like else CONST, spec.type_name, spatial_dims=None, layout_rule=spec.layout_rule)
+            return OpSpec(
+                SHAPE if shape_like else CONST, spec.type_name, spatial_dims=None, layout_rule=spec.layout_rule
+            )
         if global_:
             if spatial and spec.kind != HEAD:
                 why = (

@@ -247,7 +247,6 @@ class PlanContext:
         # the largest tile's working set: per node the largest extent along each axis
         mx_h = {i: max(ext(t, i) for t, _ in rows) for i in [start, *nodes]}
         mx_w = {i: max(ext(t, i) for t, _ in cols) for i in [start, *nodes]}
-        b = self.shapes[start][0]
 
         def tile_bytes(i: int) -> int:
             elem = self.bytes[i] // max(1, math.prod(self.shapes[i]))
