@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import torch
+import torch.nn.functional as F
 from timm.layers import DropPath
 from timm.layers import LayerNorm2d as TimmLayerNorm2d
 from torch import nn
@@ -160,6 +161,39 @@ def arith_net() -> nn.Sequential:
     return nn.Sequential(OrderedDict([("features", trunk), *head(6)]))
 
 
+class TransformInput(nn.Module):
+    """GoogLeNet's transform_input: channels picked with x[:, k] (an int index), unsqueezed, rescaled, concatenated."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x0 = torch.unsqueeze(x[:, 0], 1) * (0.229 / 0.5) + (0.485 - 0.5) / 0.5
+        x1 = torch.unsqueeze(x[:, 1], 1) * (0.224 / 0.5) + (0.456 - 0.5) / 0.5
+        x2 = x[:, 2:3] * (0.225 / 0.5) + (0.406 - 0.5) / 0.5
+        return torch.cat((x0, x1, x2), 1)
+
+
+class InceptionReduction(nn.Module):
+    """Inception's functional pools: a stride-2 unpadded conv beside F.max_pool2d, then F.avg_pool2d."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 3, stride=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([self.conv(x), F.max_pool2d(x, kernel_size=3, stride=2)], 1)
+        return F.avg_pool2d(y, kernel_size=3, stride=1, padding=1) + F.relu(y)
+
+
+def functional_net() -> nn.Sequential:
+    trunk = nn.Sequential(
+        TransformInput(),
+        nn.Conv2d(3, 6, 3, padding=1),
+        nn.ReLU(),
+        InceptionReduction(6),
+        nn.Conv2d(12, 6, 3, padding=1),
+    )
+    return nn.Sequential(OrderedDict([("features", trunk), *head(6)]))
+
+
 class DropResidual(nn.Module):
     """A residual branch behind a per-sample drop (torchvision's StochasticDepth or timm's DropPath)."""
 
@@ -194,4 +228,5 @@ MODELS = {
     "convnext_like": convnext_like,
     "shuffle_like": shuffle_like,
     "arith": arith_net,
+    "functional": functional_net,
 }

@@ -32,7 +32,9 @@ from wsitrain.sft.ops_types import (
     SPLIT,
     TRAILING,
     TRANSPOSE,
+    WINDOW,
     OpSpec,
+    Window,
     activation_spec,
     call_arg,
     not_tileable,
@@ -174,6 +176,42 @@ def _method_spec(node: fx.Node) -> OpSpec:
     return not_tileable(name, OPAQUE, f"tensor method .{name}() is not supported inside a tiled region")
 
 
+def _pool_spec(node: fx.Node, tname: str) -> OpSpec:
+    """F.max_pool2d / F.avg_pool2d with constant arguments (Inception calls them in forward)."""
+    is_max = node.target is F.max_pool2d
+    k = call_arg(node, 1, "kernel_size")
+    s = call_arg(node, 2, "stride") or k
+    p = call_arg(node, 3, "padding", 0)
+    d = call_arg(node, 4, "dilation", 1) if is_max else 1
+    if is_max and call_arg(node, 6, "return_indices", False):
+        return not_tileable(tname, OPAQUE, "return_indices=True is not supported inside a tiled region")
+    if not is_max and call_arg(node, 6, "divisor_override") is not None:
+        return not_tileable(tname, OPAQUE, "avg_pool2d with divisor_override is not supported inside a tiled region")
+    try:
+        (kh, kw), (sh, sw), (ph, pw), (dh, dw) = (_pair(v) for v in (k, s, p, d))
+    except (TypeError, ValueError):
+        return not_tileable(tname, OPAQUE, f"{tname} with sizes computed at run time is not supported when tiled")
+    wins = (Window(kh, sh, ph, dh), Window(kw, sw, pw, dw))
+    return OpSpec(
+        WINDOW,
+        tname,
+        windows=wins,
+        saves_input=True,
+        index_bytes=8 if is_max else 0,
+        flops_per_output=float(kh * kw),
+    )
+
+
+def _pair(v: Any) -> tuple[int, int]:
+    if isinstance(v, (tuple, list)):
+        a, b = (v[0], v[1]) if len(v) == 2 else (v[0], v[0])
+    else:
+        a = b = v
+    if isinstance(a, fx.Node) or isinstance(b, fx.Node):
+        raise TypeError("computed size")
+    return int(a), int(b)
+
+
 def function_spec(node: fx.Node) -> OpSpec:
     """Describe a call_function / call_method node (ops_space.resolve_layouts then fits it to its input's layout)."""
     if node.op == "call_method":
@@ -190,6 +228,8 @@ def function_spec(node: fx.Node) -> OpSpec:
             flops_per_output=1.0,
             layout_rule=ELEMENTWISE,
         )
+    if target in (F.max_pool2d, F.avg_pool2d):
+        return _pool_spec(node, tname)
     if target is torch.cat or target is torch.concat:
         return OpSpec(CONCAT, "cat", layout_rule=CAT)
     if target in _FUNCTIONAL_POINTWISE or target in _FUNCTIONAL_INPLACE:

@@ -290,12 +290,14 @@ class _Resolver:
             return _pointwise(spec, dims)  # one tensor of a chunk / split: the input's layout
         idx = node.args[1]
         items = idx if isinstance(idx, tuple) else (idx,)
-        if not all(isinstance(it, slice) for it in items):
-            return _untileable(spec, f"indexing with {idx!r}: only slices that keep the image axes whole tile", None)
+        if not all(isinstance(it, (slice, int)) and not isinstance(it, bool) for it in items):
+            return _untileable(spec, f"indexing with {idx!r}: only ints and slices off the image axes tile", None)
         for d in dims:
             if d < len(items) and items[d] != slice(None):
                 return _untileable(spec, f"indexing with {idx!r} cuts an image axis", None)
-        return _pointwise(spec, dims)
+        # x[:, 0] drops dim 1: the image axes move left by the ints before them
+        shift = [sum(1 for it in items[:d] if isinstance(it, int)) for d in dims]
+        return _pointwise(spec, (dims[0] - shift[0], dims[1] - shift[1]))
 
 
 def resolve_layouts(
