@@ -15,6 +15,7 @@ from wsitrain.errors import PlanError
 from wsitrain.sft import SFT
 from wsitrain.sft.graph import ModelGraph
 from wsitrain.sft.ops import CONST, SHAPE, user_name
+from wsitrain.sft.ops_report import tiling_report
 from wsitrain.sft.planner import PlanContext
 
 
@@ -80,6 +81,8 @@ def test_tensor_varying_over_the_image_is_refused() -> None:
     ctx = context(model.double(), (1, 3, 45, 62))
     bad = [s for s in ctx.specs[: ctx.trunk_end + 1] if not s.tileable]
     assert len(bad) == 1 and "varies over the image axes" in bad[0].why_not
+    report = tiling_report(ctx.specs, ctx.trunk_end, lambda i: user_name(ctx.graph.nodes[i].fx_node, ctx.graph.gm))
+    assert [name for name, _ in report.untileable] == ["0.1 (PosEmbed): add"]
     with pytest.raises(PlanError, match="cannot be tiled"):
         SFT(model.double(), tile_size=16, memory_budget="4GiB")(torch.randn(1, 3, 45, 62, dtype=torch.float64))
 
@@ -107,3 +110,23 @@ def test_dropout_in_training_refused() -> None:
         SFT(model, tile_size=16, memory_budget="4GiB")(x)
     model.eval()  # in eval mode the same model tiles (the plan follows the current mode)
     torch.testing.assert_close(SFT(model, tile_size=16, memory_budget="4GiB")(x), model(x))
+
+
+def test_tiling_report_names_what_ends_tiling() -> None:
+    """Squeeze-excitation's pooling ends the tiled trunk, named by module path; layers that run plain are listed."""
+    import torchvision
+
+    model = torchvision.models.efficientnet_b0().eval()
+    graph = ModelGraph(model)
+    ctx = PlanContext(graph, (1, 3, 64, 64), torch.float32, torch.float32, "cpu", False, False)
+    report = tiling_report(ctx.specs, ctx.trunk_end, lambda i: user_name(graph.nodes[i].fx_node, graph.gm))
+    assert report.stop is not None
+    assert report.stop[0] == "features.1.0.block.1.avgpool (AdaptiveAvgPool2d)"
+    assert "squeeze-excitation" in report.stop[1]
+    assert report.trunk_nodes < 10 < report.nodes
+    ctx = context(convnext_like().double(), (1, 3, 45, 62))
+    graph = ctx.graph
+    report = tiling_report(ctx.specs, ctx.trunk_end, lambda i: user_name(graph.nodes[i].fx_node, graph.gm))
+    assert report.stop == ("pool (AdaptiveAvgPool2d)", "global layers end the tiled part")
+    assert report.trunk_nodes == ctx.trunk_end + 1 and not report.untileable
+    assert str(report).startswith(f"{ctx.trunk_end + 1} of {len(ctx.specs)} graph nodes can run tiled")
