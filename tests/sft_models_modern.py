@@ -11,8 +11,6 @@ from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
-from timm.layers import DropPath
-from timm.layers import LayerNorm2d as TimmLayerNorm2d
 from torch import nn
 from torchvision.models.convnext import CNBlock, LayerNorm2d
 from torchvision.ops import StochasticDepth
@@ -44,8 +42,19 @@ class ChannelsLastBlock(nn.Module):
         return x + self.drop(y)
 
 
-def convnext_like() -> nn.Sequential:
-    """Stem, a hand-written block, torchvision's CNBlock, timm's LayerNorm2d + stride-2 downsample, another CNBlock."""
+def convnext_like(timm_layers: bool = False) -> nn.Sequential:
+    """Stem, a hand-written block, torchvision's CNBlock, LayerNorm2d + stride-2 downsample, another CNBlock.
+
+    With ``timm_layers`` the hand-written block drops with timm's DropPath and the downsample norm is
+    timm's LayerNorm2d (timm is an optional extra).
+    """
+    if timm_layers:
+        from timm.layers import DropPath
+        from timm.layers import LayerNorm2d as DownNorm
+
+        drop: nn.Module = DropPath(0.0)
+    else:
+        DownNorm, drop = LayerNorm2d, StochasticDepth(0.0, "row")
     cn1 = CNBlock(8, layer_scale=1.0, stochastic_depth_prob=0.0)
     cn2 = CNBlock(12, layer_scale=1.0, stochastic_depth_prob=0.0)
     for blk in (cn1, cn2):
@@ -54,9 +63,9 @@ def convnext_like() -> nn.Sequential:
     trunk = nn.Sequential(
         nn.Conv2d(3, 8, 3, padding=1),
         LayerNorm2d(8),
-        ChannelsLastBlock(8, DropPath(0.0)),
+        ChannelsLastBlock(8, drop),
         cn1,
-        TimmLayerNorm2d(8),
+        DownNorm(8),
         nn.Conv2d(8, 12, 2, stride=2),
         cn2,
     )
@@ -207,12 +216,19 @@ class DropResidual(nn.Module):
         return x + self.drop(self.act(self.conv(x)))
 
 
-def drop_net(p: float, mode: str = "row") -> nn.Sequential:
+def drop_net(p: float, mode: str = "row", timm_layers: bool = False) -> nn.Sequential:
+    """Three dropped residual branches; with ``timm_layers`` the middle one uses timm's DropPath."""
+    if timm_layers:
+        from timm.layers import DropPath
+
+        middle: nn.Module = DropPath(p)
+    else:
+        middle = StochasticDepth(p, mode)
     trunk = nn.Sequential(
         nn.Conv2d(3, 6, 3, padding=1),
         DropResidual(6, StochasticDepth(p, mode)),
         nn.MaxPool2d(2),
-        DropResidual(6, DropPath(p)),
+        DropResidual(6, middle),
         DropResidual(6, StochasticDepth(p, mode)),
     )
     return nn.Sequential(OrderedDict([("features", trunk), *head(6)]))

@@ -130,3 +130,13 @@ def test_tiling_report_names_what_ends_tiling() -> None:
     assert report.stop == ("pool (AdaptiveAvgPool2d)", "global layers end the tiled part")
     assert report.trunk_nodes == ctx.trunk_end + 1 and not report.untileable
     assert str(report).startswith(f"{ctx.trunk_end + 1} of {len(ctx.specs)} graph nodes can run tiled")
+
+
+def test_timm_layers_exact() -> None:
+    """timm's LayerNorm2d (traced through: permute, layer_norm, permute) and DropPath (a leaf) tile exactly."""
+    pytest.importorskip("timm", reason="timm is an optional extra")
+    torch.manual_seed(0)
+    model = convnext_like(timm_layers=True).double()
+    x = torch.randn(2, 3, 45, 62, dtype=torch.float64, requires_grad=True)
+    t = torch.randn(2, 3, dtype=torch.float64)
+    assert_same(reference(model, x, t), variant(model, x, t, tile_size=16, memory_budget="4GiB"))

@@ -16,9 +16,9 @@ from wsitrain.sft import SFT
 SHAPE = (4, 3, 45, 62)
 
 
-def make(p: float, mode: str = "row"):
+def make(p: float, mode: str = "row", timm_layers: bool = False):
     torch.manual_seed(0)
-    model = drop_net(p, mode).double()
+    model = drop_net(p, mode, timm_layers).double()
     x = torch.randn(*SHAPE, dtype=torch.float64, requires_grad=True)
     t = torch.randn(SHAPE[0], 3, dtype=torch.float64)
     return model, x, t
@@ -32,10 +32,12 @@ def test_eval_and_trivial_rates_equal_plain(p: float, train: bool) -> None:
     assert_same(reference(model, x, t), variant(model, x, t, tile_size=16, memory_budget="4GiB"))
 
 
-@pytest.mark.parametrize("mode", ["row", "batch"])
-def test_train_mask_replayed_per_sample(mode: str) -> None:
+@pytest.mark.parametrize(("mode", "timm_layers"), [("row", False), ("batch", False), ("row", True)])
+def test_train_mask_replayed_per_sample(mode: str, timm_layers: bool) -> None:
     """0 < p < 1: the same random state gives plain's decisions; every tile and the recompute use them."""
-    model, x, t = make(0.5, mode)
+    if timm_layers:
+        pytest.importorskip("timm", reason="timm is an optional extra")
+    model, x, t = make(0.5, mode, timm_layers)
     model.train()
     torch.manual_seed(11)
     ref = reference(model, x, t)
