@@ -171,7 +171,7 @@ def _method_spec(node: fx.Node) -> OpSpec:
         )
     if name in _REDUCE_METHODS:
         return OpSpec(HEAD, name, tileable=False, why_not="global operations end the tiled part", layout_rule=REDUCE)
-    if name in ("max", "unsqueeze"):
+    if name == "max":
         return OpSpec(HEAD, name, tileable=False, why_not="reshapes end the tiled part")
     return not_tileable(name, OPAQUE, f"tensor method .{name}() is not supported inside a tiled region")
 
