@@ -14,8 +14,9 @@ from test_sft_exact import assert_same, reference, variant
 from wsitrain.errors import PlanError
 from wsitrain.sft import SFT
 from wsitrain.sft.graph import ModelGraph
-from wsitrain.sft.ops import CONST, SHAPE, user_name
+from wsitrain.sft.ops import CONST, POINTWISE, SHAPE, OpSpec, user_name
 from wsitrain.sft.ops_report import tiling_report
+from wsitrain.sft.ops_space import check_tile_extent, crop
 from wsitrain.sft.planner import PlanContext
 
 
@@ -140,3 +141,15 @@ def test_timm_layers_exact() -> None:
     x = torch.randn(2, 3, 45, 62, dtype=torch.float64, requires_grad=True)
     t = torch.randn(2, 3, dtype=torch.float64)
     assert_same(reference(model, x, t), variant(model, x, t, tile_size=16, memory_budget="4GiB"))
+
+
+def test_crop_and_extent_check() -> None:
+    """Crops follow the node's image dims (channels-last, tuples); a tile of the wrong extent is a clear error."""
+    t = torch.arange(2 * 5 * 7 * 3).view(2, 5, 7, 3)  # (B, H, W, C)
+    torch.testing.assert_close(crop(t, (1, 2), (1, 3), (2, 6)), t[:, 1:3, 2:6, :])
+    assert [c.shape for c in crop((t, t), (1, 2), (0, 1), (0, 2))] == [(2, 1, 2, 3)] * 2
+    assert crop(7, None, (0, 1), (0, 1)) == 7  # ints from size() are never cropped
+    spec = OpSpec(POINTWISE, "view", spatial_dims=(2, 3))
+    check_tile_extent(torch.zeros(1, 2, 4, 8), spec, 4, 8, "ok")
+    with pytest.raises(PlanError, match=r"layer features\.3 \(Foo\): view produced a tile of \(4, 6\) pixels"):
+        check_tile_extent(torch.zeros(1, 2, 4, 6), spec, 4, 8, "features.3 (Foo): view")
