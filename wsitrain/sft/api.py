@@ -314,6 +314,7 @@ class SFT(nn.Module):
         device = self._device()
         on_host = x.device != device
         c = self._compiled(tuple(x.shape), self._act_dtype(device), x.dtype, on_host, x.requires_grad)
+        self._runner.masks.new_step()  # per-sample drop masks: drawn once this step, replayed by every tile
         stats = StepStats()
         self.last_stats = stats
         meter = PeakMeter(device) if self.tile_peaks else None

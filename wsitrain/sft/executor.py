@@ -20,6 +20,7 @@ from torch import nn
 
 from wsitrain.sft.facts import GraphFacts
 from wsitrain.sft.ops import WINDOW
+from wsitrain.sft.ops_space import check_tile_extent, crop
 from wsitrain.sft.plan_types import SegmentPlan
 from wsitrain.sft.regions import AxisTile
 from wsitrain.sft.runner import NodeRunner
@@ -80,8 +81,9 @@ class TiledSegment:
         self.start, self.end = seg.start, seg.end
         self.is_trunk_end = seg.end == facts.trunk_end
         self.nodes = list(range(seg.start + 1, seg.end + 1))
-        self.specs = {i: facts.nodes[i].spec for i in self.nodes}
+        self.specs = {i: facts.nodes[i].spec for i in [seg.start, *self.nodes]}
         self.inputs = {i: facts.nodes[i].inputs for i in self.nodes}
+        self.names = {i: facts.nodes[i].name for i in self.nodes}
         params: dict[int, nn.Parameter] = {}
         for i in self.nodes:
             for p in runner.graph.trainable_params(i):
@@ -108,7 +110,7 @@ class TiledSegment:
             def fetch(v: int, u: int = u) -> torch.Tensor:
                 (rl, rh), (cl, ch) = rt.req[(u, v)], ct.req[(u, v)]
                 nr, nc = rt.need[v][0], ct.need[v][0]
-                return env[v][:, :, rl - nr : rh - nr, cl - nc : ch - nc]
+                return crop(env[v], self.specs[v].spatial_dims, (rl - nr, rh - nr), (cl - nc, ch - nc))
 
             out = self.runner.run(u, env, out_of_place=True, fetch=fetch)
             spec = self.specs[u]
@@ -119,6 +121,8 @@ class TiledSegment:
                 g0c = spec.windows[1].first_output(ct.req[(u, v)][0])
                 (a, b), (c, d) = rt.need[u], ct.need[u]
                 out = out[:, :, a - g0r : b - g0r, c - g0c : d - g0c]
+            (a, b), (c, d) = rt.need[u], ct.need[u]
+            check_tile_extent(out, spec, b - a, d - c, self.names[u])
             env[u] = out
             for v in self.inputs[u]:
                 if self.last_user.get(v, u) <= u:
@@ -206,13 +210,15 @@ class TiledFunction(torch.autograd.Function):
         ctx.seg = seg
         ctx.autocast = _AutocastState.capture(seg.device.type)
         ctx.save_for_backward(x)
+        ctx.masks = seg.runner.masks.current  # the recompute replays this step's drop masks
         with torch.no_grad(), ctx.autocast.context():
             return seg.forward_all(x)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         (x,) = ctx.saved_tensors
-        grad_x, grads = ctx.seg.backward_all(x, grad_out, ctx.needs_input_grad[1], ctx.autocast)
+        with ctx.seg.runner.masks.replaying(ctx.masks):
+            grad_x, grads = ctx.seg.backward_all(x, grad_out, ctx.needs_input_grad[1], ctx.autocast)
         return (None, grad_x, *grads)
 
 

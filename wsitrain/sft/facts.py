@@ -18,7 +18,8 @@ from torch import fx
 
 from wsitrain.errors import PlanError
 from wsitrain.sft.graph import ModelGraph
-from wsitrain.sft.ops import HEAD, POINTWISE, OpSpec
+from wsitrain.sft.ops import POINTWISE, OpSpec
+from wsitrain.sft.ops_space import can_checkpoint, ends_trunk, resolve_layouts
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,10 @@ def annotate(
     shape_dtype = torch.float32 if act_dtype in (torch.bfloat16, torch.float16) else act_dtype
     meta_in = input_dtype if not input_dtype.is_floating_point else shape_dtype
     shapes = _propagate(graph, tuple(input_shape), meta_in)
-    specs = graph.specs()
+    # each spec learns where H and W sit in its output (channels-last, 5-D channel shuffles, constants)
+    names = [g.name for g in graph.nodes]
+    specs = resolve_layouts(graph.gm, [g.fx_node for g in graph.nodes], graph.specs(), [s for s, _ in shapes],
+                            names.__getitem__)
     act = torch.empty((), dtype=act_dtype).element_size()
     inp = torch.empty((), dtype=input_dtype).element_size()
     n = len(graph.nodes)
@@ -174,10 +178,12 @@ def _cut_points(graph: ModelGraph, specs: list[OpSpec], shapes: list[tuple[int, 
         min_input_after[i] = min(min_input_after[i + 1], min(ins) if ins else i)
     returned = set(graph.output_fx.all_input_nodes)
     first_returned = min((graph.index[a] for a in returned if a in graph.index), default=n)
-    valid = [i for i in range(n) if min_input_after[i + 1] >= i and i <= first_returned]
-    first_head = next(
-        (i for i, (s, sh) in enumerate(zip(specs, shapes, strict=True)) if s.kind == HEAD or len(sh) != 4), n
-    )
+    valid = [
+        i
+        for i in range(n)
+        if min_input_after[i + 1] >= i and i <= first_returned and can_checkpoint(specs[i], shapes[i])
+    ]
+    first_head = next((i for i, s in enumerate(specs) if ends_trunk(s)), n)
     trunk = [i for i in valid if i < first_head]
     if not trunk:
         raise PlanError("the model has no spatial trunk to tile")

@@ -15,7 +15,8 @@ import torch
 from torch import fx, nn
 
 from wsitrain.errors import PlanError
-from wsitrain.sft.ops import INPUT, OpSpec, function_spec, is_leaf_module, module_spec
+from wsitrain.sft.ops import INPUT, OpSpec, function_spec, is_leaf_module, module_spec, node_parameters
+from wsitrain.sft.ops_space import prune_unused_shape_reads
 
 
 class _Tracer(fx.Tracer):
@@ -43,6 +44,7 @@ def trace(model: nn.Module) -> fx.GraphModule:
             f"cannot trace {type(model).__name__} with torch.fx: {exc}",
             hint="the model's forward must not branch on tensor values; wrap such code in a leaf module",
         ) from exc
+    prune_unused_shape_reads(graph)  # `n, c, h, w = x.shape` with c unused: no tile region reaches it
     return fx.GraphModule(model, graph)
 
 
@@ -136,5 +138,5 @@ class ModelGraph:
         return tuple(m.training for m in self.gm.modules())
 
     def trainable_params(self, i: int) -> list[nn.Parameter]:
-        m = self.module(i)
-        return [p for p in m.parameters() if p.requires_grad] if m is not None else []
+        """Parameters node i reads that receive gradients (a module's, or get_attr ones such as layer scale)."""
+        return [p for p in node_parameters(self.nodes[i].fx_node, self.gm) if p.requires_grad]

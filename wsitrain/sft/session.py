@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from wsitrain.sft.costs import TILE_OVERHEAD_FLOPS, MemoryTerms, device_kind, node_flops
 from wsitrain.sft.facts import GraphFacts
 from wsitrain.sft.memory_model import SimOp, SimResult, simulate
-from wsitrain.sft.ops import MERGE
+from wsitrain.sft.ops import MERGE, WINDOW
 
 
 @dataclass
@@ -77,7 +77,7 @@ class PlanSession:
     def with_cpu_reorder(self, op: SimOp, tile_bytes: int) -> SimOp:
         """oneDNN copies a conv's strided input crop into its blocked layout, in forward and backward."""
         spec = self.facts.nodes[op.out].spec
-        if self.device != "cpu" or spec.kind != "window" or not spec.has_params:
+        if self.device != "cpu" or spec.kind != WINDOW or not spec.has_params:
             return op
         return replace(op, fwd_extra=op.fwd_extra + tile_bytes, bwd_extra=op.bwd_extra + tile_bytes)
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from wsitrain.sft.costs import node_flops
 from wsitrain.sft.facts import GraphFacts
-from wsitrain.sft.memory_model import simulate
+from wsitrain.sft.memory_model import SimOp, simulate
+from wsitrain.sft.ops_space import spatial_extent, tile_numel
 from wsitrain.sft.regions import AxisTile, SegmentRegions, axis_tile, representative_tiles, split_axis
 from wsitrain.sft.session import PlanSession
 
@@ -30,7 +31,7 @@ class TileChoice:
 
 
 def _axis_sizes(facts: GraphFacts, start: int, end: int, axis: int) -> dict[int, int]:
-    return {i: facts.nodes[i].shape[2 + axis] for i in range(start, end + 1)}
+    return {i: spatial_extent(facts.nodes[i].spec, facts.nodes[i].shape, axis) for i in range(start, end + 1)}
 
 
 def _inputs(facts: GraphFacts, start: int, end: int) -> dict[int, tuple[int, ...]]:
@@ -76,21 +77,21 @@ def tile_choice(sess: PlanSession, start: int, end: int, edge: int) -> TileChoic
     # the largest tile's working set: per node the largest extent along each axis
     mx_h = {i: max(ext(t, i) for t, _ in rows) for i in [start, *nodes]}
     mx_w = {i: max(ext(t, i) for t, _ in cols) for i in [start, *nodes]}
-    b = f.nodes[start].shape[0]
-
     def tile_bytes(i: int) -> int:
         node = f.nodes[i]
         elem = node.nbytes // max(1, math.prod(node.shape))
-        return b * node.shape[1] * mx_h[i] * mx_w[i] * elem
+        return tile_numel(node.spec, node.shape, mx_h[i], mx_w[i]) * elem
 
     # the image crop is staged to the device, and an integer image is converted per tile
     crop = tile_bytes(start) if start == 0 and (sess.input_on_host or not f.input_dtype.is_floating_point) else 0
 
-    def ops(grad: bool):  # noqa: ANN202 - a list of SimOp
-        return [
-            sess.with_cpu_reorder(sess.sim_op(i, tile_bytes(i), grad=grad), tile_bytes(f.nodes[i].inputs[0]))
-            for i in nodes
-        ]
+    def ops(grad: bool) -> list[SimOp]:
+        out = []
+        for i in nodes:
+            op = sess.sim_op(i, tile_bytes(i), grad=grad)
+            ins = f.nodes[i].inputs
+            out.append(sess.with_cpu_reorder(op, tile_bytes(ins[0])) if ins else op)  # constants read nothing
+        return out
 
     fwd = simulate(ops(False), {start: crop}, backward=False).forward_peak
     bres = simulate(ops(True), {start: crop})
@@ -100,7 +101,7 @@ def tile_choice(sess: PlanSession, start: int, end: int, edge: int) -> TileChoic
     for i in nodes:
         sum_h = sum(ext(t, i) * m for t, m in rows)
         sum_w = sum(ext(t, i) * m for t, m in cols)
-        fw, bw = node_flops(f, i, b * f.nodes[i].shape[1] * sum_h * sum_w)
+        fw, bw = node_flops(f, i, tile_numel(f.nodes[i].spec, f.nodes[i].shape, sum_h, sum_w))
         flops += 2 * fw + bw  # forward, recompute, backward
         overhead += 2 * sess.overhead_flops * nr * nc
     mid_r, mid_c = rows[len(rows) // 2][0], cols[len(cols) // 2][0]

@@ -1,0 +1,129 @@
+"""Operator specs: the vocabulary the planner and the executor share about one traced operator.
+
+Every fx node of a model is described by an ``OpSpec``: how an output interval along H or W maps to
+the input interval it reads (the paper's sigma/delta, done with exact integer intervals), whether it
+can run on a tile (FT-compatible), where H and W sit in its output, what autograd saves for it (for
+the memory model), and its FLOPs. ops.py describes modules, ops_functions.py functions and tensor
+methods, ops_space.py fits each spec to the layout of its input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import fx
+
+# Kinds of operator, by how they touch the spatial axes.
+WINDOW = "window"  # conv / pool: output pixel reads a strided, dilated window of input pixels
+POINTWISE = "pointwise"  # one input, output pixel reads the same input pixel (activations, frozen BN)
+MERGE = "merge"  # several aligned inputs combined pixel by pixel (residual add, mul)
+CONCAT = "concat"  # channel concatenation of aligned inputs (dense blocks)
+INPUT = "input"  # the image
+OPAQUE = "opaque"  # keeps (B, C, H, W) but cannot be tiled (GroupNorm, train-mode BN, unknown modules)
+HEAD = "head"  # global pooling, flatten, linear: ends the tiled part, runs untiled
+SHAPE = "shape"  # ints measured on a tensor (x.size(), x.shape, arithmetic on them): computed from the tile
+CONST = "const"  # values that do not depend on the image (a parameter reshaped): computed whole, never cropped
+
+# Kinds a tiled segment can run. SHAPE and CONST values do not vary over the image plane; they run
+# inside the tile like any other node (a size() reads the tile, so a reshape built from it fits the tile).
+SPATIAL_KINDS = (WINDOW, POINTWISE, MERGE, CONCAT, SHAPE, CONST)
+
+# How an operator treats the layout of its spatial input (``OpSpec.layout_rule``); ops_space.py
+# resolves each rule into the dims where H and W sit in the operator's output.
+NCHW = "nchw"  # needs (B, C, H, W): convs, pools, BatchNorm, modules that declare themselves pointwise
+ELEMENTWISE = "elementwise"  # any layout; other operands broadcast with size 1 on the image axes
+TRAILING = (
+    "trailing"  # acts on the last ``extra["trailing"]`` dims (Linear, LayerNorm): fine when H, W are not among them
+)
+PERMUTE = "permute"
+TRANSPOSE = "transpose"
+RESHAPE = "reshape"  # view / reshape / flatten / unflatten: fine when it only regroups the non-image dims
+SPLIT = "split"  # chunk / split along a non-image dim: a tuple of tensors with the input's layout
+GETITEM = "getitem"  # one tensor of a split, or a slice that keeps the image axes whole
+CAT = "cat"  # concatenation along a non-image dim
+SIZE = "size"  # x.size() / x.shape: ints of the tensor it reads
+REDUCE = "reduce"  # mean / sum / amax over non-image dims
+
+
+@dataclass(frozen=True)
+class Window:
+    """One axis of a sliding window: kernel, stride, left padding, dilation."""
+
+    kernel: int
+    stride: int
+    padding: int
+    dilation: int
+
+    def input_interval(self, a: int, b: int, size_in: int) -> tuple[int, int]:
+        """Input crop [lo, hi) that yields exact outputs [a, b) when the original layer runs on it.
+
+        The crop start is aligned to the stride so the layer samples the global grid, and it starts
+        at 0 only at the true image border, where the layer's own padding is the real padding.
+        """
+        start = a * self.stride - self.padding
+        lo = 0 if start <= 0 else (start // self.stride) * self.stride
+        end = (b - 1) * self.stride - self.padding + self.dilation * (self.kernel - 1) + 1
+        return lo, min(size_in, end)
+
+    def first_output(self, lo: int) -> int:
+        """Global index of the first output the layer produces on a crop starting at ``lo``."""
+        return lo // self.stride
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """Facts about one traced operator, as the planner and executor need them."""
+
+    kind: str
+    type_name: str  # e.g. "Conv2d", "ReLU", "add"
+    windows: tuple[Window, Window] | None = None  # (H, W) for WINDOW ops
+    tileable: bool = True
+    why_not: str = ""  # when not tileable: the reason and the fix
+    inplace: bool = False  # output aliases its input
+    alias: bool = False  # returns its input unchanged (Identity, eval Dropout)
+    saves_input: bool = False  # autograd keeps the input for backward
+    saves_output: bool = False  # autograd keeps the output for backward
+    index_bytes: int = 0  # extra bytes per output element kept for backward (max-pool indices)
+    flops_per_output: float = 0.0  # forward FLOPs per output element
+    has_params: bool = False
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    # Where H and W sit in the output (in each tensor of a tuple output): (2, 3) for (B, C, H, W),
+    # (1, 2) for channels-last (B, H, W, C); None for values that do not vary over the image plane
+    # (ints from size(), constants, the head). Set by ops_space.resolve_layouts from the input's layout.
+    spatial_dims: tuple[int, int] | None = (2, 3)
+    layout_rule: str = NCHW  # how the output layout follows from the input's (see the rules above)
+
+
+def activation_spec(
+    name: str, saves_input: bool, saves_output: bool, inplace: bool, has_params: bool = False
+) -> OpSpec:
+    """A pointwise activation: in place it keeps only its output, which is its input's storage."""
+    return OpSpec(
+        POINTWISE,
+        name,
+        inplace=inplace,
+        saves_input=saves_input and not inplace,
+        saves_output=saves_output or inplace,
+        flops_per_output=1.0,
+        has_params=has_params,
+        layout_rule=ELEMENTWISE,
+    )
+
+
+def not_tileable(type_name: str, kind: str, why: str) -> OpSpec:
+    return OpSpec(kind=kind, type_name=type_name, tileable=False, why_not=why, saves_input=True)
+
+
+DROPOUT_WHY = (
+    "element-wise Dropout in training mode draws position-dependent masks that differ between a tile's forward "
+    "and its recomputation; use p=0 or eval mode for Dropout inside the tiled trunk (stochastic depth, one "
+    "decision per sample, is supported)"
+)
+
+
+def call_arg(node: fx.Node, pos: int, key: str, default: Any = None) -> Any:
+    """Argument ``key`` of a call node, given by keyword or at position ``pos``."""
+    if key in node.kwargs:
+        return node.kwargs[key]
+    return node.args[pos] if len(node.args) > pos else default
