@@ -1,0 +1,129 @@
+"""Global pooling fused into the last tiled segment: the trunk's last feature map never exists whole.
+
+When the trunk ends in a global reduction over H and W (``AdaptiveAvgPool2d(1)``, ``AdaptiveMaxPool2d(1)``,
+their functional forms, ``mean`` / ``amax`` over the spatial dims), each tile of the last tiled segment
+adds its partial sum or maximum in forward, and in backward each recomputed tile receives exactly its
+share of the pooled gradient, the same values plain PyTorch would give:
+- avg: ``g / (H * W)`` at every position (the mean divides by the true H x W);
+- max (adaptive max pool): all of ``g`` to the one position plain PyTorch picks, the first maximum in
+  row-major order (compared by global flat index across tiles, since tile order is not row-major);
+- amax: ``g / count`` at every position equal to the maximum, ``count`` over all tiles (ties split).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+AVG, MAX, AMAX = "avg", "max", "amax"
+_SPATIAL_DIMS = ({2, 3}, {-2, -1})
+
+
+@dataclass(frozen=True)
+class PoolFusion:
+    """The global pooling node that ends the trunk, and how it reduces."""
+
+    node: int  # index of the pooling node (its only input is the trunk's last node)
+    kind: str  # AVG | MAX | AMAX
+    out_shape: tuple[int, ...]  # its output: (B, C, 1, 1) or (B, C)
+
+
+def _is_one(v: object) -> bool:
+    return v == 1 or v == (1, 1) or v == [1, 1]
+
+
+def _dims(v: object) -> set[int] | None:
+    if isinstance(v, int):
+        return {v}
+    if isinstance(v, (tuple, list)) and all(isinstance(d, int) for d in v):
+        return set(v)
+    return None
+
+
+def pool_kind(node: fx.Node, module: nn.Module | None) -> str | None:
+    """AVG / MAX / AMAX when ``node`` reduces a (B, C, H, W) input over H and W completely; else None."""
+    if node.op == "call_module":
+        if isinstance(module, nn.AdaptiveAvgPool2d) and _is_one(module.output_size):
+            return AVG
+        if isinstance(module, nn.AdaptiveMaxPool2d) and _is_one(module.output_size) and not module.return_indices:
+            return MAX
+        return None
+    args, kw = node.args, node.kwargs
+    target = node.target
+    if node.op == "call_function" and target in (F.adaptive_avg_pool2d, F.adaptive_max_pool2d):
+        size = args[1] if len(args) > 1 else kw.get("output_size")
+        if not _is_one(size) or kw.get("return_indices", False):
+            return None
+        return AVG if target is F.adaptive_avg_pool2d else MAX
+    name = str(target) if node.op == "call_method" else getattr(target, "__name__", "")
+    if name in ("mean", "amax") and (node.op == "call_method" or target in (torch.mean, torch.amax)):
+        dims = _dims(args[1] if len(args) > 1 else kw.get("dim"))
+        if dims is not None and dims in _SPATIAL_DIMS and "dtype" not in kw:
+            return AVG if name == "mean" else AMAX
+    return None
+
+
+class PoolAccumulator:
+    """Forward: folds tiles of the (B, C, H, W) map into the pooled (B, C), keeping what backward needs."""
+
+    def __init__(self, kind: str, height: int, width: int) -> None:
+        self.kind, self.h, self.w = kind, height, width
+        self.value: torch.Tensor | None = None  # (B, C): running sum or maximum
+        self.index: torch.Tensor | None = None  # (B, C) int64: global flat index of the maximum (MAX)
+        self.count: torch.Tensor | None = None  # (B, C): positions equal to the maximum (AMAX)
+
+    def add(self, y: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> None:
+        """One tile ``y`` (B, C, th, tw) covering ``rows`` x ``cols`` of the map."""
+        if self.kind == AVG:
+            acc = torch.float32 if y.dtype in (torch.float16, torch.bfloat16) else y.dtype
+            part = y.sum((2, 3), dtype=acc)
+            self.value = part if self.value is None else self.value + part
+            return
+        tile_max, local = y.flatten(2).max(-1)  # first maximum in the tile's row-major order
+        if self.kind == MAX:
+            tw = y.shape[3]
+            gidx = (rows[0] + local // tw) * self.w + cols[0] + local % tw
+            if self.value is None:
+                self.value, self.index = tile_max, gidx
+                return
+            assert self.index is not None
+            take = (tile_max > self.value) | ((tile_max == self.value) & (gidx < self.index))
+            self.value = torch.where(take, tile_max, self.value)
+            self.index = torch.where(take, gidx, self.index)
+            return
+        cnt = (y == tile_max[:, :, None, None]).sum((2, 3))
+        if self.value is None:
+            self.value, self.count = tile_max, cnt
+            return
+        assert self.count is not None
+        self.count = torch.where(
+            tile_max > self.value, cnt, torch.where(tile_max == self.value, self.count + cnt, self.count)
+        )
+        self.value = torch.maximum(self.value, tile_max)
+
+    def result(self, dtype: torch.dtype) -> torch.Tensor:
+        """The pooled (B, C), as plain PyTorch computes it."""
+        assert self.value is not None, "no tile was added"
+        if self.kind == AVG:
+            return (self.value / (self.h * self.w)).to(dtype)
+        return self.value
+
+    def tile_grad(self, g: torch.Tensor, y: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> torch.Tensor:
+        """The share of the pooled gradient ``g`` (B, C) that falls on tile ``y`` (B, C, th, tw)."""
+        if self.kind == AVG:
+            return (g / (self.h * self.w)).to(y.dtype)[:, :, None, None].expand_as(y)
+        if self.kind == AMAX:
+            assert self.count is not None and self.value is not None
+            share = (g / self.count).to(y.dtype)
+            return share[:, :, None, None] * (y == self.value[:, :, None, None]).to(y.dtype)
+        assert self.index is not None
+        r, c = self.index // self.w, self.index % self.w
+        th, tw = y.shape[2], y.shape[3]
+        inside = (r >= rows[0]) & (r < rows[0] + th) & (c >= cols[0]) & (c < cols[0] + tw)
+        local = ((r - rows[0]).clamp(0, th - 1) * tw + (c - cols[0]).clamp(0, tw - 1)).unsqueeze(-1)  # (B, C, 1)
+        out = torch.zeros_like(y).flatten(2)  # (B, C, th * tw)
+        out.scatter_(2, local, torch.where(inside, g.to(y.dtype), torch.zeros_like(g, dtype=y.dtype)).unsqueeze(-1))
+        return out.view_as(y)
