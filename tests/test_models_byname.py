@@ -87,7 +87,8 @@ def test_unknown_names_say_why_and_list_choices(name: str, says: str) -> None:
     with pytest.raises(ConfigError) as info:
         resolve_model_name(name, key="model.name")
     err = info.value
-    assert err.exit_code == 2 and f"model.name: {name!r}" in str(err) and says in str(err)
+    assert err.exit_code == 2 and str(err).startswith(f"model.name: {name!r}") and says in str(err)
+    assert err.problems == [err.message]  # a config loader can collect it with its other problems
     if name == "vgg61":
         assert all(n in str(err) for n in BUILTIN_NAMES)
         assert "torchvision/<name>" in str(err) and "timm/<name>" in str(err) and "vgg16" in (err.hint or "")
@@ -204,6 +205,27 @@ def test_vgg_fixed_size_pool_drops_its_classifier() -> None:
     assert parts.dropped == ("classifier",)
 
 
+def test_googlenet_input_transform_becomes_the_normalization(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GoogLeNet with ImageNet weights re-normalizes its input in forward; wsitrain normalizes with 0.5 instead."""
+    from wsitrain.models import pretrained
+
+    def googlenet(arch: str, imagenet: bool) -> nn.Module:  # what torchvision builds for weights="DEFAULT"
+        return torchvision.models.googlenet(weights=None, transform_input=True, aux_logits=False, init_weights=False)
+
+    monkeypatch.setattr(pretrained, "torchvision_net", googlenet)
+    torch.manual_seed(0)
+    lib = googlenet("googlenet", True).double().eval()
+    model = build("torchvision/googlenet", 1000, weights="imagenet").double().eval()
+    assert isinstance(model.features, nn.Sequential)  # no channel slicing left in front of the trunk
+    model.features.load_state_dict({k: v for k, v in lib.state_dict().items() if not k.startswith("fc.")})
+    model.classifier[-1].load_state_dict(lib.fc.state_dict())
+    rgb = torch.rand(1, 3, 96, 96, dtype=torch.float64)
+    mean = torch.tensor([0.485, 0.456, 0.406], dtype=torch.float64)[:, None, None]
+    std = torch.tensor([0.229, 0.224, 0.225], dtype=torch.float64)[:, None, None]
+    with torch.no_grad():
+        torch.testing.assert_close(model(rgb), lib((rgb - mean) / std), rtol=0, atol=1e-12)
+
+
 def test_not_a_cnn_is_refused() -> None:
     with pytest.raises(WsiTrainError, match="no pooling over height and width"):
         build("timm/vit_tiny_patch16_224", 2)
@@ -278,8 +300,9 @@ def test_torchvision_imagenet_from_a_filled_cache(torch_home: Path) -> None:
     written = random_state(torchvision.models.resnet18(), seed=1)
     torch_home.mkdir(parents=True)
     torch.save(written, path)
-    for name in ("torchvision/resnet18", "resnet18"):  # the built-in ResNet-18 reads the same file
-        model = build(name, 3, weights="imagenet")
+    # The built-in ResNet-18 reads the same file; a config's model.weights arrives as Path("imagenet").
+    for name, weights in (("torchvision/resnet18", "imagenet"), ("resnet18", Path("imagenet"))):
+        model = build(name, 3, weights=weights)
         trunk = model.features.state_dict()
         assert trunk.keys() == {k for k in written if not k.startswith("fc.")}
         for k, v in trunk.items():
@@ -397,7 +420,7 @@ def test_models_command_lists_builtins_and_naming() -> None:
         assert name in result.output
     assert "torchvision/<name>" in result.output and "timm/<name>" in result.output
     assert "efficientnet_b0" in result.output and "timm is installed" in result.output
-    assert "138.4 M" not in result.output and "14.7 M" in result.output  # VGG-16's trunk, not its classifier
+    assert "14,714,688" in result.output  # VGG-16's trunk, without its 120M-parameter classifier
 
 
 def test_models_command_describes_one(torch_home: Path) -> None:

@@ -16,6 +16,7 @@ from wsitrain.models.registry import (
     IMAGENET,
     ModelNameError,
     ModelSpec,
+    is_imagenet,
     resolve_model_name,
 )
 
@@ -63,6 +64,7 @@ __all__ = [
     "count_parameters",
     "freeze_batchnorm",
     "is_frozen_bn",
+    "is_imagenet",
     "load_weights",
     "parameter_bytes",
     "resolve_model_name",

@@ -5,6 +5,7 @@ Models are built on the meta device here: shapes and parameter counts without al
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -94,17 +95,17 @@ def builtin_table() -> Table:
             model = build(spec.name, num_classes=2, freeze_bn=False)
         n = sum(p.numel() for p in model.features.parameters())
         imagenet = f"torchvision {spec.imagenet_from}" if spec.imagenet_from else "-"
-        table.add_row(spec.name, f"{n / 1e6:.1f} M", str(spec.stride), spec.summary, imagenet)
+        table.add_row(spec.name, f"{n:,}", str(spec.stride), spec.summary, imagenet)
     return table
 
 
-def _families(names: list[str]) -> str:
-    """torchvision's CNN names grouped by family prefix: 'resnet (18, 34, ...)' reads faster than 60 names."""
+def _families(names: list[str]) -> list[str]:
+    """torchvision's CNN names, one line per family (the name's leading letters): easier to scan than 60 names."""
     groups: dict[str, list[str]] = {}
     for n in names:
-        family = n.rstrip("0123456789_").split("_")[0] if not n.startswith("wide_") else "wide_resnet"
+        family = re.match(r"[a-z]*", n).group(0)  # type: ignore[union-attr]  # "[a-z]*" always matches
         groups.setdefault(family, []).append(n)
-    return "; ".join(", ".join(v) for v in groups.values())
+    return [f"  {family}: {', '.join(members)}" for family, members in groups.items()]
 
 
 def print_models(console: Console, name: str | None = None) -> None:
@@ -127,10 +128,9 @@ def print_models(console: Console, name: str | None = None) -> None:
         return
     console.print(builtin_table())
     console.print(
-        f"\n[bold]{TORCHVISION_PREFIX}<name>[/]: any torchvision classification CNN, its own modules as the trunk and "
-        "its head up to the last Linear, split at its last global pooling. Names:\n  "
-        + _families(torchvision_cnn_names()),
-        soft_wrap=False,
+        f"\n[bold]{TORCHVISION_PREFIX}<name>[/]: any torchvision classification CNN: its own modules up to its last "
+        "global pooling are the trunk, its head up to the last Linear is kept with a new Linear for your classes.\n"
+        + "\n".join(_families(torchvision_cnn_names()))
     )
     timm_note = "installed" if timm_installed() else "not installed: pip install 'wsitrain[timm]'"
     console.print(
@@ -140,5 +140,6 @@ def print_models(console: Console, name: str | None = None) -> None:
     console.print(
         f"\n[bold]model.weights[/]: `{IMAGENET}` reads the library's own pretrained weights from its cache "
         "(TORCH_HOME for torchvision, the Hugging Face cache HF_HOME / HF_HUB_CACHE for timm); or a local state "
-        "dict; or best.pt / last.pt of a wsitrain run. `wsitrain models NAME` shows one model and its cache file."
+        "dict; or best.pt / last.pt of a wsitrain run. `wsitrain models NAME` shows one model and its cache file; "
+        "`wsitrain plan --model NAME` shows how much of it the engine tiles."
     )

@@ -30,6 +30,15 @@ IMAGENET = "imagenet"
 _TORCHVISION_NOT_CNN = ("vit_", "swin_", "maxvit_")
 
 
+def is_imagenet(weights: object) -> bool:
+    """Whether a ``model.weights`` value asks for the library's ImageNet weights rather than a file.
+
+    Accepts the text or a ``Path`` of it (config paths arrive as ``Path("imagenet")``); a file that is really
+    called ``imagenet`` is reached by an absolute path or another name.
+    """
+    return weights is not None and str(weights) == IMAGENET
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """What a model name resolves to."""
@@ -68,6 +77,9 @@ class ModelNameError(ConfigError):
 
     def __init__(self, key: str, reason: str, hint: str) -> None:
         super().__init__([f"{key}: {reason}"])
+        # One problem, said in one line: also right where the name came from a CLI option, not a config file.
+        self.message = f"{key}: {reason}"
+        self.args = (self.message,)
         self.reason = reason
         self.hint = hint
 
@@ -106,7 +118,7 @@ def _resolve_torchvision(name: str, arch: str, key: str) -> ModelSpec:
             reason = f"{name!r} is a vision transformer, not a CNN; wsitrain tiles convolutional trunks"
         else:
             reason = f"{name!r} is not a torchvision classification CNN{_closest(arch, names)}"
-        raise ModelNameError(key, reason, f"torchvision's CNNs: {', '.join(names)}")
+        raise ModelNameError(key, reason, "`wsitrain models` lists torchvision's CNNs, e.g. torchvision/convnext_tiny")
     return ModelSpec(name, "torchvision", arch, f"torchvision {arch}, trunk and head split at its global pooling")
 
 

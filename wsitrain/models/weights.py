@@ -61,7 +61,7 @@ def _state_dict_from(obj: object, path: Path, model_name: str) -> dict[str, torc
         if trained is not None and trained != model_name:
             raise WsiTrainError(
                 f"weights file {path} is a wsitrain checkpoint of model {trained!r}, not {model_name!r}",
-                hint=f"set model.name: {trained} to continue from it, or give weights of {model_name!r}",
+                hint=f"set model.name: {trained} to start from it, or give weights saved from {model_name!r}",
             )
     # Training checkpoints often wrap the weights; accept the two common wrappers (wsitrain's is "model").
     if isinstance(obj, dict):

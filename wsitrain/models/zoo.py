@@ -19,7 +19,7 @@ from wsitrain.errors import WsiTrainError
 from wsitrain.models.darknet import darknet19_features
 from wsitrain.models.frozen_bn import freeze_batchnorm
 from wsitrain.models.normalize import IMAGENET_MEAN, IMAGENET_STD, InputNormalization
-from wsitrain.models.registry import BUILTIN_NAMES, IMAGENET, ModelSpec, resolve_model_name
+from wsitrain.models.registry import BUILTIN_NAMES, ModelSpec, is_imagenet, resolve_model_name
 from wsitrain.models.weights import load_weights
 
 MODEL_NAMES = BUILTIN_NAMES  # the built-in names; any torchvision/<name> or timm/<name> is valid as well
@@ -104,8 +104,14 @@ def _library_parts(spec: ModelSpec, num_classes: int, imagenet: bool) -> tuple[n
         net = pretrained.torchvision_net(spec.arch, imagenet)
     else:
         net = pretrained.timm_net(spec.arch, imagenet)
+    norm = input_normalization(spec)
+    if getattr(net, "transform_input", False):
+        # GoogLeNet / Inception-v3 with ImageNet weights re-normalize ImageNet-normalized input to (x - 0.5) / 0.5
+        # in their forward (channel slicing the engine cannot tile): normalize that way up front instead.
+        net.transform_input = False
+        norm = ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
     parts = split_classifier(net, spec.name, num_classes)
-    return parts.features, parts.classifier, parts.stride, input_normalization(spec)
+    return parts.features, parts.classifier, parts.stride, norm
 
 
 def build(
@@ -130,7 +136,7 @@ def build(
         raise WsiTrainError(
             f"num_classes must be a positive integer, got {num_classes!r}", hint="set it to the number of labels"
         )
-    imagenet = isinstance(weights, str) and weights == IMAGENET
+    imagenet = is_imagenet(weights)
     parts = _builtin_parts if spec.is_builtin else _library_parts
     features, classifier, stride, (mean, std) = parts(spec, num_classes, imagenet)
     model = nn.Sequential(
