@@ -251,6 +251,29 @@ def test_layout_uint8_and_engine_plan(built: dict[str, nn.Module], name: str) ->
     assert p.fits and p.model_name == name
 
 
+def test_engine_runs_a_library_model_tiled_and_exact() -> None:
+    """torchvision's own ResNet-18 modules, tiled in 64 px tiles, give plain autograd's output and gradients."""
+    import copy
+
+    from wsitrain.sft import SFT
+
+    torch.manual_seed(0)
+    plain = build("torchvision/resnet18", 3).double().eval()
+    tiled = copy.deepcopy(plain)
+    x = torch.rand(1, 3, 128, 160, dtype=torch.float64, requires_grad=True)
+    x_tiled = x.detach().clone().requires_grad_(True)
+    plain(x).sum().backward()
+    engine = SFT(tiled, memory_budget="2GiB", tile_size=64)
+    y = engine(x_tiled)
+    y.sum().backward()
+    p = plan(tiled, tuple(x.shape), memory_budget="2GiB", device="cpu", tile_size=64)
+    assert any(s["mode"] == "tiled" for s in p.to_dict()["segments"])
+    torch.testing.assert_close(y, plain(x))
+    torch.testing.assert_close(x_tiled.grad, x.grad)
+    for (name, a), b in zip(plain.named_parameters(), tiled.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, msg=name)
+
+
 def test_normalization_is_the_libraries_own() -> None:
     from wsitrain.models.zoo import input_normalization
 
@@ -329,7 +352,11 @@ def _fill_hf_cache(cache: Path, repo: str, state: dict[str, torch.Tensor]) -> No
     save_file(state, str(folder / "snapshots" / commit / "model.safetensors"))
 
 
-def test_timm_imagenet_from_a_filled_cache(hf_cache: Path) -> None:
+@pytest.mark.parametrize("offline_flag", [True, False], ids=["HF_HUB_OFFLINE", "network-unreachable"])
+def test_timm_imagenet_from_a_filled_cache(hf_cache: Path, monkeypatch: pytest.MonkeyPatch, offline_flag: bool) -> None:
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline_flag)  # without the flag the hub tries, then falls back
     written = random_state(timm.create_model("resnet18"), seed=2)
     _fill_hf_cache(hf_cache, "timm/resnet18.a1_in1k", written)  # resnet18's default pretrained tag
     model = build("timm/resnet18", 3, weights="imagenet")
@@ -338,6 +365,7 @@ def test_timm_imagenet_from_a_filled_cache(hf_cache: Path) -> None:
 
 
 def test_timm_imagenet_missing_names_the_cache(hf_cache: Path) -> None:
+    # HF_HUB_OFFLINE=1 (the fixture): without it huggingface_hub retries an unreachable network for ~45 s first.
     with pytest.raises(WsiTrainError) as info:
         build("timm/resnet18", 3, weights="imagenet")
     msg = str(info.value)

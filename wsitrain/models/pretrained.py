@@ -112,7 +112,8 @@ def timm_cache_files(arch: str) -> tuple[list[Path], str]:
         folder = Path(constants.HF_HUB_CACHE) / f"models--{repo.replace('/', '--')}" / "snapshots" / "<revision>"
         how = (
             f"on a machine with internet run `hf download {repo} {names[0]}` with the same HF_HOME / HF_HUB_CACHE "
-            f"and copy that cache here, or set HF_HUB_CACHE to a folder that holds models--{repo.replace('/', '--')}"
+            f"and copy that cache here, or set HF_HUB_CACHE to a folder that holds models--{repo.replace('/', '--')}; "
+            "without internet set HF_HUB_OFFLINE=1 so the hub does not retry the network first"
         )
         return [folder / n for n in names], how
     url = getattr(cfg, "url", None) or ""
