@@ -179,8 +179,9 @@ def test_split_places_the_cut_at_the_last_global_pooling(libraries: dict[str, nn
     assert [type(m) for m in eff.classifier] == [nn.Dropout, nn.Linear] and eff.channels == 1280
 
     cnx = split_classifier(libraries["torchvision/convnext_tiny"], "cnx", 3)
-    assert [type(m) for m in cnx.classifier] == [nn.LayerNorm, nn.Linear]  # LayerNorm2d kept as LayerNorm on (B, C)
-    assert cnx.classifier[0].weight is libraries["torchvision/convnext_tiny"].classifier[0].weight
+    # ConvNeXt normalizes the pooled (B, C, 1, 1) map before flattening: its own LayerNorm2d gets that map back.
+    assert [type(m).__name__ for m in cnx.classifier] == ["Unflatten", "LayerNorm2d", "Flatten", "Linear"]
+    assert cnx.classifier[1] is libraries["torchvision/convnext_tiny"].classifier[0]
 
     dense = split_classifier(libraries["torchvision/densenet121"], "dense", 3)
     assert list(dict(dense.features.named_children()))[-2:] == ["norm5", "relu"]  # forward's F.relu as a module
@@ -192,10 +193,15 @@ def test_split_places_the_cut_at_the_last_global_pooling(libraries: dict[str, nn
     assert [type(m) for m in squeeze.classifier] == [nn.Dropout, nn.Linear]
 
     mnv3 = split_classifier(libraries["timm/mobilenetv3_small_100"], "mnv3", 3)
-    # timm applies a 1x1 conv after pooling: on the pooled vector it is the same Linear, sharing the conv's weights.
-    conv_head = libraries["timm/mobilenetv3_small_100"].conv_head
-    assert isinstance(mnv3.classifier[0], nn.Linear)
-    assert mnv3.classifier[0].weight.data_ptr() == conv_head.weight.data_ptr()
+    # timm applies a 1x1 conv and an activation to the pooled map, then flattens: kept, in that order.
+    assert [k for k, _ in mnv3.classifier.named_children()] == [
+        "unflatten",
+        "conv_head",
+        "act2",
+        "flatten",
+        "classifier",
+    ]
+    assert mnv3.classifier.conv_head is libraries["timm/mobilenetv3_small_100"].conv_head
 
 
 def test_vgg_fixed_size_pool_drops_its_classifier() -> None:

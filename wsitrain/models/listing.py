@@ -70,7 +70,8 @@ def describe(name: str) -> ModelFacts:
     with torch.device("meta"):
         model = build(name, num_classes=2, freeze_bn=False)
     mean, std = input_normalization(spec)
-    head = [_layer(m) for m in model.classifier.modules() if not list(m.children())]
+    cls = model.classifier
+    head = [_layer(m) for m in (cls.children() if isinstance(cls, torch.nn.Sequential) else [cls])]
     return ModelFacts(
         spec=spec,
         trunk_parameters=sum(p.numel() for p in model.features.parameters()),

@@ -8,7 +8,8 @@ rebuilt as ``features -> pool -> flatten -> classifier``:
   ``GraphModule`` over the same modules. The modules are the library's objects, not traced copies, so their
   train/eval branches (StochasticDepth, DropPath, BatchNorm) still follow the module's mode.
 * ``classifier``: what the library applies between pooling and its last Linear (dropout, a pre-logits MLP, a
-  LayerNorm), adapted to the flattened ``(B, C)`` vector, then a new ``Linear(C, num_classes)``.
+  LayerNorm), its own modules, then a new ``Linear(C, num_classes)``. Layers the library applies to the pooled
+  ``(B, C, 1, 1)`` map before flattening get that map back through an ``nn.Unflatten``.
 
 Where the model is analysed: torch.fx traces only the model's own ``forward`` with its children kept whole
 (and opens a child only when the last global pooling hides inside it, like SqueezeNet's classifier or timm's
@@ -49,23 +50,6 @@ _FLATTEN_FUNCS = {torch.flatten, torch.squeeze}
 _FLATTEN_METHODS = {"flatten", "view", "reshape", "squeeze"}
 _MEAN_FUNCS = {torch.mean, torch.amax}
 _MEAN_METHODS = {"mean", "amax"}
-# Layers that act on a (B, C) vector exactly as on a (B, C, 1, 1) map: kept as they are in the head.
-_VECTOR_SAFE = (
-    nn.Linear,
-    nn.Dropout,
-    nn.LayerNorm,
-    nn.ReLU,
-    nn.ReLU6,
-    nn.GELU,
-    nn.SiLU,
-    nn.Hardswish,
-    nn.Hardsigmoid,
-    nn.Sigmoid,
-    nn.Tanh,
-    nn.ELU,
-    nn.LeakyReLU,
-    nn.Mish,
-)
 
 
 @dataclass
@@ -243,83 +227,83 @@ def _flatten_sequentials(key: str, m: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(key, m)]
 
 
-def _head_items(gm: fx.GraphModule, nodes: list[fx.Node], label: str) -> list[tuple[str, nn.Module]]:
-    """The library's layers after the pooling, as modules; flatten steps and identities dropped."""
+def _pool_flattens(node: fx.Node, gm: fx.GraphModule) -> bool:
+    """Whether the pooling itself returns (B, C) rather than (B, C, 1, 1)."""
+    if node.op == "call_module":
+        return isinstance(getattr(gm.get_submodule(str(node.target)), "flatten", None), nn.Flatten)
+    if node.op == "call_function" and node.target in (F.adaptive_avg_pool2d, F.adaptive_max_pool2d):
+        return False
+    return not (node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))  # mean / amax
+
+
+def _is_flatten(node: fx.Node) -> bool:
+    return (node.op == "call_function" and node.target in _FLATTEN_FUNCS) or (
+        node.op == "call_method" and node.target in _FLATTEN_METHODS
+    )
+
+
+def _head_items(gm: fx.GraphModule, pool: fx.Node, label: str) -> tuple[list[tuple[str, nn.Module]], int | None]:
+    """The library's layers after the pooling, as modules, and the index of the first one that sees (B, C).
+
+    Flatten steps, identities and zero dropouts are left out; None as index: nothing flattens before the end.
+    """
+    nodes = list(gm.graph.nodes)
     items: list[tuple[str, nn.Module]] = []
-    for n in nodes:
-        if n.op == "output":
-            continue
-        if n.op == "call_module":
+    flat_from: int | None = 0 if _pool_flattens(pool, gm) else None
+    for n in nodes[nodes.index(pool) + 1 :]:
+        if n.op == "output" or (n.op == "call_function" and n.target is operator.getitem):
+            continue  # getitem: a tuple output's first element (the logits of a model with auxiliary outputs)
+        if _is_flatten(n):
+            flat_from = len(items) if flat_from is None else flat_from
+        elif n.op == "call_module":
             for key, m in _flatten_sequentials(_key(n), gm.get_submodule(str(n.target))):
-                if not isinstance(m, (nn.Flatten, nn.Identity)) and not (isinstance(m, nn.Dropout) and m.p == 0):
+                if isinstance(m, nn.Flatten):
+                    flat_from = len(items) if flat_from is None else flat_from
+                elif not isinstance(m, nn.Identity) and not (isinstance(m, nn.Dropout) and m.p == 0):
                     items.append((key, m))
-        elif (n.op == "call_function" and n.target in _FLATTEN_FUNCS) or (
-            n.op == "call_method" and n.target in _FLATTEN_METHODS
-        ):
-            continue
         elif n.op == "call_function" and n.target is F.dropout:
             p = float(n.kwargs.get("p", n.args[1] if len(n.args) > 1 else 0.5))
             if p > 0:
                 items.append((n.name, nn.Dropout(p)))
-        elif n.op == "call_function" and n.target is operator.getitem:
-            continue  # a tuple output's first element (e.g. logits of an eval-mode model with aux outputs)
         else:
             raise WsiTrainError(
                 f"cannot rebuild the head of {label}: {n.op} {n.target} after its global pooling is not a layer "
                 "wsitrain knows how to keep",
                 hint="use a built-in model or another torchvision/timm CNN",
             )
-    return items
+    return items, flat_from
 
 
-def _vector_layer(key: str, m: nn.Module, label: str) -> nn.Module:
-    """``m`` as a layer on the flattened (B, C) vector, sharing its parameters."""
-    if isinstance(m, nn.Conv2d) and m.kernel_size == (1, 1) and m.groups == 1 and m.stride == (1, 1):
-        # A 1x1 conv on a 1x1 map is a Linear; the view shares the conv's storage for the pretrained weights.
-        lin = nn.Linear(m.in_channels, m.out_channels, bias=m.bias is not None, device="meta")
-        lin.weight = nn.Parameter(m.weight.detach().flatten(1), requires_grad=m.weight.requires_grad)
-        if m.bias is not None:
-            lin.bias = m.bias
-        return lin
-    if isinstance(m, nn.Dropout2d):
-        return nn.Dropout(m.p)  # per-channel dropout of a 1x1 map is element-wise dropout of the vector
-    if isinstance(m, nn.LayerNorm) and type(m) is not nn.LayerNorm:
-        # LayerNorm2d (torchvision, timm) normalizes over channels, which is plain LayerNorm on (B, C).
-        ln = nn.LayerNorm(m.normalized_shape, eps=m.eps, elementwise_affine=m.elementwise_affine, device="meta")
-        ln.weight, ln.bias = m.weight, m.bias
-        return ln
-    if isinstance(m, _VECTOR_SAFE):
-        return m
-    raise WsiTrainError(
-        f"cannot rebuild the head of {label}: layer {key!r} ({type(m).__name__}) between its global pooling and "
-        "its last Linear has no equivalent on the pooled vector",
-        hint="use a built-in model or another torchvision/timm CNN",
-    )
+def _meta_output(module: nn.Module, shape: tuple[int, ...]) -> torch.Size:
+    """Output shape of ``module`` (in eval mode) for an input of ``shape``, on meta tensors: nothing computed."""
+    state = {k: torch.empty_like(v, device="meta") for k, v in module.state_dict(keep_vars=True).items()}
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()  # the branch the tracer saw; train-mode BatchNorm would refuse a batch of one 1 x 1 map
+    try:
+        x = torch.empty(shape, device="meta")
+        return functional_call(module, state, (x,), strict=False, tie_weights=True).shape
+    finally:
+        for m, mode in modes:
+            m.training = mode
 
 
 def _probe(features: nn.Module, label: str) -> tuple[int, int]:
     """(channels, stride) of the trunk, from shapes on meta tensors (nothing computed or allocated)."""
-    state = {k: torch.empty_like(v, device="meta") for k, v in features.state_dict(keep_vars=True).items()}
-    modes = [(m, m.training) for m in features.modules()]
-    features.eval()  # train-mode BatchNorm would refuse nothing here, but eval is the branch the tracer saw
     try:
-        x = torch.empty(1, 3, _PROBE_SIDE, _PROBE_SIDE, device="meta")
-        y = functional_call(features, state, (x,), strict=False, tie_weights=True)
+        shape = _meta_output(features, (1, 3, _PROBE_SIDE, _PROBE_SIDE))
     except Exception as exc:
         raise WsiTrainError(
             f"cannot run the trunk of {label} on a {_PROBE_SIDE} px image to read its output shape: {exc}",
-            hint="use a built-in model or another torchvision/timm CNN",
+            hint="wsitrain tiles CNNs of any input size; this model seems to need a fixed input size (a vision "
+            "transformer or hybrid)",
         ) from exc
-    finally:
-        for m, mode in modes:
-            m.training = mode
-    if y.dim() != 4 or y.shape[-1] < 1:
+    if len(shape) != 4 or shape[-1] < 1:
         raise WsiTrainError(
-            f"the trunk of {label} gives shape {tuple(y.shape)}, not a (B, C, H, W) feature map",
+            f"the trunk of {label} gives shape {tuple(shape)}, not a (B, C, H, W) feature map",
             hint="wsitrain trains CNN classifiers; use a convolutional model",
         )
-    stride = 2 ** round(math.log2(_PROBE_SIDE / y.shape[-1]))  # CNN strides are powers of two
-    return int(y.shape[1]), int(stride)
+    stride = 2 ** round(math.log2(_PROBE_SIDE / shape[-1]))  # CNN strides are powers of two
+    return int(shape[1]), int(stride)
 
 
 def split_classifier(net: nn.Module, label: str, num_classes: int) -> TrunkAndHead:
@@ -336,40 +320,40 @@ def split_classifier(net: nn.Module, label: str, num_classes: int) -> TrunkAndHe
     finally:
         for m, mode in modes:
             m.training = mode
-    nodes = list(gm.graph.nodes)
-    pool = nodes[p]
+    pool = list(gm.graph.nodes)[p]
     features, trunk_items = _trunk(gm, pool)
     pre: list[tuple[str, nn.Module]] = []
+    flat_from: int | None = 0
     logits_key = "fc"  # the new Linear takes the name of the library layer it replaces
     if _pooling(pool, gm):
-        head = _head_items(gm, nodes[p + 1 :], label)
+        head, flat_from = _head_items(gm, pool, label)
         last = max((i for i, (_, m) in enumerate(head) if isinstance(m, (nn.Linear, nn.Conv2d))), default=None)
         if last is not None:
             pre, logits_key = head[:last], head[last][0]
         elif trunk_items:
             features, pre = _cut_logits_conv(trunk_items, label)
+            flat_from = 0
     channels, stride = _probe(features, label)
-    layers = [(k, _vector_layer(k, m, label)) for k, m in pre]
+    n4 = len(pre) if flat_from is None else min(flat_from, len(pre))
+    layers = pre
+    if n4:
+        # Layers the library runs on the pooled (B, C, 1, 1) map (a 1x1 conv, LayerNorm2d, BatchNorm) run on it here
+        # too, as the library's own modules: the vector is unflattened for them and flattened again after.
+        layers = [("unflatten", nn.Unflatten(1, (channels, 1, 1))), *pre[:n4], ("flatten", nn.Flatten(1)), *pre[n4:]]
+    try:
+        width = _meta_output(nn.Sequential(_unique(layers)), (1, channels))[-1] if layers else channels
+    except Exception as exc:
+        raise WsiTrainError(
+            f"cannot rebuild the head of {label}: its layers after pooling do not take the trunk's {channels} "
+            f"channels ({exc})",
+            hint="this model's pooling is not a plain average (e.g. timm's catavgmax); use another model",
+        ) from exc
     ref = next(iter(net.parameters()))
-    new = nn.Linear(_in_features(layers, channels), num_classes, device=ref.device, dtype=ref.dtype)
+    new = nn.Linear(int(width), num_classes, device=ref.device, dtype=ref.dtype)
     classifier: nn.Module = new if not layers else nn.Sequential(_unique([*layers, (logits_key, new)]))
     kept = {id(t) for t in [*features.parameters(), *classifier.parameters()]}
     dropped = tuple(k for k, m in net.named_children() if any(id(t) not in kept for t in m.parameters()))
     return TrunkAndHead(features, classifier, channels, stride, dropped)
-
-
-def _in_features(layers: list[tuple[str, nn.Module]], channels: int) -> int:
-    """Width of the vector reaching the new Linear; checks that the kept head layers fit the trunk's channels."""
-    width = channels
-    for key, m in layers:
-        if isinstance(m, nn.Linear):
-            if m.in_features != width:
-                raise WsiTrainError(
-                    f"head layer {key!r} expects {m.in_features} features but the pooled trunk gives {width}",
-                    hint="this model's pooling is not a plain average; use a built-in or another model",
-                )
-            width = m.out_features
-    return width
 
 
 def _cut_logits_conv(items: list[tuple[str, nn.Module]], label: str) -> tuple[nn.Module, list[tuple[str, nn.Module]]]:
