@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 import torch
@@ -18,6 +19,9 @@ from torch import nn
 
 from wsitrain.errors import WsiTrainError
 from wsitrain.models.weights import first_line
+
+if TYPE_CHECKING:  # timm is optional: its types only for annotations
+    from timm.models import PretrainedCfg
 
 
 def _build(make: Callable[[], nn.Module]) -> nn.Module:
@@ -76,7 +80,7 @@ def torchvision_net(arch: str, imagenet: bool) -> nn.Module:
 
 
 # ---- timm ----------------------------------------------------------------------------------------------------
-def _timm_cfg(arch: str) -> object:
+def _timm_cfg(arch: str) -> PretrainedCfg:
     import timm.models
 
     cfg = timm.models.get_pretrained_cfg(arch)
@@ -96,19 +100,18 @@ def timm_mean_std(arch: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
         from wsitrain.models.normalize import IMAGENET_MEAN, IMAGENET_STD
 
         return IMAGENET_MEAN, IMAGENET_STD
-    return tuple(float(v) for v in cfg.mean), tuple(float(v) for v in cfg.std)  # type: ignore[attr-defined]
+    return tuple(float(v) for v in cfg.mean), tuple(float(v) for v in cfg.std)
 
 
 def timm_cache_files(arch: str) -> tuple[list[Path], str]:
     """(files timm would read, one of them is enough; how to fill the cache) for ``arch``'s pretrained weights."""
     cfg = _timm_cfg(arch)
-    hf_id = getattr(cfg, "hf_hub_id", None)
-    if hf_id:
+    if cfg.hf_hub_id:
         from huggingface_hub import constants
 
-        repo = hf_id.split("@")[0]
-        names = [cfg.hf_hub_filename] if getattr(cfg, "hf_hub_filename", None) else []  # type: ignore[attr-defined]
-        names = names or ["model.safetensors", "pytorch_model.bin"]
+        repo = cfg.hf_hub_id.split("@")[0]
+        # timm tries the safetensors file first, then the pickle (timm.models._hub.load_state_dict_from_hf).
+        names = [cfg.hf_hub_filename] if cfg.hf_hub_filename else ["model.safetensors", "pytorch_model.bin"]
         folder = Path(constants.HF_HUB_CACHE) / f"models--{repo.replace('/', '--')}" / "snapshots" / "<revision>"
         how = (
             f"on a machine with internet run `hf download {repo} {names[0]}` with the same HF_HOME / HF_HUB_CACHE "
@@ -116,7 +119,7 @@ def timm_cache_files(arch: str) -> tuple[list[Path], str]:
             "without internet set HF_HUB_OFFLINE=1 so the hub does not retry the network first"
         )
         return [folder / n for n in names], how
-    url = getattr(cfg, "url", None) or ""
+    url = cfg.url or ""
     path = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(urlparse(url).path)
     return [path], f"on a machine with internet download {url} into {path.parent}"
 
@@ -124,13 +127,12 @@ def timm_cache_files(arch: str) -> tuple[list[Path], str]:
 def timm_cached(arch: str) -> bool:
     """Whether one of the files timm would read for ``arch`` is in its cache (no network)."""
     cfg = _timm_cfg(arch)
-    hf_id = getattr(cfg, "hf_hub_id", None)
     files, _ = timm_cache_files(arch)
-    if not hf_id:
+    if not cfg.hf_hub_id:
         return files[0].is_file()
     from huggingface_hub import try_to_load_from_cache
 
-    repo, _, revision = hf_id.partition("@")
+    repo, _, revision = cfg.hf_hub_id.partition("@")
     return any(isinstance(try_to_load_from_cache(repo, f.name, revision=revision or None), str) for f in files)
 
 

@@ -52,7 +52,7 @@ _MEAN_FUNCS = {torch.mean, torch.amax}
 _MEAN_METHODS = {"mean", "amax"}
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrunkAndHead:
     """A library classifier split for the engine."""
 
@@ -60,7 +60,7 @@ class TrunkAndHead:
     classifier: nn.Module  # (B, channels) -> (B, num_classes), after global pooling and flatten
     channels: int
     stride: int
-    dropped: tuple[str, ...]  # library layers not kept (aux heads, a VGG classifier behind a fixed-size pool)
+    dropped: tuple[str, ...]  # library children not kept whole: the replaced last Linear, aux heads, VGG's classifier
 
 
 class _Tracer(fx.Tracer):
