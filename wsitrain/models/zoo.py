@@ -73,6 +73,17 @@ _TRUNKS: dict[str, tuple[Callable[[bool], nn.Sequential], int]] = {
 }
 
 
+def input_normalization(spec: ModelSpec) -> Norm:
+    """(mean, std) the model's pretrained weights expect: ImageNet's for built-ins, the library's own otherwise."""
+    from wsitrain.models import pretrained
+
+    if spec.source == "torchvision":
+        return pretrained.torchvision_mean_std(spec.arch)
+    if spec.source == "timm":
+        return pretrained.timm_mean_std(spec.arch)
+    return IMAGENET_MEAN, IMAGENET_STD
+
+
 def _builtin_parts(spec: ModelSpec, num_classes: int, imagenet: bool) -> tuple[nn.Module, nn.Module, int, Norm]:
     if imagenet and spec.imagenet_from is None:
         raise WsiTrainError(
@@ -83,17 +94,6 @@ def _builtin_parts(spec: ModelSpec, num_classes: int, imagenet: bool) -> tuple[n
     make_trunk, channels = _TRUNKS[spec.name]
     assert spec.stride is not None  # every built-in has its stride in the registry
     return make_trunk(imagenet), nn.Linear(channels, num_classes), spec.stride, input_normalization(spec)
-
-
-def input_normalization(spec: ModelSpec) -> Norm:
-    """(mean, std) the model's pretrained weights expect: ImageNet's for built-ins, the library's own otherwise."""
-    from wsitrain.models import pretrained
-
-    if spec.source == "torchvision":
-        return pretrained.torchvision_mean_std(spec.arch)
-    if spec.source == "timm":
-        return pretrained.timm_mean_std(spec.arch)
-    return IMAGENET_MEAN, IMAGENET_STD
 
 
 def _library_parts(spec: ModelSpec, num_classes: int, imagenet: bool) -> tuple[nn.Module, nn.Module, int, Norm]:
