@@ -338,6 +338,24 @@ def validate(
 
 @app.command()
 @_handled
+def models(
+    name: str | None = typer.Argument(None, metavar="[NAME]", help="Describe one model, e.g. torchvision/resnet50."),
+) -> None:
+    """List the built-in models and how to name any torchvision or timm CNN; with NAME, describe that model.
+
+    Examples:
+
+      wsitrain models
+
+      wsitrain models torchvision/efficientnet_b0
+    """
+    from wsitrain.models.listing import print_models
+
+    print_models(_console(), name)
+
+
+@app.command()
+@_handled
 def info(
     slide: Path = typer.Argument(..., metavar="SLIDE", help="Slide file (SVS, NDPI, MRXS, TIFF, ...)."),
     as_json: bool = typer.Option(False, "--json", help="Print as JSON."),

@@ -2,7 +2,9 @@
 
 Layout: ``normalize -> features (trunk) -> pool -> flatten -> classifier``. A plain Sequential (not a
 subclass) so slicing ``model[:2]`` works and torch.fx sees a straight chain; ``model.name`` and
-``model.stride`` (the trunk's total downsampling) are plain attributes.
+``model.stride`` (the trunk's total downsampling) are plain attributes. Built-ins are assembled here;
+``torchvision/<name>`` and ``timm/<name>`` models are the library's own modules, split at their global pooling
+(wsitrain.models.split).
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ from torch import nn
 from wsitrain.errors import WsiTrainError
 from wsitrain.models.darknet import darknet19_features
 from wsitrain.models.frozen_bn import freeze_batchnorm
-from wsitrain.models.normalize import InputNormalization
+from wsitrain.models.normalize import IMAGENET_MEAN, IMAGENET_STD, InputNormalization
+from wsitrain.models.registry import BUILTIN_NAMES, ModelSpec, is_imagenet, resolve_model_name
 from wsitrain.models.weights import load_weights
 
-MODEL_NAMES = ("tiny", "vgg16", "vgg19", "darknet19", "resnet18", "resnet34", "resnet50")
+MODEL_NAMES = BUILTIN_NAMES  # the built-in names; any torchvision/<name> or timm/<name> is valid as well
 POOLS = ("avg", "max")
 
 
@@ -33,37 +36,82 @@ def _tiny_features() -> nn.Sequential:
     return nn.Sequential(layers)
 
 
-def _torchvision(name: str) -> nn.Module:
+def _torchvision(name: str, imagenet: bool) -> nn.Module:
     # Imported here: torchvision takes seconds to import, and tiny/darknet19 (tests, bench workers) don't need it.
-    import torchvision.models
+    from wsitrain.models.pretrained import torchvision_net
 
-    return getattr(torchvision.models, name)(weights=None)  # never download: weights come only from a local file
+    return torchvision_net(name, imagenet)
 
 
-def _resnet_features(name: str) -> nn.Sequential:
-    net = _torchvision(name)
+def _resnet_features(name: str, imagenet: bool) -> nn.Sequential:
+    net = _torchvision(name, imagenet)
     names = ("conv1", "bn1", "relu", "maxpool", "layer1", "layer2", "layer3", "layer4")
     return nn.Sequential(OrderedDict((n, getattr(net, n)) for n in names))
 
 
-def _vgg_features(cfg: str) -> nn.Sequential:
+def _vgg_features(name: str, imagenet: bool) -> nn.Sequential:
+    if imagenet:  # the pretrained file holds the classifier too; it is built once and dropped
+        return _torchvision(name, imagenet).features
     # torchvision's own feature layers, built without its 120M-parameter classifier: allocating and
     # dropping that raises the process's peak memory by ~470 MiB before training even starts.
     from torchvision.models.vgg import cfgs, make_layers
 
-    return make_layers(cfgs[cfg], batch_norm=False)
+    return make_layers(cfgs[{"vgg16": "D", "vgg19": "E"}[name]], batch_norm=False)
 
 
-# name -> (trunk builder, trunk output channels, trunk stride)
-_TRUNKS: dict[str, tuple[Callable[[], nn.Sequential], int, int]] = {
-    "tiny": (_tiny_features, 32, 16),
-    "vgg16": (lambda: _vgg_features("D"), 512, 32),
-    "vgg19": (lambda: _vgg_features("E"), 512, 32),
-    "darknet19": (darknet19_features, 1024, 32),
-    "resnet18": (lambda: _resnet_features("resnet18"), 512, 32),
-    "resnet34": (lambda: _resnet_features("resnet34"), 512, 32),
-    "resnet50": (lambda: _resnet_features("resnet50"), 2048, 32),
+Norm = tuple[tuple[float, ...], tuple[float, ...]]  # the input normalization's (mean, std) per channel
+
+# built-in name -> (trunk builder taking `imagenet`, trunk output channels); strides live in the registry
+_TRUNKS: dict[str, tuple[Callable[[bool], nn.Sequential], int]] = {
+    "tiny": (lambda _: _tiny_features(), 32),
+    "vgg16": (lambda imagenet: _vgg_features("vgg16", imagenet), 512),
+    "vgg19": (lambda imagenet: _vgg_features("vgg19", imagenet), 512),
+    "darknet19": (lambda _: darknet19_features(), 1024),
+    "resnet18": (lambda imagenet: _resnet_features("resnet18", imagenet), 512),
+    "resnet34": (lambda imagenet: _resnet_features("resnet34", imagenet), 512),
+    "resnet50": (lambda imagenet: _resnet_features("resnet50", imagenet), 2048),
 }
+
+
+def input_normalization(spec: ModelSpec) -> Norm:
+    """(mean, std) the model's pretrained weights expect: ImageNet's for built-ins, the library's own otherwise."""
+    from wsitrain.models import pretrained
+
+    if spec.source == "torchvision":
+        return pretrained.torchvision_mean_std(spec.arch)
+    if spec.source == "timm":
+        return pretrained.timm_mean_std(spec.arch)
+    return IMAGENET_MEAN, IMAGENET_STD
+
+
+def _builtin_parts(spec: ModelSpec, num_classes: int, imagenet: bool) -> tuple[nn.Module, nn.Module, int, Norm]:
+    if imagenet and spec.imagenet_from is None:
+        raise WsiTrainError(
+            f"built-in model {spec.name!r} has no ImageNet weights",
+            hint="use model.weights: imagenet with resnet18/34/50, vgg16/19, torchvision/<name> or timm/<name>, "
+            "or give a local state-dict file",
+        )
+    make_trunk, channels = _TRUNKS[spec.name]
+    assert spec.stride is not None  # every built-in has its stride in the registry
+    return make_trunk(imagenet), nn.Linear(channels, num_classes), spec.stride, input_normalization(spec)
+
+
+def _library_parts(spec: ModelSpec, num_classes: int, imagenet: bool) -> tuple[nn.Module, nn.Module, int, Norm]:
+    from wsitrain.models import pretrained
+    from wsitrain.models.split import split_classifier
+
+    if spec.source == "torchvision":
+        net = pretrained.torchvision_net(spec.arch, imagenet)
+    else:
+        net = pretrained.timm_net(spec.arch, imagenet)
+    norm = input_normalization(spec)
+    if getattr(net, "transform_input", False):
+        # GoogLeNet / Inception-v3 with ImageNet weights re-normalize ImageNet-normalized input to (x - 0.5) / 0.5
+        # in their forward (channel slicing the engine cannot tile): normalize that way up front instead.
+        net.transform_input = False
+        norm = ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
+    parts = split_classifier(net, spec.name, num_classes)
+    return parts.features, parts.classifier, parts.stride, norm
 
 
 def build(
@@ -73,33 +121,36 @@ def build(
     pool: str = "avg",
     freeze_bn: bool = True,
 ) -> nn.Sequential:
-    """Build model ``name`` with a ``num_classes``-way linear head.
+    """Build model ``name`` (a built-in, ``torchvision/<name>`` or ``timm/<name>``) with a ``num_classes``-way head.
 
-    ``weights``: a local state-dict file (as saved by ``torch.save(model.state_dict(), path)``) for this
-    exact architecture; nothing is ever downloaded. ``pool``: global "avg" or "max" pooling before the
-    head. ``freeze_bn``: BatchNorm layers keep their running statistics even in ``model.train()``.
+    ``weights``: ``"imagenet"`` for the library's own pretrained weights (read from its cache; see
+    wsitrain.models.pretrained), or a local file: a state dict of this exact model (as saved by
+    ``torch.save(model.state_dict(), path)``) or a wsitrain run checkpoint (``best.pt``/``last.pt``).
+    ``pool``: global "avg" or "max" pooling before the head. ``freeze_bn``: BatchNorm layers keep their
+    running statistics even in ``model.train()``.
     """
-    if name not in _TRUNKS:
-        raise WsiTrainError(f"unknown model {name!r}", hint=f"choose one of: {', '.join(MODEL_NAMES)}")
+    spec = resolve_model_name(name)
     if pool not in POOLS:
         raise WsiTrainError(f"unknown pool {pool!r} for model {name!r}", hint=f"choose one of: {', '.join(POOLS)}")
     if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
         raise WsiTrainError(
             f"num_classes must be a positive integer, got {num_classes!r}", hint="set it to the number of labels"
         )
-    make_trunk, channels, stride = _TRUNKS[name]
+    imagenet = is_imagenet(weights)
+    parts = _builtin_parts if spec.is_builtin else _library_parts
+    features, classifier, stride, (mean, std) = parts(spec, num_classes, imagenet)
     model = nn.Sequential(
         OrderedDict(
-            normalize=InputNormalization(),
-            features=make_trunk(),
+            normalize=InputNormalization(mean, std),
+            features=features,
             pool=nn.AdaptiveAvgPool2d(1) if pool == "avg" else nn.AdaptiveMaxPool2d(1),
             flatten=nn.Flatten(1),
-            classifier=nn.Linear(channels, num_classes),
+            classifier=classifier,
         )
     )
-    model.name = name
+    model.name = spec.name
     model.stride = stride
-    if weights is not None:
+    if weights is not None and not imagenet:
         load_weights(model, weights)
     if freeze_bn:
         freeze_batchnorm(model)
