@@ -59,7 +59,7 @@ def shrink_image(image: torch.Tensor, max_side: int, rows_per_chunk: int = 4096)
 def slide_thumbnail(reader: object, image: torch.Tensor, where: Placement, max_side: int = 1024) -> Thumbnail:
     """A thumbnail without a second full-resolution read: a coarser pyramid level when the slide has one
     (``read_thumbnail``), else the image already in memory, shrunk."""
-    from wsitrain.slides.stream import read_thumbnail
+    from wsitrain.slides.pixels import read_thumbnail
 
     info = reader.info  # type: ignore[attr-defined]
     w0, h0 = info.dimensions
