@@ -105,8 +105,9 @@ def test_unknown_gpu_lists_presets() -> None:
 
 
 def test_unknown_model_lists_models() -> None:
-    err = _one_line_error(model="alexnet")
-    assert "alexnet" in err.message and all(name in err.hint for name in MODEL_NAMES)
+    err = _one_line_error(model="vgg61")
+    text = f"{err.message} {err.hint}"
+    assert "vgg61" in err.message and all(name in text for name in MODEL_NAMES) and "torchvision/<name>" in text
 
 
 @pytest.mark.parametrize("size", ["0", "-512", "16", "abc", "512x", "20x20x20"])

@@ -38,6 +38,7 @@ _state: dict[str, Any] = {"quiet": False, "verbose": False, "console": None}
 F = TypeVar("F", bound=Callable[..., Any])
 
 SHAPES_ONLY_HELP = "Preflight: plan whole slides, skipping tissue detection (faster on thousands of slides)."
+MODEL_HELP = "Model: a built-in (tiny, vgg16, vgg19, darknet19, resnet18/34/50), torchvision/<name> or timm/<name>."
 SET_HELP = "Override a config key, e.g. --set train.lr=1e-4 --set data.level=1 (repeatable; values are YAML)."
 
 
@@ -202,8 +203,7 @@ def report(
 @app.command()
 @_handled
 def plan(
-    # TODO(models): help text from wsitrain.models' list of names.
-    model: str = typer.Option(..., "--model", help="Model name: tiny, vgg16, vgg19, darknet19, resnet18/34/50."),
+    model: str = typer.Option(..., "--model", help=MODEL_HELP),
     size: str = typer.Option(..., "--size", help="Input edge in pixels (20480) or HxW (20480x10240)."),
     gpu: str | None = typer.Option(None, "--gpu", help="Plan for a known card, e.g. 2080ti, v100, a100, h100."),
     memory: str | None = typer.Option(None, "--memory", help="Plan for this memory budget instead, e.g. 24GiB."),
@@ -242,8 +242,8 @@ def plan(
 @_handled
 def bench(
     gpu: str | None = typer.Option(None, "--gpu", help="Emulate a known card's memory, e.g. 2080ti."),
-    model: str | None = typer.Option(  # TODO(models): help text from wsitrain.models' list of names.
-        None, "--model", help="Model name: tiny, vgg16, vgg19, darknet19, resnet18/34/50 [default: vgg16]."
+    model: str | None = typer.Option(
+        None, "--model", help="Built-in model: tiny, vgg16, vgg19, darknet19, resnet18/34/50 [default: vgg16]."
     ),
     sizes: str | None = typer.Option(
         None,

@@ -34,6 +34,7 @@ from pydantic import (
 )
 
 from wsitrain.errors import ConfigError, WsiTrainError
+from wsitrain.models.registry import ModelNameError, is_imagenet, resolve_model_name
 from wsitrain.precision import Precision
 from wsitrain.units import format_bytes, parse_bytes
 
@@ -145,12 +146,20 @@ class DataConfig(Section):
 
 
 class ModelConfig(Section):
-    # TODO(models): validate with wsitrain.models' one list of names (a validator) instead of this Literal copy.
-    name: Literal["tiny", "vgg16", "vgg19", "darknet19", "resnet18", "resnet34", "resnet50"] = "tiny"
+    name: str = "tiny"  # a built-in, torchvision/<name> or timm/<name>: checked by wsitrain.models' one registry
     num_classes: int | None = Field(None, ge=1)
-    weights: UserPath | None = None
+    weights: UserPath | None = None  # a state dict, a wsitrain run checkpoint (best.pt), or `imagenet`
     pool: Literal["avg", "max"] = "avg"
     freeze_bn: bool = True
+
+    @field_validator("name")
+    @classmethod
+    def _known_model(cls, value: str) -> str:
+        try:
+            resolve_model_name(value)
+        except ModelNameError as e:
+            raise ValueError(e.reason) from e
+        return value
 
 
 class EngineConfig(Section):
@@ -493,7 +502,7 @@ def missing_paths(cfg: WsiTrainConfig) -> list[str]:
     if d.slides_dir is not None and not d.slides_dir.is_dir():
         what = "is a file, not a folder" if d.slides_dir.exists() else "folder not found"
         problems.append(f"data.slides_dir: {d.slides_dir}: {what} ({d.slides_dir.resolve()})")
-    if weights is not None and not weights.is_file():
+    if weights is not None and not is_imagenet(weights) and not weights.is_file():
         what = "is a folder, not a weights file" if weights.is_dir() else "file not found"
         problems.append(f"model.weights: {weights}: {what} ({weights.resolve()})")
     return problems

@@ -16,7 +16,8 @@ from rich.console import Console
 
 from wsitrain.errors import WsiTrainError
 from wsitrain.gpus import Budget, resolve_budget
-from wsitrain.models import MODEL_NAMES, build
+from wsitrain.models import build
+from wsitrain.models.registry import resolve_model_name
 from wsitrain.precision import Precision, activation_dtype, check_precision
 from wsitrain.sft import Plan, max_square_size
 from wsitrain.sft import plan as plan_model
@@ -76,9 +77,7 @@ def parse_size(size: str | int, stride: int, model: str) -> tuple[int, int]:
 
 
 def _check_model(model: str) -> None:
-    # TODO(models): use the validating function of wsitrain.models once it exists (one list of model names).
-    if model not in MODEL_NAMES:
-        raise WsiTrainError(f"unknown model {model!r}", hint=f"choose one of: {', '.join(MODEL_NAMES)}")
+    resolve_model_name(model, key="--model")
 
 
 def make_plan(
