@@ -75,7 +75,7 @@ _TRUNKS: dict[str, tuple[Callable[[bool], nn.Sequential], int]] = {
 
 def input_normalization(spec: ModelSpec) -> Norm:
     """(mean, std) the model's pretrained weights expect: ImageNet's for built-ins, the library's own otherwise."""
-    from wsitrain.models import pretrained
+    import wsitrain.models.pretrained as pretrained
 
     if spec.source == "torchvision":
         return pretrained.torchvision_mean_std(spec.arch)
@@ -97,7 +97,7 @@ def _builtin_parts(spec: ModelSpec, num_classes: int, imagenet: bool) -> tuple[n
 
 
 def _library_parts(spec: ModelSpec, num_classes: int, imagenet: bool) -> tuple[nn.Module, nn.Module, int, Norm]:
-    from wsitrain.models import pretrained
+    import wsitrain.models.pretrained as pretrained
     from wsitrain.models.split import split_classifier
 
     if spec.source == "torchvision":

@@ -335,7 +335,12 @@ class SFT(nn.Module):
         if c.segments[-1] is None and self._hooks.trunk_observer is not None:
             fmap = env[trunk_end]  # (B, C, h, w)
             self._hooks.trunk_observer(fmap.detach(), (0, fmap.shape[2]), (0, fmap.shape[3]))
-        self._runner.run_plain(trunk_end, c.facts.n - 1, env)
+        head_start = trunk_end
+        fusion = c.facts.fusion
+        if c.plan.segments[-1].fused_pool and fusion is not None:
+            head_start = fusion.node  # the last segment returned the pooled value itself
+            env[head_start] = env.pop(trunk_end).view(fusion.out_shape)
+        self._runner.run_plain(head_start, c.facts.n - 1, env)
         return self._runner.output(env)
 
     def _plain_input_sink(self, env: dict[int, Any]) -> None:

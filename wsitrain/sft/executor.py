@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from wsitrain.sft.facts import GraphFacts
+from wsitrain.sft.fused_pool import PoolAccumulator, PoolFusion
 from wsitrain.sft.ops import WINDOW
 from wsitrain.sft.ops_space import check_tile_extent, crop
 from wsitrain.sft.plan_types import SegmentPlan
@@ -80,6 +81,7 @@ class TiledSegment:
         self.hooks = hooks
         self.start, self.end = seg.start, seg.end
         self.is_trunk_end = seg.end == facts.trunk_end
+        self.fusion: PoolFusion | None = facts.fusion if seg.fused_pool else None
         self.nodes = list(range(seg.start + 1, seg.end + 1))
         self.specs = {i: facts.nodes[i].spec for i in [seg.start, *self.nodes]}
         self.inputs = {i: facts.nodes[i].inputs for i in self.nodes}
@@ -134,14 +136,28 @@ class TiledSegment:
         return [(r, c) for r in range(rows) for c in range(cols)]
 
     # ---- the whole segment ---------------------------------------------------------------------
-    def forward_all(self, x: torch.Tensor) -> torch.Tensor:
-        """Forward tile by tile without keeping activations; join tiles into the output. (B, C, Ho, Wo)."""
+    def forward_all(self, x: torch.Tensor) -> tuple[torch.Tensor, PoolAccumulator | None]:
+        """Forward tile by tile without keeping activations.
+
+        Joins tiles into the output (B, C, Ho, Wo); with a fused pool, folds them into the pooled value
+        instead and also returns the accumulator backward needs.
+        """
         reg = self.regions
         observer = self.hooks.trunk_observer if self.is_trunk_end else None
+        acc = PoolAccumulator(self.fusion.kind, reg.rows_out[-1][1], reg.cols_out[-1][1]) if self.fusion else None
         out: torch.Tensor | None = None
+        out_dtype = x.dtype
         for r, c in self.tiles():
             t0 = self._tick()
             y = self.run_tile(self.input_region(x, reg.rows[r], reg.cols[c]), reg.rows[r], reg.cols[c])
+            if acc is not None:
+                out_dtype = y.dtype
+                acc.add(y, reg.rows_out[r], reg.cols_out[c])
+                if observer is not None:
+                    observer(y.detach(), reg.rows_out[r], reg.cols_out[c])
+                del y
+                self._tock(t0, r, c, "forward")
+                continue
             if out is None:
                 out = torch.empty(
                     (y.shape[0], y.shape[1], reg.rows_out[-1][1], reg.cols_out[-1][1]), dtype=y.dtype, device=y.device
@@ -152,14 +168,26 @@ class TiledSegment:
                 observer(y.detach(), (r0, r1), (c0, c1))
             del y
             self._tock(t0, r, c, "forward")
+        if acc is not None:
+            assert self.fusion is not None and acc.value is not None
+            return acc.result(out_dtype), acc
         assert out is not None
-        return out
+        return out, None
 
     def backward_all(
-        self, x: torch.Tensor, grad_out: torch.Tensor, need_x: bool, autocast: _AutocastState
+        self,
+        x: torch.Tensor,
+        grad_out: torch.Tensor,
+        need_x: bool,
+        autocast: _AutocastState,
+        acc: PoolAccumulator | None = None,
     ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
-        """Recompute and back-propagate tile by tile; returns the input gradient and parameter gradients."""
+        """Recompute and back-propagate tile by tile; returns the input gradient and parameter gradients.
+
+        ``grad_out`` is the gradient of the joined output, or of the pooled value when ``acc`` (fused) is given.
+        """
         reg = self.regions
+        pooled_grad = grad_out.reshape(grad_out.shape[0], grad_out.shape[1]) if acc is not None else None  # (B, C)
         sink = self.hooks.input_grad_sink if self.start == 0 else None
         grad_x = torch.zeros_like(x) if need_x and sink is None else None
         grads: list[torch.Tensor | None] = [None] * len(self.params)
@@ -171,8 +199,13 @@ class TiledSegment:
                 y = self.run_tile(region, rt, ct)
             (r0, r1), (c0, c1) = reg.rows_out[r], reg.cols_out[c]
             targets = ([region] if need_x else []) + self.params
+            if acc is not None:
+                assert pooled_grad is not None
+                g = acc.tile_grad(pooled_grad, y.detach(), (r0, r1), (c0, c1))  # this tile's share of the pool's
+            else:
+                g = grad_out[:, :, r0:r1, c0:c1]
             if y.requires_grad and targets:
-                res = torch.autograd.grad(y, targets, grad_out[:, :, r0:r1, c0:c1], allow_unused=True)
+                res = torch.autograd.grad(y, targets, g, allow_unused=True)
                 if need_x:
                     gx = res[0]
                     if gx is not None:
@@ -212,13 +245,14 @@ class TiledFunction(torch.autograd.Function):
         ctx.save_for_backward(x)
         ctx.masks = seg.runner.masks.current  # the recompute replays this step's drop masks
         with torch.no_grad(), ctx.autocast.context():
-            return seg.forward_all(x)
+            out, ctx.pool = seg.forward_all(x)
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         (x,) = ctx.saved_tensors
         with ctx.seg.runner.masks.replaying(ctx.masks):
-            grad_x, grads = ctx.seg.backward_all(x, grad_out, ctx.needs_input_grad[1], ctx.autocast)
+            grad_x, grads = ctx.seg.backward_all(x, grad_out, ctx.needs_input_grad[1], ctx.autocast, ctx.pool)
         return (None, grad_x, *grads)
 
 
@@ -227,4 +261,4 @@ def run_segment(seg: TiledSegment, x: torch.Tensor) -> torch.Tensor:
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in seg.params)):
         return TiledFunction.apply(seg, x, *seg.params)
     with torch.no_grad(), _AutocastState.capture(seg.device.type).context():
-        return seg.forward_all(x)
+        return seg.forward_all(x)[0]

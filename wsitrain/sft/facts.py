@@ -17,6 +17,7 @@ import torch
 from torch import fx
 
 from wsitrain.errors import PlanError
+from wsitrain.sft.fused_pool import PoolFusion, pool_kind
 from wsitrain.sft.graph import ModelGraph
 from wsitrain.sft.ops import POINTWISE, OpSpec
 from wsitrain.sft.ops_space import can_checkpoint, ends_trunk, resolve_layouts
@@ -58,6 +59,7 @@ class GraphFacts:
     model_bytes: int  # parameters and buffers
     trainable_bytes: int  # parameters that receive gradients
     largest_param_bytes: int
+    fusion: PoolFusion | None = None  # the global pool after the trunk, when it can fold tiles (see fused_pool)
 
     @property
     def n(self) -> int:
@@ -132,7 +134,17 @@ def annotate(
         + sum(b.numel() * b.element_size() for b in graph.model.buffers()),
         trainable_bytes=sum(p.numel() * p.element_size() for p in params if p.requires_grad),
         largest_param_bytes=max((p.numel() * p.element_size() for p in params), default=0),
+        fusion=_fusion(graph, trunk_end, nodes),
     )
+
+
+def _fusion(graph: ModelGraph, trunk_end: int, nodes: tuple[NodeFacts, ...]) -> PoolFusion | None:
+    """The global pooling node right after the trunk, when it alone reads the trunk's last feature map."""
+    p = trunk_end + 1
+    if p >= len(nodes) or graph.nodes[trunk_end].users != (p,) or graph.nodes[p].inputs != (trunk_end,):
+        return None
+    kind = pool_kind(graph.nodes[p].fx_node, graph.module(p))
+    return PoolFusion(p, kind, nodes[p].shape) if kind is not None else None
 
 
 def _propagate(

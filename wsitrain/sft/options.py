@@ -24,6 +24,7 @@ class SegOption:
     retained_add: int  # bytes this segment keeps for backward
     flops: float
     cost: float  # what the planner minimizes: FLOPs plus launch overhead
+    fused: bool = False  # the global pool after the trunk folds this segment's tiles (its output never exists whole)
 
 
 def segment_blocker(sess: PlanSession, start: int, end: int) -> int | None:
@@ -43,22 +44,35 @@ def plain_option(sess: PlanSession, start: int, end: int) -> SegOption:
     return SegOption(start, end, PLAIN, None, res.forward_peak, res.backward_peak, retained, flops, flops)
 
 
+def fuses_pool(sess: PlanSession, end: int) -> bool:
+    """A tiled segment ending the trunk folds the global pool when the model has one right after it."""
+    return end == sess.facts.trunk_end and sess.facts.fusion is not None
+
+
+def _output(sess: PlanSession, end: int) -> int:
+    """The node whose value a tiled segment ending at ``end`` leaves behind (the pool's, when fused)."""
+    fusion = sess.facts.fusion
+    return fusion.node if fuses_pool(sess, end) and fusion is not None else end
+
+
 def tiled_floor(sess: PlanSession, start: int, end: int) -> int:
     """Local peak of a tiled segment before any tile: no tile size can go below it."""
-    in_dev = sess.device_bytes(start)
+    in_dev, out = sess.device_bytes(start), _output(sess, end)
     return max(
-        in_dev + sess.nbytes(end),
-        in_dev + sess.grad_bytes(end) + sess.grad_bytes(start) + sess.grads_after[end + 1],
+        in_dev + sess.nbytes(out),
+        in_dev + sess.grad_bytes(out) + sess.grad_bytes(start) + sess.grads_after[end + 1],
     )
 
 
 def tiled_option(sess: PlanSession, start: int, end: int, edge: int) -> SegOption:
     t = tile_choice(sess, start, end, edge)
-    in_dev = sess.device_bytes(start)
+    in_dev, out = sess.device_bytes(start), _output(sess, end)
     seg_param_grads = sum(sess.facts.nodes[i].param_bytes for i in range(start + 1, end + 1))
-    local_fwd = in_dev + sess.nbytes(end) + t.fwd_peak
-    local_bwd = in_dev + sess.grad_bytes(end) + sess.grad_bytes(start) + t.bwd_peak + seg_param_grads
-    return SegOption(start, end, TILED, t, local_fwd, local_bwd, in_dev, t.flops, t.flops + t.overhead)
+    local_fwd = in_dev + sess.nbytes(out) + t.fwd_peak
+    local_bwd = in_dev + sess.grad_bytes(out) + sess.grad_bytes(start) + t.bwd_peak + seg_param_grads
+    return SegOption(
+        start, end, TILED, t, local_fwd, local_bwd, in_dev, t.flops, t.flops + t.overhead, fuses_pool(sess, end)
+    )
 
 
 def path_ops(sess: PlanSession, path: tuple[SegOption, ...]) -> list[SimOp]:
@@ -70,10 +84,11 @@ def path_ops(sess: PlanSession, path: tuple[SegOption, ...]) -> list[SimOp]:
             ops.extend(sess.sim_op(i, sess.nbytes(i)) for i in range(opt.start + 1, opt.end + 1))
             continue
         assert opt.tile is not None
+        out = _output(sess, opt.end) if opt.fused else opt.end
         ops.append(
             SimOp(
-                out=opt.end,
-                out_bytes=sess.nbytes(opt.end),
+                out=out,
+                out_bytes=sess.nbytes(out),
                 inputs=(opt.start,),
                 saved=(opt.start,),
                 fwd_extra=opt.tile.fwd_peak,
@@ -84,7 +99,7 @@ def path_ops(sess: PlanSession, path: tuple[SegOption, ...]) -> list[SimOp]:
                 label=f"segment {f.name(opt.start + 1)}..{f.name(opt.end)}",
             )
         )
-    ops.extend(sess.head_ops())
+    ops.extend(sess.head_ops(bool(path) and path[-1].fused))
     return ops
 
 

@@ -27,6 +27,7 @@ class SegmentPlan:
     tile_activation_bytes: int  # one tile's working set while recomputed and back-propagated
     peak_bytes: int  # estimated peak while this segment runs
     flops: float  # forward + recompute + backward FLOPs of this segment
+    fused_pool: str | None = None  # "avg" / "max" / "amax": the global pool folds this segment's tiles
     start: int = field(default=0, repr=False)  # node index of the segment input (a cut)
     end: int = field(default=0, repr=False)  # node index of the segment output (a cut)
     # every tile's intervals (tiled segments): what the executor runs; not part of the printed plan
@@ -120,6 +121,8 @@ class Plan:
                     f"tiled {s.tile_grid[0]}x{s.tile_grid[1]}, tile {s.tile_shape[0]}x{s.tile_shape[1]} px with halo "
                     f"{s.halo[0]}/{s.halo[1]}, checkpoint {format_bytes(s.checkpoint_bytes)} on {s.checkpoint_location}"
                 )
+                if s.fused_pool:
+                    desc += f"; global {s.fused_pool} pool fused (the last feature map never exists whole)"
             else:
                 desc = "plain autograd (activations kept, no recompute)"
             lines.append(

@@ -87,7 +87,8 @@ def _assemble(sess: PlanSession, model_name: str, budget: int, state: State, fit
     f = sess.facts
     base = baseline_peak(sess)
     ck_peak, ck_segments = checkpoint_sequential_peak(sess)
-    head_res, head_flops = sess.head_sim()
+    fused = bool(state.path) and state.path[-1].fused
+    head_res, head_flops = sess.head_sim(fused)
     peak = sess.terms.scale_peak(replay_path(sess, state.path).peak)
     segments = _segment_plans(sess, state.path, base)
     tiled = [s for s in segments if s.mode == TILED]
@@ -97,7 +98,9 @@ def _assemble(sess: PlanSession, model_name: str, budget: int, state: State, fit
         "optimizer": sess.terms.optimizer,
         "runtime": sess.terms.runtime,
         "checkpoints": sum(s.checkpoint_bytes for s in tiled if s.checkpoint_location == "device"),
-        "gradient_buffers": max((sess.grad_bytes(s.start) + sess.grad_bytes(s.end) for s in tiled), default=0),
+        "gradient_buffers": max(
+            (sess.grad_bytes(s.start) + (0 if s.fused_pool else sess.grad_bytes(s.end)) for s in tiled), default=0
+        ),
         "tile_activations": max((s.tile_activation_bytes for s in tiled), default=0),
         "plain_activations": sum(o.retained_add for o in state.path if o.mode == PLAIN),
         "head": head_res.peak,
@@ -152,6 +155,7 @@ def _segment_plans(sess: PlanSession, path: tuple[SegOption, ...], base_peak: in
                 tile_activation_bytes=t.bwd_peak if t else 0,
                 peak_bytes=min(peak, base_peak) if opt.mode == PLAIN and len(path) == 1 else peak,
                 flops=opt.flops,
+                fused_pool=f.fusion.kind if opt.fused and f.fusion is not None else None,
                 start=opt.start,
                 end=opt.end,
                 regions=regions,

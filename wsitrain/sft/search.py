@@ -14,11 +14,14 @@ from dataclasses import dataclass
 
 from wsitrain.sft.options import SegOption, plain_option, replay_path, segment_blocker, tiled_floor, tiled_option
 from wsitrain.sft.session import PlanSession
-from wsitrain.sft.tile_memory import edge_candidates
+from wsitrain.sft.tile_memory import edge_candidates, tile_choice
 
 # States kept per cut point after pruning dominated ones: more never changed a plan of the
 # built-in models (vgg16, resnet50, darknet19 from 1024 to 100000 px) and costs planning time.
 _MAX_STATES = 6
+# A plan that computes more than this above plain training is not offered as fitting: at that cost the
+# honest answer is a coarser resolution or more memory. Forced tile sizes (engine.tile_size) are exempt.
+MAX_EXTRA_COMPUTE = 2.0
 # The smallest-peak objective uses the smallest tile whose image footprint is at least this many
 # pixels: smaller tiles save nothing measurable and multiply launches.
 _MIN_TILE_IMAGE_PX = 64
@@ -92,23 +95,21 @@ def search(
             if objective.smallest_edge_only and edges:
                 edges = ([e for e in edges if e * sess.image_stride(b) >= _MIN_TILE_IMAGE_PX] or edges)[-1:]
             for st in here:
-                best = _best_option(sess, st, a, b, plain, edges, budget, objective)
-                if best is not None:
-                    opt, peak = best
+                for opt, peak in _options(sess, st, a, b, plain, edges, budget, objective, forced_tile is None):
                     states.setdefault(b, []).append(
                         State(st.cost + opt.cost, st.retained + opt.retained_add, peak, (*st.path, opt))
                     )
-    head_peak = sess.head_sim()[0].peak
+    head_peak = {fused: sess.head_sim(fused)[0].peak for fused in (False, True)}
     finals = []
     for st in states.get(cands[-1], []):
-        peak = max(st.peak, fixed + st.retained + head_peak)
+        peak = max(st.peak, fixed + st.retained + head_peak[bool(st.path) and st.path[-1].fused])
         if objective.within_budget and peak > budget:
             continue
         finals.append(State(st.cost, st.retained, peak, st.path))
     return min(finals, key=objective.final_key, default=None)
 
 
-def _best_option(
+def _options(
     sess: PlanSession,
     st: State,
     a: int,
@@ -117,30 +118,62 @@ def _best_option(
     edges: list[int],
     budget: float,
     objective: Objective,
-) -> tuple[SegOption, int] | None:
-    """The best way to run segment (a, b] after state ``st``, with the peak it reaches."""
+    judge_worth: bool = True,
+) -> list[tuple[SegOption, int]]:
+    """Ways to run segment (a, b] after state ``st`` with the peak each reaches: the best under the objective,
+    and (within a budget) the next few smaller tiles, whose lower peaks may let later segments use larger ones.
+    Tiles smaller than their halo are not offered unless forced (``judge_worth`` False: engine.tile_size).
+    """
     fixed = sess.terms.fixed
-    best: tuple[float, SegOption, int] | None = None
 
-    def consider(opt: SegOption) -> bool:
-        nonlocal best
+    def peak_of(opt: SegOption) -> int:
         fwd = fixed + st.retained + opt.local_fwd
         bwd = fixed + st.retained + sess.grads_after[b + 1] + opt.local_bwd
-        peak = max(st.peak, fwd, bwd)
-        if objective.within_budget and peak > budget:
-            return False
-        key = objective.option_key(peak, opt)
-        if best is None or key < best[0]:
-            best = (key, opt, peak)
-        return True
+        return max(st.peak, fwd, bwd)
 
-    if plain is not None:
-        consider(plain)
+    found: list[tuple[SegOption, int]] = []
+    if plain is not None and (not objective.within_budget or peak_of(plain) <= budget):
+        found.append((plain, peak_of(plain)))
     if edges and (not objective.within_budget or fixed + st.retained + tiled_floor(sess, a, b) <= budget):
-        for e in edges:  # larger tiles cost less (less halo, fewer launches): take the largest that fits
-            if consider(tiled_option(sess, a, b, e)):
-                break
-    return None if best is None else (best[1], best[2])
+        if not objective.within_budget:
+            opt = tiled_option(sess, a, b, edges[0])
+            found.append((opt, peak_of(opt)))
+        else:
+            # larger tiles cost less (less halo, fewer launches). A tile's memory grows with its edge, so
+            # bisect for the largest edge that fits rather than trying each one.
+            def fits(k: int) -> bool:
+                return peak_of(tiled_option(sess, a, b, edges[k])) <= budget
+
+            def worth(k: int) -> bool:
+                return tile_choice(sess, a, b, edges[k]).worth_running
+
+            w_lo, w_hi = -1, len(edges)  # worth(k) holds for a prefix (larger tiles): find its end
+            while judge_worth and w_hi - w_lo > 1:
+                mid = (w_lo + w_hi) // 2
+                w_lo, w_hi = (mid, w_hi) if worth(mid) else (w_lo, mid)
+            edges = edges[:w_hi]
+
+            lo, hi = -1, len(edges)  # edges[hi] fits (hi == len: none does); edges[lo] does not (-1: none tried)
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+            # memory is monotone in the edge only roughly (a ragged last tile merged into its neighbour can
+            # make a smaller edge's largest tile bigger): also look at the next few larger edges
+            for k in range(hi - 1, max(-1, hi - 5), -1):
+                if fits(k):
+                    hi = k
+            for k in (hi, hi + 1, hi + 3):
+                if k < len(edges):
+                    opt = tiled_option(sess, a, b, edges[k])
+                    if peak_of(opt) <= budget:
+                        found.append((opt, peak_of(opt)))
+    if not found:
+        return []
+    best = min(found, key=lambda op: objective.option_key(op[1], op[0]))
+    if not objective.within_budget:
+        return [best]
+    # keep the best, and any option with a lower peak (the Pareto front in cost and peak)
+    return [best] + [op for op in found if op is not best and op[1] < best[1]]
 
 
 def prune(states: list[State], objective: Objective) -> list[State]:
@@ -156,7 +189,8 @@ def prune(states: list[State], objective: Objective) -> list[State]:
 def fitting_plan(
     sess: PlanSession, budget: float, tile_size: int | None = None, forced_cuts: list[int] | None = None
 ) -> State | None:
-    """The cheapest plan whose replayed peak fits ``budget`` (with slack and headroom), or None."""
+    """The cheapest plan whose replayed peak fits ``budget`` (with slack and headroom) and that is worth
+    running (compute at most ``MAX_EXTRA_COMPUTE`` above plain), or None."""
     limit = sess.terms.effective_budget(budget)
     target = limit
     for _ in range(4):  # the search's local peaks approximate the replay; tighten until the replay fits
@@ -165,9 +199,16 @@ def fitting_plan(
             return None
         peak = replay_path(sess, state.path).peak
         if peak <= limit:
-            return state
+            return state if extra_compute(sess, state) <= MAX_EXTRA_COMPUTE or tile_size is not None else None
         target -= (peak - limit) + 1
     return None
+
+
+def extra_compute(sess: PlanSession, state: State) -> float:
+    """FLOPs of the plan over plain training's, minus one (0.4 = +40%)."""
+    fused = bool(state.path) and state.path[-1].fused
+    plain = sess.plain_sim(0, sess.facts.trunk_end)[1] + sess.head_sim()[1]
+    return (state.flops + sess.head_sim(fused)[1]) / plain - 1.0 if plain else 0.0
 
 
 def smallest_plan(sess: PlanSession, tile_size: int | None, forced_cuts: list[int] | None) -> State | None:

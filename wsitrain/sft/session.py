@@ -94,14 +94,18 @@ class PlanSession:
             self._plain[key] = (res, flops)
         return self._plain[key]
 
-    def head_sim(self) -> tuple[SimResult, float]:
-        """The head (after the trunk) run plain."""
+    def head_start(self, fused: bool) -> int:
+        """The node the plain head starts from: the trunk's end, or the fused pool's output."""
         f = self.facts
-        return self.plain_sim(f.trunk_end, f.n - 1) if f.trunk_end < f.n - 1 else (SimResult(0, 0, 0, ""), 0.0)
+        return f.fusion.node if fused and f.fusion is not None else f.trunk_end
 
-    def head_ops(self) -> list[SimOp]:
-        f = self.facts
-        return [self.sim_op(i, self.nbytes(i)) for i in range(f.trunk_end + 1, f.n)]
+    def head_sim(self, fused: bool = False) -> tuple[SimResult, float]:
+        """The head run plain after the trunk (after the pool, when the last tiled segment folds it in)."""
+        start, last = self.head_start(fused), self.facts.n - 1
+        return self.plain_sim(start, last) if start < last else (SimResult(0, 0, 0, ""), 0.0)
+
+    def head_ops(self, fused: bool = False) -> list[SimOp]:
+        return [self.sim_op(i, self.nbytes(i)) for i in range(self.head_start(fused) + 1, self.facts.n)]
 
     def saves(self, start: int, end: int, value: int) -> bool:
         """Does plain autograd over (start, end] keep ``value`` for backward?"""
