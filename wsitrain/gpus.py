@@ -19,29 +19,35 @@ from wsitrain.units import format_bytes, parse_bytes
 GiB = 1024**3
 
 
+# Host-to-device bandwidth of pinned copies, GB/s: the links' usual effective rates (PCIe 3.0 x16 ~12,
+# 4.0 ~24, 5.0 ~48), not measured here. The plan divides the bytes it stages per step by them.
+PCIE3, PCIE4, PCIE5 = 12.0, 24.0, 48.0
+
+
 @dataclass(frozen=True)
 class GpuPreset:
     name: str
     label: str
     memory_bytes: int
+    host_link_gb_s: float
 
 
 GPU_PRESETS: dict[str, GpuPreset] = {
     p.name: p
     for p in (
-        GpuPreset("2080ti", "NVIDIA GeForce RTX 2080 Ti", 11 * GiB),
-        GpuPreset("t4", "NVIDIA T4", 16 * GiB),
-        GpuPreset("v100-16", "NVIDIA V100 16 GB", 16 * GiB),
-        GpuPreset("v100-32", "NVIDIA V100 32 GB", 32 * GiB),
-        GpuPreset("a100-40", "NVIDIA A100 40 GB", 40 * GiB),
-        GpuPreset("a100-80", "NVIDIA A100 80 GB", 80 * GiB),
-        GpuPreset("rtx3090", "NVIDIA GeForce RTX 3090", 24 * GiB),
-        GpuPreset("rtx4090", "NVIDIA GeForce RTX 4090", 24 * GiB),
-        GpuPreset("a6000", "NVIDIA RTX A6000", 48 * GiB),
-        GpuPreset("l40s", "NVIDIA L40S", 48 * GiB),
-        GpuPreset("h100", "NVIDIA H100 80 GB", 80 * GiB),
+        GpuPreset("2080ti", "NVIDIA GeForce RTX 2080 Ti", 11 * GiB, PCIE3),
+        GpuPreset("t4", "NVIDIA T4", 16 * GiB, PCIE3),
+        GpuPreset("v100-16", "NVIDIA V100 16 GB", 16 * GiB, PCIE3),
+        GpuPreset("v100-32", "NVIDIA V100 32 GB", 32 * GiB, PCIE3),
+        GpuPreset("a100-40", "NVIDIA A100 40 GB", 40 * GiB, PCIE4),
+        GpuPreset("a100-80", "NVIDIA A100 80 GB", 80 * GiB, PCIE4),
+        GpuPreset("rtx3090", "NVIDIA GeForce RTX 3090", 24 * GiB, PCIE4),
+        GpuPreset("rtx4090", "NVIDIA GeForce RTX 4090", 24 * GiB, PCIE4),
+        GpuPreset("a6000", "NVIDIA RTX A6000", 48 * GiB, PCIE4),
+        GpuPreset("l40s", "NVIDIA L40S", 48 * GiB, PCIE4),
+        GpuPreset("h100", "NVIDIA H100 80 GB", 80 * GiB, PCIE5),
         # Sold as "141 GB"; nvidia-smi reports 143771 MiB.
-        GpuPreset("h200", "NVIDIA H200", 143771 * 1024**2),
+        GpuPreset("h200", "NVIDIA H200", 143771 * 1024**2, PCIE5),
     )
 }
 GPU_NAMES = tuple(GPU_PRESETS)

@@ -15,12 +15,13 @@ import torch
 from rich.console import Console
 
 from wsitrain.errors import WsiTrainError
-from wsitrain.gpus import Budget, resolve_budget
+from wsitrain.gpus import Budget, gpu_preset, resolve_budget
 from wsitrain.models import build
 from wsitrain.models.registry import resolve_model_name
 from wsitrain.precision import Precision, activation_dtype, check_precision
 from wsitrain.sft import Plan, max_square_size
 from wsitrain.sft import plan as plan_model
+from wsitrain.sft.api import MAX_SQUARE_LIMIT
 
 PLAN_NUM_CLASSES = 2  # the head is tiny next to the trunk; any class count plans the same
 
@@ -47,12 +48,24 @@ class PlanReport:
         lines = [str(self.plan), f"budget source: {self.budget.source}"]
         if self.budget.gpu is not None:
             lines.append(f"gpu preset: {self.budget.gpu}")
-        if self.max_size is not None:
+        if self.budget.gpu is not None and self.plan.transfer_bytes:
+            link = gpu_preset(self.budget.gpu).host_link_gb_s
             lines.append(
-                f"largest square image that fits this budget: {self.max_size} x {self.max_size} px"
-                if self.max_size
-                else "no square image fits this budget: the weights alone need more"
+                f"host -> device staging: {self.plan.transfer_bytes / 1e9 / link:.1f} s per step at {link:g} GB/s "
+                "(nominal link rate; overlapped with compute where the device allows)"
             )
+        if self.max_size is not None:
+            if self.max_size >= MAX_SQUARE_LIMIT // 64 * 64:
+                lines.append(
+                    f"every square image up to {self.max_size} x {self.max_size} px fits this budget: device memory "
+                    "no longer grows with the image; host memory for the image is the limit"
+                )
+            else:
+                lines.append(
+                    f"largest square image that fits this budget: {self.max_size} x {self.max_size} px"
+                    if self.max_size
+                    else "no square image fits this budget: the weights alone need more"
+                )
         return "\n".join(lines)
 
 

@@ -19,12 +19,15 @@ from wsitrain.sft.graph import ModelGraph
 from wsitrain.sft.plan_types import Plan
 from wsitrain.sft.planner import build_plan, new_session
 from wsitrain.sft.runner import NodeRunner
-from wsitrain.sft.search import fitting_plan
+from wsitrain.sft.search import fitting_plan, worth_running
 from wsitrain.sft.staging import HostStager
 from wsitrain.sft.stats import StatsRecorder, StepStats
 from wsitrain.units import format_bytes, parse_bytes
 
 MemoryProbe = Callable[[torch.device | str], DeviceMemory]
+
+# max_square_size searches up to this edge: 1M px is ten whole slides at 20x side by side.
+MAX_SQUARE_LIMIT = 1 << 20
 
 # Plans kept per SFT, least recently used evicted. A run with data.region: tissue sees one shape per
 # slide; shape buckets keep that to a few, and a plan is rebuilt in well under a second when evicted.
@@ -114,7 +117,7 @@ def max_square_size(
     channels: int = 3,
     optimizer: str | None = None,
     device: torch.device | str | None = None,
-    limit: int = 1 << 20,
+    limit: int = MAX_SQUARE_LIMIT,
 ) -> int:
     """Largest square edge (a multiple of the model's stride) whose plan fits; 0 if none."""
     graph = ModelGraph(model)
@@ -129,23 +132,21 @@ def max_square_size(
             sess = new_session(graph, (batch, channels, edge, edge), dtype, in_dtype, dev, on_host, False, optimizer)
         except PlanError:
             return False
-        return fitting_plan(sess, budget) is not None
+        state = fitting_plan(sess, budget)
+        return state is not None and worth_running(sess, state, None)
 
-    lo, hi = 0, stride * 2
-    while hi <= limit and fits(hi):
-        lo, hi = hi, hi * 2
-    if lo == 0 and not fits(stride * 2):
-        return 0
-    hi = min(hi, limit + stride)
+    # Bisect from the top: with the pool fused, memory stops growing with the image, and plans of large
+    # images are quick (few segmentations fit), while small images make the search try everything.
+    top = limit // stride * stride
+    if fits(top):
+        return top
+    lo, hi = 0, top  # fits(lo) (0: trivially), not fits(hi)
     while hi - lo > stride:
         mid = (lo + hi) // 2 // stride * stride
         if mid <= lo:
             break
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo if lo > 0 or fits(stride) else 0
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,9 @@ class Plan:
     input_on_host: bool
     feature_map_bytes: int = 0  # the paper's accounting: every feature map (and the image) once
     notes: tuple[str, ...] = ()
+    limiting_part: str | None = None  # when it does not fit: the part of memory no tile size shrinks
+    host_bytes: int = 0  # host memory the step needs beside the process: the image (and host checkpoints)
+    transfer_bytes: int = 0  # bytes staged host -> device per step (tiles with halo, in forward and recompute)
 
     @property
     def overhead(self) -> float:
@@ -100,6 +103,9 @@ class Plan:
             "breakdown": dict(self.breakdown),
             "segments": [s.to_dict() for s in self.segments],
             "notes": list(self.notes),
+            "limiting_part": self.limiting_part,
+            "host_bytes": self.host_bytes,
+            "transfer_bytes": self.transfer_bytes,
         }
 
     def __str__(self) -> str:
@@ -110,6 +116,7 @@ class Plan:
             f"  budget {format_bytes(self.budget_bytes)}, estimated peak {format_bytes(self.estimated_peak_bytes)}",
             f"  plain PyTorch would need {format_bytes(self.baseline_peak_bytes)}; best checkpoint_sequential "
             f"({self.checkpoint_segments} segments) {format_bytes(self.checkpoint_peak_bytes)}",
+            f"  feature maps (each once, the SFT paper's count): {format_bytes(self.feature_map_bytes)}",
             f"  extra compute vs plain: {100 * self.overhead:+.1f}% "
             f"({self.recomputed_tiles} tiles recomputed per step)",
         ]
@@ -127,6 +134,11 @@ class Plan:
                 desc = "plain autograd (activations kept, no recompute)"
             lines.append(
                 f"  segment {s.index}: {len(s.layers)} layers [{span}] {desc}; peak {format_bytes(s.peak_bytes)}"
+            )
+        if self.input_on_host:
+            lines.append(
+                f"  host memory: {format_bytes(self.host_bytes)} (the image, streamed from pinned host memory); "
+                f"{format_bytes(self.transfer_bytes)} staged to the device per step"
             )
         parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.breakdown.items() if v)
         lines.append(f"  memory parts: {parts}")

@@ -17,7 +17,16 @@ from wsitrain.sft.facts import GraphFacts, annotate
 from wsitrain.sft.graph import ModelGraph
 from wsitrain.sft.options import PLAIN, TILED, SegOption, replay_path, segment_blocker
 from wsitrain.sft.plan_types import Plan, SegmentPlan
-from wsitrain.sft.search import CHEAPEST, State, fitting_plan, search, smallest_plan
+from wsitrain.sft.search import (
+    CHEAPEST,
+    MAX_EXTRA_COMPUTE,
+    State,
+    extra_compute,
+    fitting_plan,
+    search,
+    smallest_plan,
+    worth_running,
+)
 from wsitrain.sft.session import PlanSession
 from wsitrain.sft.tile_memory import segment_regions
 from wsitrain.units import format_bytes
@@ -60,6 +69,16 @@ def build_plan(
     forced_cuts = _resolve_checkpoints(sess.facts, checkpoints) if checkpoints is not None else None
     state = fitting_plan(sess, budget, tile_size, forced_cuts)
     notes: list[str] = []
+    limiting: str | None = None
+    if state is not None and not worth_running(sess, state, tile_size):
+        t = max((o.tile for o in state.path if o.tile is not None), key=lambda c: c.bwd_peak, default=None)
+        edge = t.core[0] if t else "?"
+        notes.append(
+            f"only tiles of {edge} px fit, at {100 * extra_compute(sess, state):+.0f}% extra compute "
+            f"(more than {100 * MAX_EXTRA_COMPUTE:+.0f}%): not worth running; give the engine more memory, train in "
+            "bf16, or read the slide at a coarser resolution"
+        )
+        return _assemble(sess, model_name, budget, state, False, notes, "one tile"), sess.facts
     if state is None:
         blocker = _first_blocker(sess, budget, tile_size, forced_cuts)
         if blocker is not None:
@@ -76,14 +95,56 @@ def build_plan(
                 hint="freeze BatchNorm layers (model.freeze_bn) and use eval-mode Dropout in the trunk",
             )
         needed = sess.terms.scale_peak(replay_path(sess, state.path).peak)
-        notes.append(f"needs at least {format_bytes(needed)}; budget is {format_bytes(budget)}")
+        parts = floor_parts(sess, state)
+        limiting = max(parts, key=lambda k: parts[k])
+        what = ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v)
+        notes.append(
+            f"DOES NOT FIT: needs at least {format_bytes(needed)}; budget is {format_bytes(budget)}. What does not "
+            f"shrink with tiling: {what}; the largest is the {limiting}"
+        )
         fits = False
     else:
         fits = True
-    return _assemble(sess, model_name, budget, state, fits, notes), sess.facts
+    return _assemble(sess, model_name, budget, state, fits, notes, limiting), sess.facts
 
 
-def _assemble(sess: PlanSession, model_name: str, budget: int, state: State, fits: bool, notes: list[str]) -> Plan:
+def _staged_bytes(sess: PlanSession, segments: tuple[SegmentPlan, ...]) -> int:
+    """Bytes copied host -> device per step: the image's tiles with halo twice (forward and recompute), or once."""
+    if not sess.input_on_host or not segments:
+        return 0
+    first = segments[0]
+    if first.regions is None:
+        return sess.nbytes(0)  # a plain first segment copies the image once
+    reg = first.regions
+    rows = sum(t.need[0][1] - t.need[0][0] for t in reg.rows)
+    cols = sum(t.need[0][1] - t.need[0][0] for t in reg.cols)
+    b, c, h, w = sess.facts.input_shape
+    return 2 * sess.nbytes(0) * rows * cols // max(1, h * w)
+
+
+def floor_parts(sess: PlanSession, state: State) -> dict[str, int]:
+    """Memory of the smallest plan that no tile size shrinks, by part (the answer to "why does it not fit")."""
+    fused = bool(state.path) and state.path[-1].fused
+    tiles = [o.tile.bwd_peak for o in state.path if o.tile is not None]
+    return {
+        "weights, gradients, optimizer state and workspaces": sess.terms.fixed + sess.facts.trainable_bytes,
+        "head": sess.head_sim(fused)[0].peak,
+        "checkpoints": sum(o.retained_add for o in state.path if o.mode == TILED),
+        "plain activations": sum(o.retained_add for o in state.path if o.mode == PLAIN),
+        "image": sess.device_bytes(0),
+        "one tile": max(tiles, default=0),
+    }
+
+
+def _assemble(
+    sess: PlanSession,
+    model_name: str,
+    budget: int,
+    state: State,
+    fits: bool,
+    notes: list[str],
+    limiting: str | None = None,
+) -> Plan:
     f = sess.facts
     base = baseline_peak(sess)
     ck_peak, ck_segments = checkpoint_sequential_peak(sess)
@@ -124,6 +185,9 @@ def _assemble(sess: PlanSession, model_name: str, budget: int, state: State, fit
         recomputed_tiles=sum(s.n_tiles for s in tiled),
         input_on_host=sess.input_on_host,
         feature_map_bytes=sum(n.nbytes for n in f.nodes if not (n.spec.inplace or n.spec.alias)),
+        limiting_part=limiting,
+        host_bytes=sess.nbytes(0) if sess.input_on_host else 0,
+        transfer_bytes=_staged_bytes(sess, segments),
         notes=tuple(notes),
     )
 

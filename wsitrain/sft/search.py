@@ -93,7 +93,11 @@ def search(
             plain = plain_option(sess, a, b) if forced_tile is None else None
             edges = edge_candidates(sess, b, forced_tile) if can_tile(a, b) else []
             if objective.smallest_edge_only and edges:
-                edges = ([e for e in edges if e * sess.image_stride(b) >= _MIN_TILE_IMAGE_PX] or edges)[-1:]
+                # the smallest tile still worth running (not smaller than its halo), and not below a floor
+                ok = [e for e in edges if e * sess.image_stride(b) >= _MIN_TILE_IMAGE_PX] or edges[-1:]
+                if forced_tile is None:  # from the smallest up: the first tile not smaller than its halo
+                    ok = [next((e for e in reversed(ok) if tile_choice(sess, a, b, e).worth_running), ok[0])]
+                edges = ok[-1:]
             for st in here:
                 for opt, peak in _options(sess, st, a, b, plain, edges, budget, objective, forced_tile is None):
                     states.setdefault(b, []).append(
@@ -189,8 +193,9 @@ def prune(states: list[State], objective: Objective) -> list[State]:
 def fitting_plan(
     sess: PlanSession, budget: float, tile_size: int | None = None, forced_cuts: list[int] | None = None
 ) -> State | None:
-    """The cheapest plan whose replayed peak fits ``budget`` (with slack and headroom) and that is worth
-    running (compute at most ``MAX_EXTRA_COMPUTE`` above plain), or None."""
+    """The cheapest plan whose replayed peak fits ``budget`` (with slack and headroom), or None.
+
+    Whether it is worth running is ``worth_running(sess, state, tile_size)``'s question."""
     limit = sess.terms.effective_budget(budget)
     target = limit
     for _ in range(4):  # the search's local peaks approximate the replay; tighten until the replay fits
@@ -199,9 +204,14 @@ def fitting_plan(
             return None
         peak = replay_path(sess, state.path).peak
         if peak <= limit:
-            return state if extra_compute(sess, state) <= MAX_EXTRA_COMPUTE or tile_size is not None else None
+            return state
         target -= (peak - limit) + 1
     return None
+
+
+def worth_running(sess: PlanSession, state: State, tile_size: int | None) -> bool:
+    """At most ``MAX_EXTRA_COMPUTE`` above plain training (a forced ``engine.tile_size`` is the user's call)."""
+    return tile_size is not None or extra_compute(sess, state) <= MAX_EXTRA_COMPUTE
 
 
 def extra_compute(sess: PlanSession, state: State) -> float:
