@@ -193,7 +193,7 @@ def test_plan_command_prints_the_plan_and_its_envelope() -> None:
     result = invoke("plan", "--model", "vgg16", "--size", "20480", "--gpu", "2080ti")
     assert result.exit_code == 0, result.output
     for text in ("SFT plan for vgg16 on 1x3x20480x20480", "budget source: preset 2080ti", "gpu preset: 2080ti",
-                 "largest square image that fits this budget"):  # fmt: skip
+                 "host -> device staging", "every square image up to 1048576 x 1048576 px fits"):  # fmt: skip
         assert text in result.stdout, text
 
 
