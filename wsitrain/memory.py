@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import resource
 import sys
@@ -114,14 +113,24 @@ class CpuPeak:
         return self._hwm() if self.resettable else peak_rss_bytes()
 
 
-def return_freed_memory_to_os() -> None:
-    """Serve large blocks by mmap so frees go back to the OS and resident memory follows live tensors.
+# glibc serves allocations from this size up by mmap when wsitrain owns a CPU process. With its default,
+# dynamic threshold the heap fragments by an amount that depends on tensor sizes (measured +0 to +35% over
+# the tensors of a VGG-16 / DarkNet-19 step), and freed heap memory stays resident, so one step's peak
+# would include what an earlier one left. Tensors of 1 MiB and more then return to the OS when freed.
+CPU_MMAP_THRESHOLD = 1 << 20
 
-    Otherwise glibc keeps freed heap memory, and one step's peak would include what an earlier one left.
+
+def tune_cpu_allocator() -> bool:
+    """Fix glibc's mmap threshold so resident memory follows live tensors (fit, predict and bench on CPU).
+
+    Returns whether it was applied (not on other C libraries). Setting the threshold also turns off
+    glibc's dynamic adjustment of it.
     """
     m_mmap_threshold = -3  # glibc's M_MMAP_THRESHOLD
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, 64 * 1024)
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, CPU_MMAP_THRESHOLD))
+    except (OSError, AttributeError):
+        return False
 
 
 class PeakMeter:

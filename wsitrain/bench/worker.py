@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 
 from wsitrain.errors import PlanError
-from wsitrain.memory import PeakMeter, return_freed_memory_to_os
+from wsitrain.memory import PeakMeter, tune_cpu_allocator
 from wsitrain.models import build, parameter_bytes
 from wsitrain.precision import activation_dtype
 from wsitrain.sft import SFT
@@ -74,7 +74,7 @@ def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """Run one configuration in this process and return its result dict (status ok / oom / error)."""
     device = torch.device(cfg.get("device", "cpu"))
     if device.type == "cpu":
-        return_freed_memory_to_os()
+        tune_cpu_allocator()
     dtype = activation_dtype(cfg.get("precision", "fp32"))
     budget = cfg.get("budget_bytes")
     torch.manual_seed(int(cfg.get("seed", 0)))

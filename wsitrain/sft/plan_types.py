@@ -71,6 +71,7 @@ class Plan:
     limiting_part: str | None = None  # when it does not fit: the part of memory no tile size shrinks
     host_bytes: int = 0  # host memory the step needs beside the process: the image (and host checkpoints)
     transfer_bytes: int = 0  # bytes staged host -> device per step (tiles with halo, in forward and recompute)
+    tiling: tuple[str, ...] = ()  # how much of the network can and does run tiled, and what ends tiling
 
     @property
     def overhead(self) -> float:
@@ -105,6 +106,7 @@ class Plan:
             "notes": list(self.notes),
             "limiting_part": self.limiting_part,
             "host_bytes": self.host_bytes,
+            "tiling": list(self.tiling),
             "transfer_bytes": self.transfer_bytes,
         }
 
@@ -140,6 +142,7 @@ class Plan:
                 f"  host memory: {format_bytes(self.host_bytes)} (the image, streamed from pinned host memory); "
                 f"{format_bytes(self.transfer_bytes)} staged to the device per step"
             )
+        lines.extend(f"  tiling: {t}" for t in self.tiling)
         parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.breakdown.items() if v)
         lines.append(f"  memory parts: {parts}")
         lines.extend(f"  note: {n}" for n in self.notes)

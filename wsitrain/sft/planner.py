@@ -15,6 +15,7 @@ from wsitrain.sft.baselines import baseline_peak, checkpoint_sequential_peak
 from wsitrain.sft.costs import memory_terms
 from wsitrain.sft.facts import GraphFacts, annotate
 from wsitrain.sft.graph import ModelGraph
+from wsitrain.sft.ops_report import fix_hint, tiling_report
 from wsitrain.sft.options import PLAIN, TILED, SegOption, replay_path, segment_blocker
 from wsitrain.sft.plan_types import Plan, SegmentPlan
 from wsitrain.sft.search import (
@@ -84,9 +85,9 @@ def build_plan(
         if blocker is not None:
             node = sess.facts.nodes[blocker]
             raise PlanError(
-                f"layer '{node.name}' ({node.spec.type_name}) sits where activations must be tiled to fit "
+                f"layer '{display_name(sess.facts, blocker)}' sits where activations must be tiled to fit "
                 f"{format_bytes(budget)}, but it cannot be tiled: {node.spec.why_not}",
-                hint="fix the layer as said, or give the engine more memory (engine.memory_budget)",
+                hint=f"{fix_hint(node.spec)}; or fix the layer as said",
             )
         state = smallest_plan(sess, tile_size, forced_cuts)
         if state is None:
@@ -106,6 +107,19 @@ def build_plan(
     else:
         fits = True
     return _assemble(sess, model_name, budget, state, fits, notes, limiting), sess.facts
+
+
+def display_name(facts: GraphFacts, i: int) -> str:
+    """``features.1.0.block.3 (LayerNorm2d)``: the module path and the operator, as errors and plans name layers."""
+    node = facts.nodes[i]
+    return node.name if node.name.endswith(")") else f"{node.name} ({node.spec.type_name})"
+
+
+def _tiling(sess: PlanSession, segments: tuple[SegmentPlan, ...]) -> tuple[str, ...]:
+    f = sess.facts
+    report = tiling_report([n.spec for n in f.nodes], f.trunk_end, lambda i: display_name(f, i))
+    tiled = sum(len(s.layers) for s in segments if s.mode == TILED)
+    return (f"{tiled} of {f.n} graph nodes run tiled in this plan; {report.lines()[0]}", *report.lines()[1:])
 
 
 def _staged_bytes(sess: PlanSession, segments: tuple[SegmentPlan, ...]) -> int:
@@ -187,6 +201,7 @@ def _assemble(
         feature_map_bytes=sum(n.nbytes for n in f.nodes if not (n.spec.inplace or n.spec.alias)),
         limiting_part=limiting,
         host_bytes=sess.nbytes(0) if sess.input_on_host else 0,
+        tiling=_tiling(sess, segments),
         transfer_bytes=_staged_bytes(sess, segments),
         notes=tuple(notes),
     )

@@ -23,6 +23,7 @@ from rich.markup import escape
 from wsitrain.config import WsiTrainConfig, check_run_name, config_to_dict
 from wsitrain.errors import PlanError, WsiTrainError
 from wsitrain.gpus import Budget, run_budget
+from wsitrain.memory import tune_cpu_allocator
 from wsitrain.preflight import check_run
 from wsitrain.report.curves import write_curves
 from wsitrain.report.roc import write_validation_figures
@@ -77,6 +78,8 @@ class FitRecipe:
         if resume is None:
             _check_run_target(cfg, name)
         self.device = resolve_device(cfg.engine.device, self.dist)
+        if self.device.type == "cpu":
+            tune_cpu_allocator()  # wsitrain owns this process: resident memory follows live tensors
         self.budget: Budget = run_budget(cfg.engine.memory_budget, self.device)
         # every slide and shape bucket planned within the budget, all problems at once, before any folder exists
         check_run(cfg, self.device, shapes_only=self.shapes_only, console=self.out, budget_bytes=self.budget.bytes)
