@@ -30,7 +30,7 @@ model = build(name, 2)
 x = torch.randint(0, 256, (1, 3, size, size), dtype=torch.uint8)
 target = torch.tensor([1])
 net = SFT(model, memory_budget=budget) if mode == "sft" else model
-plan = net.plan_for((1, 3, size, size), input_dtype=torch.uint8) if mode == "sft" else None
+plan = net.plan_for((1, 3, size, size), input_dtype=torch.uint8, input_on_host=True) if mode == "sft" else None
 meter = PeakMeter("cpu")
 meter.start()
 base = meter.current()

@@ -313,7 +313,9 @@ class SFT(nn.Module):
     # ---- execution -----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> Any:
         device = self._device()
-        on_host = x.device != device
+        # A uint8 slide is the loader's host memory, not the engine's working memory (on CPU as on CUDA): it is
+        # converted per tile, reported as host memory, and checked against host RAM by preflight.
+        on_host = x.device != device or (device.type == "cpu" and not x.dtype.is_floating_point)
         c = self._compiled(tuple(x.shape), self._act_dtype(device), x.dtype, on_host, x.requires_grad)
         self._runner.masks.new_step()  # per-sample drop masks: drawn once this step, replayed by every tile
         stats = StepStats()
