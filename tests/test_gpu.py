@@ -125,6 +125,26 @@ def test_budget_honoured_under_a_memory_cap(size: int, budget_gib: float, record
     assert plain["status"] == "oom", plain
 
 
+@pytest.mark.parametrize("size", [20480])
+def test_vgg16_20480_within_11gib_as_planned(size: int, record_property) -> None:
+    """The promise the README makes on plans only: VGG-16 at 20480 px trains under an 11 GiB cap.
+
+    One step in its own process; ``max_memory_allocated`` against the plan's peak and the budget.
+    """
+    from wsitrain.bench.configs import BenchConfig
+    from wsitrain.bench.runner import run_worker
+
+    budget = 11 * GiB
+    sft = run_worker(BenchConfig(strategy="sft", model="vgg16", size=size, budget_bytes=budget, device="cuda", runs=1),
+                     timeout_s=1800)  # fmt: skip
+    record_property("sft_peak_bytes", sft.get("peak_bytes"))
+    record_property("sft_planned_peak_bytes", sft.get("planned_peak_bytes"))
+    record_property("seconds_per_megapixel", sft.get("mean_ms", 0) / 1000 / (size * size / 1e6))
+    assert sft["status"] == "ok", sft
+    assert sft["peak_bytes"] <= budget, f"measured {sft['peak_bytes']} > budget {budget}"
+    assert sft["peak_bytes"] <= 1.15 * sft["planned_peak_bytes"], "the plan underestimates CUDA's peak"
+
+
 def test_demo_fit_on_cuda(tmp_path: Path, record_property) -> None:
     """``wsitrain fit configs/demo.yaml`` on the GPU, into a temporary log folder, end to end, within its budget."""
     from wsitrain.config import load_config
