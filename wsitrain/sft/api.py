@@ -80,6 +80,7 @@ def plan(
     input_on_host: bool | None = None,
     input_dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
+    host_checkpoints: str = "auto",
 ) -> Plan:
     """Plan ``model`` on ``input_shape`` (B, C, H, W) within ``memory_budget``, on shapes only.
 
@@ -105,6 +106,7 @@ def plan(
         tile_size=tile_size,
         checkpoints=checkpoints,
         optimizer=optimizer,
+        host_checkpoints=host_checkpoints,
     )
     return p
 
@@ -181,6 +183,7 @@ class SFT(nn.Module):
         collect_stats: bool = True,
         tile_peaks: bool = False,
         memory_probe: MemoryProbe | None = None,
+        host_checkpoints: str = "auto",
     ) -> None:
         super().__init__()
         self.model = model
@@ -190,6 +193,7 @@ class SFT(nn.Module):
         self.optimizer = optimizer
         self.collect_stats = collect_stats
         self.tile_peaks = tile_peaks
+        self.host_checkpoints = host_checkpoints  # "auto" (CUDA may use host memory), "always", "never"
         self._probe = memory_probe  # how the budget is detected when none is given (injectable for tests)
         self._budget_bytes: int | None = None if memory_budget is None else parse_bytes(memory_budget, "memory_budget")
         self._graph = ModelGraph(model)
@@ -262,6 +266,7 @@ class SFT(nn.Module):
             tile_size=self.tile_size,
             checkpoints=self.checkpoints,
             optimizer=self.optimizer,
+            host_checkpoints=self.host_checkpoints,
         )
         if not p.fits:
             raise PlanError(

@@ -82,6 +82,7 @@ class TiledSegment:
         self.start, self.end = seg.start, seg.end
         self.is_trunk_end = seg.end == facts.trunk_end
         self.fusion: PoolFusion | None = facts.fusion if seg.fused_pool else None
+        self.out_on_host = seg.output_location == "host"  # the next checkpoint lives in host memory
         self.nodes = list(range(seg.start + 1, seg.end + 1))
         self.specs = {i: facts.nodes[i].spec for i in [seg.start, *self.nodes]}
         self.inputs = {i: facts.nodes[i].inputs for i in self.nodes}
@@ -159,9 +160,11 @@ class TiledSegment:
                 self._tock(t0, r, c, "forward")
                 continue
             if out is None:
-                out = torch.empty(
-                    (y.shape[0], y.shape[1], reg.rows_out[-1][1], reg.cols_out[-1][1]), dtype=y.dtype, device=y.device
-                )
+                shape = (y.shape[0], y.shape[1], reg.rows_out[-1][1], reg.cols_out[-1][1])
+                if self.out_on_host:  # pinned, so tiles go down (and come back up) without a pageable bounce
+                    out = torch.empty(shape, dtype=y.dtype, pin_memory=torch.cuda.is_available())
+                else:
+                    out = torch.empty(shape, dtype=y.dtype, device=y.device)
             (r0, r1), (c0, c1) = reg.rows_out[r], reg.cols_out[c]
             out[:, :, r0:r1, c0:c1] = y
             if observer is not None:
@@ -203,7 +206,7 @@ class TiledSegment:
                 assert pooled_grad is not None
                 g = acc.tile_grad(pooled_grad, y.detach(), (r0, r1), (c0, c1))  # this tile's share of the pool's
             else:
-                g = grad_out[:, :, r0:r1, c0:c1]
+                g = grad_out[:, :, r0:r1, c0:c1].to(y.device)  # from host memory when the output lives there
             if y.requires_grad and targets:
                 res = torch.autograd.grad(y, targets, g, allow_unused=True)
                 if need_x:

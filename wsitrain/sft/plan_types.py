@@ -28,6 +28,7 @@ class SegmentPlan:
     peak_bytes: int  # estimated peak while this segment runs
     flops: float  # forward + recompute + backward FLOPs of this segment
     fused_pool: str | None = None  # "avg" / "max" / "amax": the global pool folds this segment's tiles
+    output_location: str = "device"  # "host" when the next segment's checkpoint lives in host memory
     start: int = field(default=0, repr=False)  # node index of the segment input (a cut)
     end: int = field(default=0, repr=False)  # node index of the segment output (a cut)
     # every tile's intervals (tiled segments): what the executor runs; not part of the printed plan

@@ -42,9 +42,12 @@ def new_session(
     input_on_host: bool,
     input_requires_grad: bool = False,
     optimizer: str | None = None,
+    host_checkpoints: str = "auto",
 ) -> PlanSession:
+    if host_checkpoints not in ("auto", "always", "never"):
+        raise PlanError(f"host_checkpoints {host_checkpoints!r}", hint="use 'auto', 'always' or 'never'")
     facts = annotate(graph, input_shape, act_dtype, input_dtype, input_requires_grad)
-    return PlanSession(facts, memory_terms(facts, device, optimizer), device, input_on_host)
+    return PlanSession(facts, memory_terms(facts, device, optimizer), device, input_on_host, host_checkpoints)
 
 
 def build_plan(
@@ -60,12 +63,14 @@ def build_plan(
     tile_size: int | None = None,
     checkpoints: list[str] | None = None,
     optimizer: str | None = None,
+    host_checkpoints: str = "auto",
 ) -> tuple[Plan, GraphFacts]:
     """Plan ``graph`` on ``input_shape`` within ``budget`` bytes; also returns the facts it planned on."""
     if tile_size is not None and tile_size <= 0:
         raise PlanError(f"tile_size {tile_size} must be a positive number of pixels", hint="engine.tile_size")
     sess = new_session(
-        graph, input_shape, act_dtype, input_dtype, device, input_on_host, input_requires_grad, optimizer
+        graph, input_shape, act_dtype, input_dtype, device, input_on_host, input_requires_grad, optimizer,
+        host_checkpoints,
     )
     forced_cuts = _resolve_checkpoints(sess.facts, checkpoints) if checkpoints is not None else None
     state = fitting_plan(sess, budget, tile_size, forced_cuts)
@@ -200,9 +205,11 @@ def _assemble(
         input_on_host=sess.input_on_host,
         feature_map_bytes=sum(n.nbytes for n in f.nodes if not (n.spec.inplace or n.spec.alias)),
         limiting_part=limiting,
-        host_bytes=sess.nbytes(0) if sess.input_on_host else 0,
+        host_bytes=(sess.nbytes(0) if sess.input_on_host else 0)
+        + sum(2 * s.checkpoint_bytes for s in segments if s.start and s.checkpoint_location == "host"),
         tiling=_tiling(sess, segments),
-        transfer_bytes=_staged_bytes(sess, segments),
+        transfer_bytes=_staged_bytes(sess, segments)
+        + sum(5 * s.checkpoint_bytes for s in segments if s.start and s.checkpoint_location == "host"),
         notes=tuple(notes),
     )
 
@@ -230,7 +237,8 @@ def _segment_plans(sess: PlanSession, path: tuple[SegOption, ...], base_peak: in
                 input_shape=in_shape,
                 output_shape=out_shape,
                 checkpoint_bytes=sess.nbytes(opt.start) if opt.mode == TILED else 0,
-                checkpoint_location="host" if opt.start == 0 and sess.input_on_host else "device",
+                checkpoint_location="host" if opt.in_host or (opt.start == 0 and sess.input_on_host) else "device",
+                output_location="host" if k + 1 < len(path) and path[k + 1].in_host else "device",
                 tile_activation_bytes=t.bwd_peak if t else 0,
                 peak_bytes=min(peak, base_peak) if opt.mode == PLAIN and len(path) == 1 else peak,
                 flops=opt.flops,

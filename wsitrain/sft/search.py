@@ -12,7 +12,16 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from wsitrain.sft.options import SegOption, plain_option, replay_path, segment_blocker, tiled_floor, tiled_option
+from wsitrain.sft.options import (
+    TILED,
+    SegOption,
+    host_placement_allowed,
+    plain_option,
+    replay_path,
+    segment_blocker,
+    tiled_floor,
+    tiled_option,
+)
 from wsitrain.sft.session import PlanSession
 from wsitrain.sft.tile_memory import edge_candidates, tile_choice
 
@@ -99,10 +108,18 @@ def search(
                     ok = [next((e for e in reversed(ok) if tile_choice(sess, a, b, e).worth_running), ok[0])]
                 edges = ok[-1:]
             for st in here:
-                for opt, peak in _options(sess, st, a, b, plain, edges, budget, objective, forced_tile is None):
-                    states.setdefault(b, []).append(
-                        State(st.cost + opt.cost, st.retained + opt.retained_add, peak, (*st.path, opt))
-                    )
+                # the checkpoint at a may live on the host when the segment before wrote it tile by tile
+                prev_tiled = bool(st.path) and st.path[-1].mode == TILED
+                placements = [False]
+                if prev_tiled and edges and host_placement_allowed(sess, a, budget):
+                    placements = [True] if sess.host_checkpoints == "always" else [False, True]
+                for in_host in placements:
+                    opts = _options(sess, st, a, b, None if in_host else plain, edges, budget, objective,
+                                    forced_tile is None, in_host)  # fmt: skip
+                    for opt, peak in opts:
+                        states.setdefault(b, []).append(
+                            State(st.cost + opt.cost, st.retained + opt.retained_add, peak, (*st.path, opt))
+                        )
     head_peak = {fused: sess.head_sim(fused)[0].peak for fused in (False, True)}
     finals = []
     for st in states.get(cands[-1], []):
@@ -123,6 +140,7 @@ def _options(
     budget: float,
     objective: Objective,
     judge_worth: bool = True,
+    in_host: bool = False,
 ) -> list[tuple[SegOption, int]]:
     """Ways to run segment (a, b] after state ``st`` with the peak each reaches: the best under the objective,
     and (within a budget) the next few smaller tiles, whose lower peaks may let later segments use larger ones.
@@ -138,18 +156,18 @@ def _options(
     found: list[tuple[SegOption, int]] = []
     if plain is not None and (not objective.within_budget or peak_of(plain) <= budget):
         found.append((plain, peak_of(plain)))
-    if edges and (not objective.within_budget or fixed + st.retained + tiled_floor(sess, a, b) <= budget):
+    if edges and (not objective.within_budget or fixed + st.retained + tiled_floor(sess, a, b, in_host) <= budget):
         if not objective.within_budget:
-            opt = tiled_option(sess, a, b, edges[0])
+            opt = tiled_option(sess, a, b, edges[0], in_host)
             found.append((opt, peak_of(opt)))
         else:
             # larger tiles cost less (less halo, fewer launches). A tile's memory grows with its edge, so
             # bisect for the largest edge that fits rather than trying each one.
             def fits(k: int) -> bool:
-                return peak_of(tiled_option(sess, a, b, edges[k])) <= budget
+                return peak_of(tiled_option(sess, a, b, edges[k], in_host)) <= budget
 
             def worth(k: int) -> bool:
-                return tile_choice(sess, a, b, edges[k]).worth_running
+                return tile_choice(sess, a, b, edges[k], in_host).worth_running
 
             w_lo, w_hi = -1, len(edges)  # worth(k) holds for a prefix (larger tiles): find its end
             while judge_worth and w_hi - w_lo > 1:
@@ -168,7 +186,7 @@ def _options(
                     hi = k
             for k in (hi, hi + 1, hi + 3):
                 if k < len(edges):
-                    opt = tiled_option(sess, a, b, edges[k])
+                    opt = tiled_option(sess, a, b, edges[k], in_host)
                     if peak_of(opt) <= budget:
                         found.append((opt, peak_of(opt)))
     if not found:

@@ -20,8 +20,11 @@ class PlanSession:
     terms: MemoryTerms
     device: str
     input_on_host: bool
+    # checkpoints after the image in pinned host memory: "auto" lets the planner choose (CUDA only: on CPU host
+    # memory is the same memory), "always" puts every eligible one there (tests run the host path on CPU), "never"
+    host_checkpoints: str = "auto"
     _plain: dict[tuple[int, int], tuple[SimResult, float]] = field(default_factory=dict, repr=False)
-    _tiles: dict[tuple[int, int, int], object] = field(default_factory=dict, repr=False)  # memo of tile_memory
+    _tiles: dict[tuple[int, ...], object] = field(default_factory=dict, repr=False)  # memo of tile_memory
 
     def __post_init__(self) -> None:
         f = self.facts

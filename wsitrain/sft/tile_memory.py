@@ -60,9 +60,9 @@ def segment_regions(facts: GraphFacts, start: int, end: int, edge: int) -> Segme
     return SegmentRegions(rows_out, rows, cols_out, cols)
 
 
-def tile_choice(sess: PlanSession, start: int, end: int, edge: int) -> TileChoice:
+def tile_choice(sess: PlanSession, start: int, end: int, edge: int, staged: bool = False) -> TileChoice:
     """Memory and FLOPs of tiling segment (start, end] with square tiles of ``edge`` output pixels."""
-    key = (start, end, edge)
+    key = (start, end, edge, staged)  # staged: the segment input lives on the host, each tile's crop is copied
     cached = sess._tiles.get(key)
     if isinstance(cached, TileChoice):
         return cached
@@ -89,7 +89,8 @@ def tile_choice(sess: PlanSession, start: int, end: int, edge: int) -> TileChoic
         return tile_numel(node.spec, node.shape, mx_h[i], mx_w[i]) * elem
 
     # the image crop is staged to the device, and an integer image is converted per tile
-    crop = tile_bytes(start) if start == 0 and (sess.input_on_host or not f.input_dtype.is_floating_point) else 0
+    image_staged = start == 0 and (sess.input_on_host or not f.input_dtype.is_floating_point)
+    crop = tile_bytes(start) if staged or image_staged else 0
 
     def ops(grad: bool) -> list[SimOp]:
         out = []
