@@ -67,7 +67,7 @@ class GraphFacts:
 
     @property
     def act_size(self) -> int:
-        return torch.empty((), dtype=self.act_dtype).element_size()
+        return self.act_dtype.itemsize
 
     def name(self, i: int) -> str:
         return self.nodes[i].name

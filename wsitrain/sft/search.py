@@ -23,7 +23,7 @@ from wsitrain.sft.options import (
     tiled_option,
 )
 from wsitrain.sft.session import PlanSession
-from wsitrain.sft.tile_memory import edge_candidates, tile_choice
+from wsitrain.sft.tile_memory import edge_candidates, tile_geometry
 
 # States kept per cut point after pruning dominated ones: more never changed a plan of the
 # built-in models (vgg16, resnet50, darknet19 from 1024 to 100000 px) and costs planning time.
@@ -105,7 +105,7 @@ def search(
                 # the smallest tile still worth running (not smaller than its halo), and not below a floor
                 ok = [e for e in edges if e * sess.image_stride(b) >= _MIN_TILE_IMAGE_PX] or edges[-1:]
                 if forced_tile is None:  # from the smallest up: the first tile not smaller than its halo
-                    ok = [next((e for e in reversed(ok) if tile_choice(sess, a, b, e).worth_running), ok[0])]
+                    ok = [next((e for e in reversed(ok) if tile_geometry(sess, a, b, e).worth_running), ok[0])]
                 edges = ok[-1:]
             for st in here:
                 # the checkpoint at a may live on the host when the segment before wrote it tile by tile
@@ -167,7 +167,7 @@ def _options(
                 return peak_of(tiled_option(sess, a, b, edges[k], in_host)) <= budget
 
             def worth(k: int) -> bool:
-                return tile_choice(sess, a, b, edges[k], in_host).worth_running
+                return tile_geometry(sess, a, b, edges[k]).worth_running
 
             w_lo, w_hi = -1, len(edges)  # worth(k) holds for a prefix (larger tiles): find its end
             while judge_worth and w_hi - w_lo > 1:
@@ -184,7 +184,7 @@ def _options(
             for k in range(hi - 1, max(-1, hi - 5), -1):
                 if fits(k):
                     hi = k
-            for k in (hi, hi + 1, hi + 3):
+            for k in (hi, hi + 2):
                 if k < len(edges):
                     opt = tiled_option(sess, a, b, edges[k], in_host)
                     if peak_of(opt) <= budget:

@@ -60,6 +60,50 @@ def segment_regions(facts: GraphFacts, start: int, end: int, edge: int) -> Segme
     return SegmentRegions(rows_out, rows, cols_out, cols)
 
 
+@dataclass(frozen=True)
+class TileGeometry:
+    """A segment's tiles along each axis for one edge: representative tiles, extents, core and halo (no memory)."""
+
+    rows: tuple[tuple[AxisTile, int], ...]  # (representative tile, how many tiles it stands for)
+    cols: tuple[tuple[AxisTile, int], ...]
+    n_tiles: int
+    core: tuple[int, int]  # the tile's own output, in segment-input pixels
+    halo: tuple[int, int]  # per side, of an interior tile, in segment-input pixels
+
+    @property
+    def worth_running(self) -> bool:
+        return min(self.core) >= max(self.halo)
+
+
+def _extent(t: AxisTile, i: int) -> int:
+    lo, hi = t.computed[i]
+    return hi - lo
+
+
+def tile_geometry(sess: PlanSession, start: int, end: int, edge: int) -> TileGeometry:
+    """Where the tiles of (start, end] with ``edge`` output pixels fall (memoized per session)."""
+    key = ("geometry", start, end, edge)
+    cached = sess._tiles.get(key)
+    if isinstance(cached, TileGeometry):
+        return cached
+    f = sess.facts
+    per_axis = []
+    square = f.nodes[end].shape[2] == f.nodes[end].shape[3] and f.nodes[start].shape[2] == f.nodes[start].shape[3]
+    for axis in (0,) if square else (0, 1):  # square: the W axis is the H axis
+        outs = split_axis(f.nodes[end].shape[2 + axis], edge)
+        reps = tuple((_axis_tile(f, start, end, axis, outs[k]), m) for k, m in representative_tiles(outs))
+        per_axis.append((len(outs), reps))
+    (nr, rows), (nc, cols) = per_axis[0], per_axis[-1]
+    in_h, in_w = f.nodes[start].shape[2], f.nodes[start].shape[3]
+    core_h = min(in_h, edge * in_h // max(1, f.nodes[end].shape[2]))
+    core_w = min(in_w, edge * in_w // max(1, f.nodes[end].shape[3]))
+    halo_h = max(0, (_extent(rows[len(rows) // 2][0], start) - core_h + 1) // 2)
+    halo_w = max(0, (_extent(cols[len(cols) // 2][0], start) - core_w + 1) // 2)
+    geo = TileGeometry(rows, cols, nr * nc, (core_h, core_w), (halo_h, halo_w))
+    sess._tiles[key] = geo
+    return geo
+
+
 def tile_choice(sess: PlanSession, start: int, end: int, edge: int, staged: bool = False) -> TileChoice:
     """Memory and FLOPs of tiling segment (start, end] with square tiles of ``edge`` output pixels."""
     key = (start, end, edge, staged)  # staged: the segment input lives on the host, each tile's crop is copied
@@ -68,57 +112,37 @@ def tile_choice(sess: PlanSession, start: int, end: int, edge: int, staged: bool
         return cached
     f = sess.facts
     nodes = list(range(start + 1, end + 1))
-    per_axis = []
-    square = f.nodes[end].shape[2] == f.nodes[end].shape[3] and f.nodes[start].shape[2] == f.nodes[start].shape[3]
-    for axis in (0,) if square else (0, 1):  # square: the W axis is the H axis
-        outs = split_axis(f.nodes[end].shape[2 + axis], edge)
-        reps = [(_axis_tile(f, start, end, axis, outs[k]), m) for k, m in representative_tiles(outs)]
-        per_axis.append((len(outs), reps))
-    (nr, rows), (nc, cols) = per_axis[0], per_axis[-1]
-
-    def ext(t: AxisTile, i: int) -> int:
-        lo, hi = t.computed[i]
-        return hi - lo
-
+    geo = tile_geometry(sess, start, end, edge)
+    rows, cols = geo.rows, geo.cols
     # the largest tile's working set: per node the largest extent along each axis
-    mx_h = {i: max(ext(t, i) for t, _ in rows) for i in [start, *nodes]}
-    mx_w = {i: max(ext(t, i) for t, _ in cols) for i in [start, *nodes]}
-    def tile_bytes(i: int) -> int:
-        node = f.nodes[i]
-        elem = node.nbytes // max(1, math.prod(node.shape))
-        return tile_numel(node.spec, node.shape, mx_h[i], mx_w[i]) * elem
+    mx_h = {i: max(_extent(t, i) for t, _ in rows) for i in [start, *nodes]}
+    mx_w = {i: max(_extent(t, i) for t, _ in cols) for i in [start, *nodes]}
+    elem = {i: f.nodes[i].nbytes // max(1, math.prod(f.nodes[i].shape)) for i in [start, *nodes]}
+    tb = {i: tile_numel(f.nodes[i].spec, f.nodes[i].shape, mx_h[i], mx_w[i]) * elem[i] for i in [start, *nodes]}
 
     # the image crop is staged to the device, and an integer image is converted per tile
     image_staged = start == 0 and (sess.input_on_host or not f.input_dtype.is_floating_point)
-    crop = tile_bytes(start) if staged or image_staged else 0
+    crop = tb[start] if staged or image_staged else 0
 
     def ops(grad: bool) -> list[SimOp]:
         out = []
         for i in nodes:
-            op = sess.sim_op(i, tile_bytes(i), grad=grad)
+            op = sess.sim_op(i, tb[i], grad=grad)
             ins = f.nodes[i].inputs
-            out.append(sess.with_cpu_reorder(op, tile_bytes(ins[0])) if ins else op)  # constants read nothing
+            out.append(sess.with_cpu_reorder(op, tb[ins[0]]) if ins else op)  # constants read nothing
         return out
 
     fwd = simulate(ops(False), {start: crop}, backward=False).forward_peak
     bres = simulate(ops(True), {start: crop})
     bwd = max(bres.forward_peak, bres.backward_peak)
     flops = 0.0
-    overhead = 0.0
     for i in nodes:
-        sum_h = sum(ext(t, i) * m for t, m in rows)
-        sum_w = sum(ext(t, i) * m for t, m in cols)
+        sum_h = sum(_extent(t, i) * m for t, m in rows)
+        sum_w = sum(_extent(t, i) * m for t, m in cols)
         fw, bw = node_flops(f, i, tile_numel(f.nodes[i].spec, f.nodes[i].shape, sum_h, sum_w))
         flops += 2 * fw + bw  # forward, recompute, backward
-        overhead += 2 * sess.overhead_flops * nr * nc
-    mid_r, mid_c = rows[len(rows) // 2][0], cols[len(cols) // 2][0]
-    in_h, in_w = f.nodes[start].shape[2], f.nodes[start].shape[3]
-    core_h = edge * in_h // max(1, f.nodes[end].shape[2])
-    core_w = edge * in_w // max(1, f.nodes[end].shape[3])
-    halo_h = max(0, (ext(mid_r, start) - min(core_h, in_h) + 1) // 2)
-    halo_w = max(0, (ext(mid_c, start) - min(core_w, in_w) + 1) // 2)
-    core = (min(core_h, in_h), min(core_w, in_w))
-    choice = TileChoice(edge, fwd, bwd, flops, overhead, (mx_h[start], mx_w[start]), (halo_h, halo_w), core)
+    overhead = 2 * sess.overhead_flops * geo.n_tiles * len(nodes)
+    choice = TileChoice(edge, fwd, bwd, flops, overhead, (mx_h[start], mx_w[start]), geo.halo, geo.core)
     sess._tiles[key] = choice
     return choice
 
