@@ -17,6 +17,7 @@ import torch
 from torch import fx
 
 from wsitrain.errors import PlanError
+from wsitrain.sft.barriers import mark_barriers
 from wsitrain.sft.graph import ModelGraph
 from wsitrain.sft.ops import HEAD, POINTWISE, OpSpec
 
@@ -87,7 +88,7 @@ def annotate(
     shape_dtype = torch.float32 if act_dtype in (torch.bfloat16, torch.float16) else act_dtype
     meta_in = input_dtype if not input_dtype.is_floating_point else shape_dtype
     shapes = _propagate(graph, tuple(input_shape), meta_in)
-    specs = graph.specs()
+    specs = mark_barriers(graph, graph.specs())  # batch-statistics layers run tiled in sweeps
     act = torch.empty((), dtype=act_dtype).element_size()
     inp = torch.empty((), dtype=input_dtype).element_size()
     n = len(graph.nodes)

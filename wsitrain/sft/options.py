@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from wsitrain.sft.memory_model import SimOp, SimResult, simulate
+from wsitrain.sft.multipass import sweep_flops_factor
 from wsitrain.sft.ops import SPATIAL_KINDS
 from wsitrain.sft.session import PlanSession
 from wsitrain.sft.tile_memory import TileChoice, tile_choice
@@ -54,11 +55,14 @@ def tiled_floor(sess: PlanSession, start: int, end: int) -> int:
 
 def tiled_option(sess: PlanSession, start: int, end: int, edge: int) -> SegOption:
     t = tile_choice(sess, start, end, edge)
+    sweeps = 1.0 + sweep_flops_factor(sess.facts, start, end)  # barriers add sweeps over the tiles
     in_dev = sess.device_bytes(start)
     seg_param_grads = sum(sess.facts.nodes[i].param_bytes for i in range(start + 1, end + 1))
     local_fwd = in_dev + sess.nbytes(end) + t.fwd_peak
     local_bwd = in_dev + sess.grad_bytes(end) + sess.grad_bytes(start) + t.bwd_peak + seg_param_grads
-    return SegOption(start, end, TILED, t, local_fwd, local_bwd, in_dev, t.flops, t.flops + t.overhead)
+    return SegOption(
+        start, end, TILED, t, local_fwd, local_bwd, in_dev, sweeps * t.flops, sweeps * (t.flops + t.overhead)
+    )
 
 
 def path_ops(sess: PlanSession, path: tuple[SegOption, ...]) -> list[SimOp]:
