@@ -1,0 +1,151 @@
+"""Multi-pass tiled segments: train-mode BatchNorm inside tiles equals plain autograd (float64).
+
+Each case copies a model: one copy runs plain PyTorch, the other through SFT with forced tiles, on
+the same input. Outputs, every parameter gradient, the input gradient and every buffer (running
+mean, running variance, num_batches_tracked) must agree after one step.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import nn
+from torchvision.models import resnet18
+from torchvision.models.resnet import BasicBlock
+
+from wsitrain.sft import SFT
+from wsitrain.sft.facts import annotate
+from wsitrain.sft.graph import ModelGraph
+from wsitrain.sft.multipass import MultiPassSegment
+
+F64 = {"rtol": 1e-10, "atol": 1e-11}
+
+
+def _head(c: int) -> list[tuple[str, nn.Module]]:
+    return [("pool", nn.AdaptiveAvgPool2d(1)), ("flatten", nn.Flatten(1)), ("fc", nn.Linear(c, 3))]
+
+
+def bn_chain() -> nn.Module:
+    """conv-BN-ReLU three times with a stride-2 conv between; one BN with momentum=None (cumulative)."""
+    trunk = nn.Sequential(
+        nn.Conv2d(3, 6, 3, padding=1),
+        nn.BatchNorm2d(6),
+        nn.ReLU(),
+        nn.Conv2d(6, 8, 3, stride=2, padding=1),
+        nn.BatchNorm2d(8, momentum=None),
+        nn.ReLU(inplace=True),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.BatchNorm2d(8, momentum=0.3),
+        nn.ReLU(),
+    )
+    return nn.Sequential(OrderedDict([("features", trunk), *_head(8)]))
+
+
+def bn_blocks() -> nn.Module:
+    """torchvision BasicBlocks with train BN: an identity block and one with a stride-2 1x1 downsample,
+    whose BN reads only even positions of the block input (the odd ones still get a gradient)."""
+    down = nn.Sequential(nn.Conv2d(8, 12, 1, 2, bias=False), nn.BatchNorm2d(12))
+    trunk = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False),
+        nn.BatchNorm2d(8),
+        nn.ReLU(inplace=True),
+        BasicBlock(8, 8),
+        BasicBlock(8, 12, 2, down),
+    )
+    return nn.Sequential(OrderedDict([("features", trunk), *_head(12)]))
+
+
+def _randomize_bn(model: nn.Module) -> None:
+    """Non-trivial affine parameters and running statistics, so a wrong update shows."""
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.2, 0.2)
+            m.running_var.uniform_(0.5, 1.5)
+            m.num_batches_tracked.fill_(3)
+            nn.init.uniform_(m.weight, 0.5, 1.5)
+            nn.init.uniform_(m.bias, -0.2, 0.2)
+
+
+def step(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, list, torch.Tensor, list]:
+    """One training step's results: output, parameter gradients, input gradient, buffers after it."""
+    xr = x.detach().clone().requires_grad_()
+    y = model(xr)
+    torch.nn.functional.mse_loss(y, target).backward()
+    inner = model.model if isinstance(model, SFT) else model
+    return y.detach(), [p.grad for p in inner.parameters()], xr.grad, [b.clone() for b in inner.buffers()]
+
+
+def check(make, shape: tuple[int, ...], seed: int = 0, **sft_kw) -> SFT:
+    torch.manual_seed(seed)
+    model = make().double().train()
+    _randomize_bn(model)
+    twin = copy.deepcopy(model)
+    x = torch.randn(*shape, dtype=torch.float64)
+    with torch.no_grad():
+        target = torch.randn_like(copy.deepcopy(model)(x))
+    ref = step(model, x, target)
+    sft = SFT(twin, **sft_kw)
+    var = step(sft, x, target)
+    torch.testing.assert_close(var[0], ref[0], **F64)
+    names = [n for n, _ in model.named_parameters()]
+    for n, a, b in zip(names, ref[1], var[1], strict=True):
+        torch.testing.assert_close(b, a, **F64, msg=lambda m, n=n: f"{n}: {m}")
+    torch.testing.assert_close(var[2], ref[2], **F64)
+    bnames = [n for n, _ in model.named_buffers()]
+    assert any(n.endswith("num_batches_tracked") for n in bnames)
+    for n, a, b in zip(bnames, ref[3], var[3], strict=True):
+        torch.testing.assert_close(b, a, **F64, msg=lambda m, n=n: f"{n}: {m}")
+    return sft
+
+
+def multipass_segments(sft: SFT) -> list[MultiPassSegment]:
+    compiled = next(iter(sft._cache.values()))  # the plan the training step ran
+    return [s for s in compiled.segments if isinstance(s, MultiPassSegment)]
+
+
+@pytest.mark.parametrize("tile", [16, 24])
+def test_bn_chain_forced_tiles(tile: int) -> None:
+    sft = check(bn_chain, (2, 3, 45, 62), tile_size=tile, memory_budget="4GiB")
+    segs = multipass_segments(sft)
+    assert segs and all(s.regions.grid[0] * s.regions.grid[1] > 1 for s in segs), "must really tile"
+
+
+def test_bn_chain_one_segment_three_levels() -> None:
+    """All three BatchNorms in one tiled segment: three statistics sweeps, each needing the one before."""
+    torch.manual_seed(0)
+    names = [f"features.{i}" for i in (2,)]
+    sft = check(bn_chain, (2, 3, 45, 62), tile_size=16, memory_budget="4GiB", checkpoints=names)
+    levels = sorted(b.level for s in multipass_segments(sft) for b in s.barriers)
+    assert levels == [1, 1, 2], levels
+
+
+def test_basic_blocks_with_downsample() -> None:
+    """Residual blocks with train BN, a stride-2 1x1 downsample, the whole trunk as one tiled segment."""
+    torch.manual_seed(1)
+    facts = annotate(ModelGraph(bn_blocks()), (2, 3, 45, 62), torch.float64, torch.float64, True)
+    sft = check(bn_blocks, (2, 3, 45, 62), seed=1, tile_size=16, memory_budget="4GiB", checkpoints=[])
+    (seg,) = multipass_segments(sft)
+    assert len(seg.barriers) == 6 and seg.regions.grid == (3, 4)
+    # the block's main-branch BN and its downsample BN do not depend on each other: one sweep
+    by_level = {}
+    for b in seg.barriers:
+        by_level.setdefault(b.level, []).append(facts.name(b.node))
+    assert "features.4.downsample.1" in by_level[4] and "features.4.bn1" in by_level[4], by_level
+    sft = check(bn_blocks, (2, 3, 45, 62), seed=2, tile_size=24, memory_budget="4GiB")
+    assert multipass_segments(sft)
+
+
+def test_resnet18_train_bn_under_budget() -> None:
+    """resnet18 with train-mode BatchNorm under a budget that forces tiling equals plain, running stats too."""
+    shape = (1, 3, 160, 192)
+    model = resnet18(num_classes=3).double().train()
+    probe = SFT(model, memory_budget="4GiB").plan_for(shape)
+    fixed = sum(probe.breakdown[k] for k in ("parameters", "runtime", "gradients"))
+    budget = int(fixed + 0.6 * (probe.baseline_peak_bytes - fixed))
+    sft = check(lambda: resnet18(num_classes=3), shape, seed=3, memory_budget=budget)
+    plan = sft.plan_for(shape)
+    assert plan.fits and plan.estimated_peak_bytes <= budget
+    assert multipass_segments(sft), f"the budget must force tiling through BatchNorm:\n{plan}"
