@@ -172,9 +172,7 @@ class MultiPassSegment(TiledSegment):
         self.sweep_nodes = {
             lv: sorted(set().union(*(anc.get(b.source, frozenset()) for b in self.at(lv)))) for lv in self.levels
         }
-        self.sizes = {
-            v: (facts.nodes[v].shape[2], facts.nodes[v].shape[3]) for v in [self.start, *self.nodes]
-        }
+        self.sizes = {v: (facts.nodes[v].shape[2], facts.nodes[v].shape[3]) for v in [self.start, *self.nodes]}
 
     def at(self, level: int) -> list[Barrier]:
         return [b for b in self.barriers if b.level == level]
