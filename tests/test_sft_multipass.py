@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torchvision.models import resnet18
 from torchvision.models.resnet import BasicBlock
+from torchvision.ops import SqueezeExcitation
 
 from wsitrain.sft import SFT
 from wsitrain.sft.facts import annotate
@@ -58,6 +59,34 @@ def bn_blocks() -> nn.Module:
     return nn.Sequential(OrderedDict([("features", trunk), *_head(12)]))
 
 
+class MBConv(nn.Module):
+    """An MBConv-like block (expand, depthwise, squeeze-excitation, project) with a residual."""
+
+    def __init__(self, c: int, e: int, stride: int = 1) -> None:
+        super().__init__()
+        self.block = nn.Sequential(
+            nn.Conv2d(c, e, 1, bias=False),
+            nn.BatchNorm2d(e),
+            nn.SiLU(),
+            nn.Conv2d(e, e, 3, stride, 1, groups=e, bias=False),
+            nn.BatchNorm2d(e),
+            nn.SiLU(),
+            SqueezeExcitation(e, max(1, e // 4)),
+            nn.Conv2d(e, c, 1, bias=False),
+            nn.BatchNorm2d(c),
+        )
+        self.residual = stride == 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.block(x)
+        return x + y if self.residual else y
+
+
+def se_blocks() -> nn.Module:
+    trunk = nn.Sequential(nn.Conv2d(3, 8, 3, 2, 1), nn.BatchNorm2d(8), nn.SiLU(), MBConv(8, 16), MBConv(8, 24, 2))
+    return nn.Sequential(OrderedDict([("features", trunk), *_head(8)]))
+
+
 def _randomize_bn(model: nn.Module) -> None:
     """Non-trivial affine parameters and running statistics, so a wrong update shows."""
     for m in model.modules():
@@ -78,9 +107,9 @@ def step(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> tuple[torch
     return y.detach(), [p.grad for p in inner.parameters()], xr.grad, [b.clone() for b in inner.buffers()]
 
 
-def check(make, shape: tuple[int, ...], seed: int = 0, **sft_kw) -> SFT:
+def check(make, shape: tuple[int, ...], seed: int = 0, train: bool = True, **sft_kw) -> SFT:
     torch.manual_seed(seed)
-    model = make().double().train()
+    model = make().double().train(train)
     _randomize_bn(model)
     twin = copy.deepcopy(model)
     x = torch.randn(*shape, dtype=torch.float64)
@@ -149,3 +178,15 @@ def test_resnet18_train_bn_under_budget() -> None:
     plan = sft.plan_for(shape)
     assert plan.fits and plan.estimated_peak_bytes <= budget
     assert multipass_segments(sft), f"the budget must force tiling through BatchNorm:\n{plan}"
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_squeeze_excitation_blocks(train: bool) -> None:
+    """Squeeze-excitation inside tiles (eval BN; and with train BN, whose statistics then interleave with it)."""
+    sft = check(se_blocks, (2, 3, 45, 62), seed=4, train=train, tile_size=16, memory_budget="4GiB", checkpoints=[])
+    (seg,) = multipass_segments(sft)
+    kinds = [b.kind for b in seg.barriers]
+    assert kinds.count("squeeze") == 2 and seg.regions.grid[0] * seg.regions.grid[1] > 1
+    assert kinds.count("batchnorm") == (7 if train else 0)
+    facts = annotate(ModelGraph(se_blocks()), (2, 3, 45, 62), torch.float32, torch.float32)
+    assert facts.name(facts.trunk_end) == "features.4.block.8", "the SE pools do not end the trunk"

@@ -88,7 +88,8 @@ def annotate(
     shape_dtype = torch.float32 if act_dtype in (torch.bfloat16, torch.float16) else act_dtype
     meta_in = input_dtype if not input_dtype.is_floating_point else shape_dtype
     shapes = _propagate(graph, tuple(input_shape), meta_in)
-    specs = mark_barriers(graph, graph.specs())  # batch-statistics layers run tiled in sweeps
+    # whole-map statistics inside the trunk (train BatchNorm, squeeze-excitation) run tiled in sweeps
+    specs = mark_barriers(graph, graph.specs(), [s for s, _ in shapes])
     act = torch.empty((), dtype=act_dtype).element_size()
     inp = torch.empty((), dtype=input_dtype).element_size()
     n = len(graph.nodes)

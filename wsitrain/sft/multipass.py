@@ -1,21 +1,25 @@
 """Multi-pass tiled segments: exact tiling through layers that need a statistic of the whole map.
 
-A tiled segment holding barriers (``wsitrain.sft.barriers``: train-mode BatchNorm) runs in sweeps
-over its tiles. Barriers are grouped in *levels*: a barrier's level is one more than the deepest
+A tiled segment holding barriers (``wsitrain.sft.barriers``: train-mode BatchNorm, squeeze-excitation)
+runs in sweeps over its tiles. Barriers are grouped in *levels*: a barrier's level is one more than the deepest
 barrier its input depends on, so barriers of one level can be measured in the same sweep.
 
 Forward, one sweep per level, then the output sweep:
   sweep L recomputes, per tile, only the layers its level's barrier inputs depend on, and adds the
   tile's OWNED part of each barrier input to per-channel (count, mean, M2) sums (Chan's parallel
-  combination). Owned parts partition the map exactly: no position counted twice, none missed.
-  The statistic is then fixed, running statistics are updated as ``F.batch_norm`` does, and later
-  sweeps apply the barrier as ``(x - m) * inv * w + b`` with m, inv constants.
+  combination; for squeeze-excitation per-(sample, channel) sums). Owned parts partition the map
+  exactly: no position counted twice, none missed. The statistic is then fixed: BatchNorm updates
+  its running statistics as ``F.batch_norm`` does and later sweeps apply ``(x - m) * inv * w + b``
+  with m, inv constants; squeeze-excitation runs its chain once on the pooled P (keeping that tiny
+  autograd graph) and later sweeps multiply by the chain's result S as a constant.
 
 Backward, one sweep per level from the deepest, then the parameter sweep. With m and inv leaves,
 autograd through a tile gives the explicit part of every gradient; the part through the statistic
 of barrier j at an input position i is (biased variance, N positions per channel)
     c_i = G_m / N - G_inv * inv^3 * (x_i - m) / N,
-where G_m and G_inv are the gradients of the loss w.r.t. the leaves summed over ALL tiles. Sweep
+where G_m and G_inv are the gradients of the loss w.r.t. the leaves summed over ALL tiles; for
+squeeze-excitation (S a leaf) G_P = d chain / dP applied to G_S (through the kept graph, which also
+gives the chain's parameter gradients) and c_i = G_P[b, c] / (H * W). Sweep
 L back-propagates each tile's share of the output gradient plus the corrections of deeper levels
 (added at the positions the tile owns, as extra outputs of ``autograd.grad``) into the leaves of
 level L; the last sweep adds every correction and returns parameter and input gradients. Each
@@ -33,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from wsitrain.sft.barriers import Barrier, ancestors_in, segment_barriers
+from wsitrain.sft.barriers import BATCHNORM, SQUEEZE, Barrier, ancestors_in, segment_barriers
 from wsitrain.sft.costs import node_flops
 from wsitrain.sft.executor import ExecHooks, TiledSegment, _AutocastState, run_segment
 from wsitrain.sft.facts import GraphFacts
@@ -55,6 +59,20 @@ class BNStat:
     count: int
 
 
+@dataclass(frozen=True)
+class SEStat:
+    """A squeeze-excitation's pooled map and its chain's results (with the chain's graph when kept)."""
+
+    pooled: torch.Tensor  # (B, C, 1, 1), a leaf that requires grad when the graph is kept
+    exits: dict[int, torch.Tensor]  # exit node -> (B, C', 1, 1) computed from ``pooled``
+    count: int  # H * W positions averaged
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """Statistics accumulate in at least float32."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
 @dataclass
 class _Moments:
     """Running (count, mean, M2) per channel, combined tile by tile."""
@@ -66,7 +84,7 @@ class _Moments:
     @staticmethod
     def of(part: torch.Tensor) -> _Moments:
         """Moments of a (B, C, h, w) block, in at least float32."""
-        xs = part if part.dtype in (torch.float32, torch.float64) else part.float()
+        xs = _wide(part)
         mean = xs.mean(dim=(0, 2, 3))
         m2 = ((xs - mean.view(_C)) ** 2).sum(dim=(0, 2, 3))
         return _Moments(part.numel() // part.shape[1], mean, m2)
@@ -111,12 +129,15 @@ def owned_interval(out: Interval, size_out: int, size_v: int) -> Interval:
     return out[0] * size_v // size_out, out[1] * size_v // size_out
 
 
-def multipass_regions(facts: GraphFacts, seg: SegmentPlan, sources: set[int]) -> SegmentRegions:
-    """The plan's tile grid with every tile's regions grown to cover its owned part of each barrier input."""
+def multipass_regions(facts: GraphFacts, seg: SegmentPlan, sources: set[int], chain: set[int]) -> SegmentRegions:
+    """The plan's tile grid with every tile's regions grown to cover its owned part of each barrier input.
+
+    Squeeze-excitation pools and chains (``chain``) run outside the tiles: a tile reads their exits whole.
+    """
     assert seg.regions is not None
-    nodes = list(range(seg.start + 1, seg.end + 1))
+    nodes = [i for i in range(seg.start + 1, seg.end + 1) if i not in chain]
     specs = {i: facts.nodes[i].spec for i in nodes}
-    inputs = {i: facts.nodes[i].inputs for i in nodes}
+    inputs = {i: tuple(v for v in facts.nodes[i].inputs if v not in chain) for i in nodes}
     per_axis: list[tuple[AxisTile, ...]] = []
     for axis, outs in ((0, seg.regions.rows_out), (1, seg.regions.cols_out)):
         sizes = {i: facts.nodes[i].shape[2 + axis] for i in [seg.start, *nodes]}
@@ -139,9 +160,11 @@ def multipass_regions(facts: GraphFacts, seg: SegmentPlan, sources: set[int]) ->
     return SegmentRegions(seg.regions.rows_out, per_axis[0], seg.regions.cols_out, per_axis[1])
 
 
-Stats = dict[int, BNStat]  # barrier node -> its statistic
-Leaves = dict[int, tuple[torch.Tensor, torch.Tensor]]  # barrier node -> (mean, inv) that require grad
-Totals = dict[int, tuple[torch.Tensor, torch.Tensor]]  # barrier node -> (G_m, G_inv) summed over tiles
+Stats = dict[int, BNStat | SEStat]  # barrier node -> its statistic
+# barrier node -> the tensors a sweep differentiates: (mean, inv) of a BatchNorm, the exits of an SE
+Leaves = dict[int, list[torch.Tensor]]
+# barrier node -> gradients summed over tiles: (G_m, G_inv) of a BatchNorm, (G_P,) of an SE
+Totals = dict[int, tuple[torch.Tensor, ...]]
 
 
 class MultiPassSegment(TiledSegment):
@@ -163,16 +186,28 @@ class MultiPassSegment(TiledSegment):
         self.bn: dict[int, nn.BatchNorm2d] = {}
         for b in self.barriers:
             m = runner.graph.module(b.node)
-            assert isinstance(m, nn.BatchNorm2d)
-            self.bn[b.node] = m
+            if b.kind == BATCHNORM:
+                assert isinstance(m, nn.BatchNorm2d)
+                self.bn[b.node] = m
+        # squeeze-excitation chains run once per step, outside the tiles; tiles read their exits
+        self.chain = {i for b in self.barriers for i in b.chain} | {b.node for b in self.barriers if b.kind == SQUEEZE}
+        self.tile_nodes = [i for i in self.nodes if i not in self.chain]
         sources = {b.source for b in self.barriers}
-        self.regions = multipass_regions(facts, seg, sources)
+        self.regions = multipass_regions(facts, seg, sources, self.chain)
         anc = ancestors_in(self.inputs, self.start, self.end)
         # per level: the layers its barrier inputs depend on (a stats sweep computes nothing else)
         self.sweep_nodes = {
-            lv: sorted(set().union(*(anc.get(b.source, frozenset()) for b in self.at(lv)))) for lv in self.levels
+            lv: sorted(set().union(*(anc.get(b.source, frozenset()) for b in self.at(lv))) - self.chain)
+            for lv in self.levels
         }
         self.sizes = {v: (facts.nodes[v].shape[2], facts.nodes[v].shape[3]) for v in [self.start, *self.nodes]}
+        self.chain_params: dict[int, list[nn.Parameter]] = {}
+        for b in self.barriers:
+            ps: dict[int, nn.Parameter] = {}
+            for i in b.chain:
+                for p in runner.graph.trainable_params(i):
+                    ps.setdefault(id(p), p)
+            self.chain_params[b.node] = list(ps.values())
 
     def at(self, level: int) -> list[Barrier]:
         return [b for b in self.barriers if b.level == level]
@@ -190,6 +225,7 @@ class MultiPassSegment(TiledSegment):
     ) -> dict[int, torch.Tensor]:
         """Run ``nodes`` (in order) on one tile, barriers applied with their fixed statistics."""
         env: dict[int, torch.Tensor] = {self.start: region}
+        exits = self._exit_values(stats, leaves)
         last: dict[int, int] = {}
         for u in nodes:
             for v in self.inputs[u]:
@@ -197,12 +233,16 @@ class MultiPassSegment(TiledSegment):
         for u in nodes:
 
             def fetch(v: int, u: int = u) -> torch.Tensor:
+                if v in exits:  # a squeeze-excitation result: (B, C, 1, 1), broadcast over the tile
+                    return exits[v]
                 (rl, rh), (cl, ch) = rt.req[(u, v)], ct.req[(u, v)]
                 nr, nc = rt.need[v][0], ct.need[v][0]
                 return env[v][:, :, rl - nr : rh - nr, cl - nc : ch - nc]
 
             if u in self.bn:
-                mean, inv = leaves.get(u) or (stats[u].mean, stats[u].inv)
+                st = stats[u]
+                assert isinstance(st, BNStat)
+                mean, inv = leaves[u] if u in leaves else (st.mean, st.inv)
                 out = _bn_apply(self.bn[u], mean, inv, fetch(self.inputs[u][0]))
             else:
                 out = self.runner.run(u, env, out_of_place=True, fetch=fetch)
@@ -219,6 +259,18 @@ class MultiPassSegment(TiledSegment):
                 if last.get(v) == u and v not in keep:
                     env.pop(v, None)
         return env
+
+    def _exit_values(self, stats: Stats, leaves: Leaves) -> dict[int, torch.Tensor]:
+        """What tiles read for each squeeze-excitation exit: the sweep's leaf, else a detached constant."""
+        out: dict[int, torch.Tensor] = {}
+        for b in self.barriers:
+            st = stats.get(b.node)
+            if b.kind != SQUEEZE or st is None:
+                continue
+            assert isinstance(st, SEStat)
+            for k, e in enumerate(b.exits):
+                out[e] = leaves[b.node][k] if b.node in leaves else st.exits[e].detach()
+        return out
 
     def _owned(self, value: torch.Tensor, v: int, r: int, c: int) -> torch.Tensor:
         """The part of node v's tile value that tile (r, c) owns. (B, C, oh, ow), a view."""
@@ -249,44 +301,59 @@ class MultiPassSegment(TiledSegment):
             if xo.numel() == 0 or not xo.requires_grad:
                 continue
             st = stats[b.node]
-            g_m, g_inv = totals[b.node]
-            xd = xo.detach()
-            corr = g_m.view(_C) / st.count - (g_inv * st.inv**3).view(_C) * (xd - st.mean.view(_C)) / st.count
+            if isinstance(st, BNStat):
+                g_m, g_inv = totals[b.node]
+                xd = xo.detach()
+                corr = g_m.view(_C) / st.count - (g_inv * st.inv**3).view(_C) * (xd - st.mean.view(_C)) / st.count
+            else:
+                (g_p,) = totals[b.node]  # (B, C, 1, 1): every averaged position gets its 1 / (H * W) share
+                corr = (g_p / st.count).expand(xo.shape)
             outs.append(xo)
             gouts.append(corr.to(xo.dtype))
         return outs, gouts
 
     # ---- forward -------------------------------------------------------------------------------
-    def forward_sweeps(self, x: torch.Tensor) -> tuple[torch.Tensor, Stats]:
-        """Statistics level by level, then the output sweep. Returns the output (B, C, Ho, Wo) and statistics."""
+    def forward_sweeps(self, x: torch.Tensor, keep_graph: bool) -> tuple[torch.Tensor, Stats]:
+        """Statistics level by level, then the output sweep. Returns the output (B, C, Ho, Wo) and statistics.
+
+        ``keep_graph``: keep the squeeze-excitation chains' autograd graphs for backward.
+        """
         reg = self.regions
         stats: Stats = {}
         for lv in self.levels:
             here = self.at(lv)
             sources = {b.source for b in here}
-            acc: dict[int, _Moments | None] = {b.source: None for b in here}
+            moments: dict[int, _Moments] = {}
+            sums: dict[int, torch.Tensor] = {}  # squeeze-excitation: (B, C, 1, 1) sums over owned positions
+            dtypes: dict[int, torch.dtype] = {}  # the pooled map's dtype: its input's
             for r, c in self.tiles():
                 t0 = self._tick()
                 rt, ct = reg.rows[r], reg.cols[c]
                 env = self._run_nodes(self.input_region(x, rt, ct), rt, ct, self.sweep_nodes[lv], stats, {}, sources)
-                for v in sources:
-                    part = self._owned(env[v], v, r, c)
-                    if part.numel():
+                for b in here:
+                    part = self._owned(env[b.source], b.source, r, c)
+                    if part.numel() == 0:
+                        continue
+                    if b.kind == BATCHNORM:
                         mom = _Moments.of(part)
-                        prev = acc[v]
-                        acc[v] = mom if prev is None else prev.add(mom)
+                        moments[b.node] = moments[b.node].add(mom) if b.node in moments else mom
+                    else:
+                        ps = _wide(part).sum(dim=(2, 3), keepdim=True)
+                        dtypes[b.node] = part.dtype
+                        sums[b.node] = sums[b.node] + ps if b.node in sums else ps
                 del env
                 self._tock(t0, r, c, "forward")
             for b in here:
-                mom = acc[b.source]
-                assert mom is not None
-                stats[b.node] = finish_batchnorm(self.bn[b.node], mom)
+                if b.kind == BATCHNORM:
+                    stats[b.node] = finish_batchnorm(self.bn[b.node], moments[b.node])
+                else:
+                    stats[b.node] = self._squeeze(b, sums[b.node], dtypes[b.node], keep_graph)
         observer = self.hooks.trunk_observer if self.is_trunk_end else None
         out: torch.Tensor | None = None
         for r, c in self.tiles():
             t0 = self._tick()
             rt, ct = reg.rows[r], reg.cols[c]
-            y = self._run_nodes(self.input_region(x, rt, ct), rt, ct, self.nodes, stats, {}, set())[self.end]
+            y = self._run_nodes(self.input_region(x, rt, ct), rt, ct, self.tile_nodes, stats, {}, set())[self.end]
             if out is None:
                 out = y.new_empty((y.shape[0], y.shape[1], reg.rows_out[-1][1], reg.cols_out[-1][1]))
             (r0, r1), (c0, c1) = reg.rows_out[r], reg.cols_out[c]
@@ -298,6 +365,17 @@ class MultiPassSegment(TiledSegment):
         assert out is not None
         return out, stats
 
+    def _squeeze(self, b: Barrier, total: torch.Tensor, dtype: torch.dtype, keep_graph: bool) -> SEStat:
+        """The pooled map from its sum, and the chain run on it once (with its graph when kept)."""
+        h, w = self.sizes[b.source]
+        pooled = (total / (h * w)).to(dtype)  # (B, C, 1, 1)
+        with torch.set_grad_enabled(keep_graph):
+            leaf = pooled.detach().requires_grad_(keep_graph)
+            env: dict[int, torch.Tensor] = {b.node: leaf}
+            for i in b.chain:  # in execution order; they read only the pool and one another
+                env[i] = self.runner.run(i, env, out_of_place=True)
+        return SEStat(leaf, {e: env[e] for e in b.exits}, h * w)
+
     # ---- backward ------------------------------------------------------------------------------
     def backward_sweeps(
         self, x: torch.Tensor, grad_out: torch.Tensor, stats: Stats, need_x: bool, autocast: _AutocastState
@@ -306,12 +384,10 @@ class MultiPassSegment(TiledSegment):
         reg = self.regions
         totals: Totals = {}
         sources = {b.source for b in self.barriers}
+        chain_grads: dict[int, torch.Tensor] = {}  # id(parameter) -> gradient, of squeeze-excitation chains
         for lv in reversed(self.levels):
             here = self.at(lv)
-            leaves: Leaves = {
-                b.node: (stats[b.node].mean.detach().requires_grad_(), stats[b.node].inv.detach().requires_grad_())
-                for b in here
-            }
+            leaves: Leaves = {b.node: self._leaves(b, stats[b.node]) for b in here}
             flat = [t for b in here for t in leaves[b.node]]
             sums: list[torch.Tensor] = [torch.zeros_like(t) for t in flat]
             for r, c in self.tiles():
@@ -319,7 +395,7 @@ class MultiPassSegment(TiledSegment):
                 rt, ct = reg.rows[r], reg.cols[c]
                 with torch.enable_grad(), autocast.context():
                     env = self._run_nodes(
-                        self.input_region(x, rt, ct).detach(), rt, ct, self.nodes, stats, leaves, sources
+                        self.input_region(x, rt, ct).detach(), rt, ct, self.tile_nodes, stats, leaves, sources
                     )
                     outs, gouts = self._outputs(env, r, c, grad_out, stats, totals)
                 if outs:
@@ -329,9 +405,39 @@ class MultiPassSegment(TiledSegment):
                             sums[k] += g
                 del env, outs, gouts
                 self._tock(t0, r, c, "backward")
-            for i, b in enumerate(here):
-                totals[b.node] = (sums[2 * i], sums[2 * i + 1])
-        return self._final_backward(x, grad_out, stats, totals, need_x, autocast)
+            k = 0
+            for b in here:
+                n = len(leaves[b.node])
+                st = stats[b.node]
+                if isinstance(st, SEStat):
+                    totals[b.node] = (self._through_chain(b, st, sums[k : k + n], chain_grads),)
+                else:
+                    totals[b.node] = tuple(sums[k : k + n])
+                k += n
+        grad_x, grads = self._final_backward(x, grad_out, stats, totals, need_x, autocast)
+        for i, p in enumerate(self.params):
+            g = chain_grads.get(id(p))
+            if g is not None:
+                grads[i] = g if grads[i] is None else grads[i] + g
+        return grad_x, grads
+
+    def _leaves(self, b: Barrier, st: BNStat | SEStat) -> list[torch.Tensor]:
+        """Fresh leaves for a barrier's fixed values: a backward sweep collects their gradients."""
+        if isinstance(st, BNStat):
+            return [st.mean.detach().requires_grad_(), st.inv.detach().requires_grad_()]
+        return [st.exits[e].detach().requires_grad_() for e in b.exits]
+
+    def _through_chain(
+        self, b: Barrier, st: SEStat, g_exits: list[torch.Tensor], chain_grads: dict[int, torch.Tensor]
+    ) -> torch.Tensor:
+        """G_P: the exits' total gradients through the kept chain graph; adds the chain's parameter gradients."""
+        params = self.chain_params[b.node]
+        outs = [st.exits[e] for e in b.exits]
+        res = torch.autograd.grad(outs, [st.pooled, *params], g_exits, allow_unused=True)
+        for p, g in zip(params, res[1:], strict=True):
+            if g is not None:
+                chain_grads[id(p)] = chain_grads[id(p)] + g if id(p) in chain_grads else g
+        return res[0] if res[0] is not None else torch.zeros_like(st.pooled)
 
     def _final_backward(
         self,
@@ -352,7 +458,7 @@ class MultiPassSegment(TiledSegment):
             rt, ct = reg.rows[r], reg.cols[c]
             region = self.input_region(x, rt, ct).detach().requires_grad_(need_x)
             with torch.enable_grad(), autocast.context():
-                env = self._run_nodes(region, rt, ct, self.nodes, stats, {}, sources)
+                env = self._run_nodes(region, rt, ct, self.tile_nodes, stats, {}, sources)
                 outs, gouts = self._outputs(env, r, c, grad_out, stats, totals)  # slices must be in the graph
             targets = ([region] if need_x else []) + self.params
             if outs and targets:
@@ -386,7 +492,7 @@ class MultiPassFunction(torch.autograd.Function):
         ctx.autocast = _AutocastState.capture(seg.device.type)
         ctx.save_for_backward(x)
         with torch.no_grad(), ctx.autocast.context():
-            out, ctx.stats = seg.forward_sweeps(x)
+            out, ctx.stats = seg.forward_sweeps(x, keep_graph=True)
         return out
 
     @staticmethod
@@ -403,7 +509,7 @@ def run_tiled(seg: TiledSegment, x: torch.Tensor) -> torch.Tensor:
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in seg.params)):
         return MultiPassFunction.apply(seg, x, *seg.params)
     with torch.no_grad(), _AutocastState.capture(seg.device.type).context():
-        return seg.forward_sweeps(x)[0]
+        return seg.forward_sweeps(x, keep_graph=False)[0]
 
 
 def tiled_segment(
