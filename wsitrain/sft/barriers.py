@@ -174,18 +174,18 @@ def segment_barriers(
     Barriers whose statistics do not depend on one another (a block's main-branch BatchNorm and its
     downsample BatchNorm) share a level, so they share a sweep.
     """
-    anc = ancestors_in(inputs, start, end)
     out: list[Barrier] = []
-    level_of: dict[int, int] = {}
+    depth: dict[int, int] = {}  # node -> deepest level among the barriers it depends on (itself included)
     for i in range(start + 1, end + 1):
+        d = max((depth.get(v, 0) for v in inputs[i]), default=0)
         kind = barrier_kind(specs[i])
-        if kind is None:
-            continue
-        src = inputs[i][0]
-        level = 1 + max((level_of[b] for b in level_of if b in anc.get(src, ())), default=0)
-        level_of[i] = level
-        extra = specs[i].extra
-        out.append(Barrier(i, kind, src, level, tuple(extra.get("chain", ())), tuple(extra.get("exits", ()))))
+        if kind is not None:
+            src = inputs[i][0]
+            level = 1 + depth.get(src, 0)
+            d = max(d, level)
+            extra = specs[i].extra
+            out.append(Barrier(i, kind, src, level, tuple(extra.get("chain", ())), tuple(extra.get("exits", ()))))
+        depth[i] = d
     return out
 
 

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from wsitrain.sft.barriers import BATCHNORM, SQUEEZE, Barrier, ancestors_in, segment_barriers
+from wsitrain.sft.barriers import BATCHNORM, SQUEEZE, Barrier, ancestors_in, barrier_kind, segment_barriers
 from wsitrain.sft.costs import node_flops
 from wsitrain.sft.executor import ExecHooks, TiledSegment, _AutocastState, run_segment
 from wsitrain.sft.facts import GraphFacts
@@ -45,6 +45,7 @@ from wsitrain.sft.ops import WINDOW
 from wsitrain.sft.plan_types import SegmentPlan
 from wsitrain.sft.regions import AxisTile, Interval, SegmentRegions, axis_tile
 from wsitrain.sft.runner import NodeRunner
+from wsitrain.sft.session import PlanSession
 from wsitrain.sft.staging import HostStager
 
 _C = (1, -1, 1, 1)  # per-channel vector to (1, C, 1, 1)
@@ -527,24 +528,35 @@ def tiled_segment(
     return cls(facts, seg, runner, device, stager, hooks)
 
 
-def sweep_flops_factor(facts: GraphFacts, start: int, end: int) -> float:
+def sweep_flops_factor(sess: PlanSession, start: int, end: int) -> float:
     """Extra FLOPs of a segment's barrier sweeps, as a fraction of its one-sweep cost (0 without barriers).
 
-    One-sweep cost: forward, recompute and backward. Each level adds a forward over the layers its
-    barrier inputs depend on and a recompute plus backward of the whole segment.
+    One-sweep cost: forward, recompute and backward. Each level adds a forward up to its last barrier
+    input (every node before it: an upper bound on the ancestors the sweep runs) and a recompute plus
+    backward of the whole segment. Memoized per segment in the session (it does not depend on the tile).
     """
+    key = (start, end)
+    if key not in sess._sweeps:
+        sess._sweeps[key] = _sweep_factor(sess.facts, start, end)
+    return sess._sweeps[key]
+
+
+def _sweep_factor(facts: GraphFacts, start: int, end: int) -> float:
     nodes = range(start + 1, end + 1)
+    if not any(barrier_kind(facts.nodes[i].spec) for i in nodes):
+        return 0.0
     specs = {i: facts.nodes[i].spec for i in nodes}
     inputs = {i: facts.nodes[i].inputs for i in nodes}
     bars = segment_barriers(specs, inputs, start, end)
-    if not bars:
-        return 0.0
-    fb = {i: node_flops(facts, i, float(math.prod(facts.nodes[i].shape))) for i in nodes}
-    fw_all = sum(f for f, _ in fb.values())
-    bw_all = sum(b for _, b in fb.values())
-    anc = ancestors_in(inputs, start, end)
+    fw_upto = [0.0]  # forward FLOPs of (start, i], i = start + k
+    bw_all = 0.0
+    for i in nodes:
+        f, b = node_flops(facts, i, float(math.prod(facts.nodes[i].shape)))
+        fw_upto.append(fw_upto[-1] + f)
+        bw_all += b
+    fw_all = fw_upto[-1]
     extra = 0.0
     for lv in sorted({b.level for b in bars}):
-        pre = set().union(*(anc.get(b.source, frozenset()) for b in bars if b.level == lv))
-        extra += sum(fb[i][0] for i in pre) + fw_all + bw_all
+        last_src = max(b.source for b in bars if b.level == lv)
+        extra += fw_upto[last_src - start] + fw_all + bw_all
     return extra / max(1.0, 2 * fw_all + bw_all)

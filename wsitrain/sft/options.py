@@ -55,7 +55,7 @@ def tiled_floor(sess: PlanSession, start: int, end: int) -> int:
 
 def tiled_option(sess: PlanSession, start: int, end: int, edge: int) -> SegOption:
     t = tile_choice(sess, start, end, edge)
-    sweeps = 1.0 + sweep_flops_factor(sess.facts, start, end)  # barriers add sweeps over the tiles
+    sweeps = 1.0 + sweep_flops_factor(sess, start, end)  # barriers add sweeps over the tiles
     in_dev = sess.device_bytes(start)
     seg_param_grads = sum(sess.facts.nodes[i].param_bytes for i in range(start + 1, end + 1))
     local_fwd = in_dev + sess.nbytes(end) + t.fwd_peak

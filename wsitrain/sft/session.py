@@ -22,6 +22,7 @@ class PlanSession:
     input_on_host: bool
     _plain: dict[tuple[int, int], tuple[SimResult, float]] = field(default_factory=dict, repr=False)
     _tiles: dict[tuple[int, int, int], object] = field(default_factory=dict, repr=False)  # memo of tile_memory
+    _sweeps: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)  # memo of multipass
 
     def __post_init__(self) -> None:
         f = self.facts
