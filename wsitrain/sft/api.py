@@ -16,7 +16,7 @@ from wsitrain.memory import DeviceMemory, PeakMeter, detect_budget
 from wsitrain.sft.executor import ExecHooks, TiledSegment, TileObserver
 from wsitrain.sft.facts import GraphFacts
 from wsitrain.sft.graph import ModelGraph
-from wsitrain.sft.multipass import run_tiled, tiled_segment
+from wsitrain.sft.multipass_autograd import run_tiled, tiled_segment
 from wsitrain.sft.plan_types import Plan
 from wsitrain.sft.planner import build_plan, new_session
 from wsitrain.sft.runner import NodeRunner

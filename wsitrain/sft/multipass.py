@@ -30,142 +30,30 @@ The statistics computed in forward are kept for backward (per channel: tiny); no
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 from torch import nn
 
-from wsitrain.sft.barriers import BATCHNORM, SQUEEZE, Barrier, ancestors_in, barrier_kind, segment_barriers
-from wsitrain.sft.costs import node_flops
-from wsitrain.sft.executor import ExecHooks, TiledSegment, _AutocastState, run_segment
+from wsitrain.sft.barrier_stats import (
+    BNStat,
+    Leaves,
+    Moments,
+    SEStat,
+    Stats,
+    Totals,
+    bn_apply,
+    correction,
+    finish_batchnorm,
+    wide,
+)
+from wsitrain.sft.barriers import BATCHNORM, SQUEEZE, Barrier, ancestors_in, segment_barriers
+from wsitrain.sft.executor import ExecHooks, TiledSegment, _AutocastState
 from wsitrain.sft.facts import GraphFacts
 from wsitrain.sft.ops import WINDOW
 from wsitrain.sft.plan_types import SegmentPlan
-from wsitrain.sft.regions import AxisTile, Interval, SegmentRegions, axis_tile
+from wsitrain.sft.regions import AxisTile
 from wsitrain.sft.runner import NodeRunner
-from wsitrain.sft.session import PlanSession
 from wsitrain.sft.staging import HostStager
-
-_C = (1, -1, 1, 1)  # per-channel vector to (1, C, 1, 1)
-
-
-@dataclass(frozen=True)
-class BNStat:
-    """A BatchNorm's batch statistic: per channel mean and 1/sqrt(biased var + eps), over ``count`` positions."""
-
-    mean: torch.Tensor  # (C,)
-    inv: torch.Tensor  # (C,)
-    count: int
-
-
-@dataclass(frozen=True)
-class SEStat:
-    """A squeeze-excitation's pooled map and its chain's results (with the chain's graph when kept)."""
-
-    pooled: torch.Tensor  # (B, C, 1, 1), a leaf that requires grad when the graph is kept
-    exits: dict[int, torch.Tensor]  # exit node -> (B, C', 1, 1) computed from ``pooled``
-    count: int  # H * W positions averaged
-
-
-def _wide(t: torch.Tensor) -> torch.Tensor:
-    """Statistics accumulate in at least float32."""
-    return t if t.dtype in (torch.float32, torch.float64) else t.float()
-
-
-@dataclass
-class _Moments:
-    """Running (count, mean, M2) per channel, combined tile by tile."""
-
-    count: int
-    mean: torch.Tensor  # (C,)
-    m2: torch.Tensor  # (C,)
-
-    @staticmethod
-    def of(part: torch.Tensor) -> _Moments:
-        """Moments of a (B, C, h, w) block, in at least float32."""
-        xs = _wide(part)
-        mean = xs.mean(dim=(0, 2, 3))
-        m2 = ((xs - mean.view(_C)) ** 2).sum(dim=(0, 2, 3))
-        return _Moments(part.numel() // part.shape[1], mean, m2)
-
-    def add(self, o: _Moments) -> _Moments:
-        """Chan et al.'s pairwise update: stable where a sum of squares would cancel."""
-        n = self.count + o.count
-        d = o.mean - self.mean
-        return _Moments(n, self.mean + d * (o.count / n), self.m2 + o.m2 + d * d * (self.count * o.count / n))
-
-
-def finish_batchnorm(m: nn.BatchNorm2d, mom: _Moments) -> BNStat:
-    """The statistic a train-mode BatchNorm normalizes with; updates its running statistics as PyTorch does."""
-    var = mom.m2 / mom.count  # biased: what the layer normalizes with
-    if m.training and m.track_running_stats and m.running_mean is not None and m.running_var is not None:
-        with torch.no_grad():
-            factor = 0.0 if m.momentum is None else float(m.momentum)
-            if m.num_batches_tracked is not None:
-                m.num_batches_tracked.add_(1)
-                if m.momentum is None:  # cumulative moving average
-                    factor = 1.0 / float(m.num_batches_tracked)
-            unbiased = mom.m2 / max(1, mom.count - 1)
-            m.running_mean.mul_(1.0 - factor).add_(mom.mean.to(m.running_mean.dtype), alpha=factor)
-            m.running_var.mul_(1.0 - factor).add_(unbiased.to(m.running_var.dtype), alpha=factor)
-    return BNStat(mom.mean, torch.rsqrt(var + m.eps), mom.count)
-
-
-def _bn_apply(m: nn.BatchNorm2d, mean: torch.Tensor, inv: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    y = (x - mean.view(_C)) * inv.view(_C)
-    if m.weight is not None:
-        y = y * m.weight.view(_C)
-    if m.bias is not None:
-        y = y + m.bias.view(_C)
-    return y.to(x.dtype)
-
-
-def owned_interval(out: Interval, size_out: int, size_v: int) -> Interval:
-    """The part of a node's axis [0, size_v) a tile owns, from its output interval on [0, size_out).
-
-    Boundaries scale monotonically and the last one is size_v, so the tiles' parts partition the axis.
-    """
-    return out[0] * size_v // size_out, out[1] * size_v // size_out
-
-
-def multipass_regions(facts: GraphFacts, seg: SegmentPlan, sources: set[int], chain: set[int]) -> SegmentRegions:
-    """The plan's tile grid with every tile's regions grown to cover its owned part of each barrier input.
-
-    Squeeze-excitation pools and chains (``chain``) run outside the tiles: a tile reads their exits whole.
-    """
-    assert seg.regions is not None
-    nodes = [i for i in range(seg.start + 1, seg.end + 1) if i not in chain]
-    specs = {i: facts.nodes[i].spec for i in nodes}
-    inputs = {i: tuple(v for v in facts.nodes[i].inputs if v not in chain) for i in nodes}
-    per_axis: list[tuple[AxisTile, ...]] = []
-    for axis, outs in ((0, seg.regions.rows_out), (1, seg.regions.cols_out)):
-        sizes = {i: facts.nodes[i].shape[2 + axis] for i in [seg.start, *nodes]}
-        size_out = sizes[seg.end]
-        per_axis.append(
-            tuple(
-                axis_tile(
-                    nodes,
-                    seg.start,
-                    inputs,
-                    specs,
-                    sizes,
-                    axis,
-                    o,
-                    owned={v: owned_interval(o, size_out, sizes[v]) for v in sources},
-                )
-                for o in outs
-            )
-        )
-    return SegmentRegions(seg.regions.rows_out, per_axis[0], seg.regions.cols_out, per_axis[1])
-
-
-Stats = dict[int, BNStat | SEStat]  # barrier node -> its statistic
-# barrier node -> the tensors a sweep differentiates: (mean, inv) of a BatchNorm, the exits of an SE
-Leaves = dict[int, list[torch.Tensor]]
-# barrier node -> gradients summed over tiles: (G_m, G_inv) of a BatchNorm, (G_P,) of an SE
-Totals = dict[int, tuple[torch.Tensor, ...]]
+from wsitrain.sft.sweep_plan import multipass_regions, owned_interval
 
 
 class MultiPassSegment(TiledSegment):
@@ -244,7 +132,7 @@ class MultiPassSegment(TiledSegment):
                 st = stats[u]
                 assert isinstance(st, BNStat)
                 mean, inv = leaves[u] if u in leaves else (st.mean, st.inv)
-                out = _bn_apply(self.bn[u], mean, inv, fetch(self.inputs[u][0]))
+                out = bn_apply(self.bn[u], mean, inv, fetch(self.inputs[u][0]))
             else:
                 out = self.runner.run(u, env, out_of_place=True, fetch=fetch)
             spec = self.specs[u]
@@ -301,16 +189,9 @@ class MultiPassSegment(TiledSegment):
             xo = self._owned(env[b.source], b.source, r, c)
             if xo.numel() == 0 or not xo.requires_grad:
                 continue
-            st = stats[b.node]
-            if isinstance(st, BNStat):
-                g_m, g_inv = totals[b.node]
-                xd = xo.detach()
-                corr = g_m.view(_C) / st.count - (g_inv * st.inv**3).view(_C) * (xd - st.mean.view(_C)) / st.count
-            else:
-                (g_p,) = totals[b.node]  # (B, C, 1, 1): every averaged position gets its 1 / (H * W) share
-                corr = (g_p / st.count).expand(xo.shape)
+            corr = correction(stats[b.node], totals[b.node], xo.detach())
             outs.append(xo)
-            gouts.append(corr.to(xo.dtype))
+            gouts.append(corr)
         return outs, gouts
 
     # ---- forward -------------------------------------------------------------------------------
@@ -324,7 +205,7 @@ class MultiPassSegment(TiledSegment):
         for lv in self.levels:
             here = self.at(lv)
             sources = {b.source for b in here}
-            moments: dict[int, _Moments] = {}
+            moments: dict[int, Moments] = {}
             sums: dict[int, torch.Tensor] = {}  # squeeze-excitation: (B, C, 1, 1) sums over owned positions
             dtypes: dict[int, torch.dtype] = {}  # the pooled map's dtype: its input's
             for r, c in self.tiles():
@@ -336,10 +217,10 @@ class MultiPassSegment(TiledSegment):
                     if part.numel() == 0:
                         continue
                     if b.kind == BATCHNORM:
-                        mom = _Moments.of(part)
+                        mom = Moments.of(part)
                         moments[b.node] = moments[b.node].add(mom) if b.node in moments else mom
                     else:
-                        ps = _wide(part).sum(dim=(2, 3), keepdim=True)
+                        ps = wide(part).sum(dim=(2, 3), keepdim=True)
                         dtypes[b.node] = part.dtype
                         sums[b.node] = sums[b.node] + ps if b.node in sums else ps
                 del env
@@ -482,81 +363,3 @@ class MultiPassSegment(TiledSegment):
             if self.hooks.stats is not None:
                 self.hooks.stats.stats.recomputed_tiles += 1
         return grad_x, grads
-
-
-class MultiPassFunction(torch.autograd.Function):
-    """Autograd node of a multi-pass segment: saves the segment input and the barriers' statistics."""
-
-    @staticmethod
-    def forward(ctx: Any, seg: MultiPassSegment, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.seg = seg
-        ctx.autocast = _AutocastState.capture(seg.device.type)
-        ctx.save_for_backward(x)
-        with torch.no_grad(), ctx.autocast.context():
-            out, ctx.stats = seg.forward_sweeps(x, keep_graph=True)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        (x,) = ctx.saved_tensors
-        grad_x, grads = ctx.seg.backward_sweeps(x, grad_out, ctx.stats, ctx.needs_input_grad[1], ctx.autocast)
-        return (None, grad_x, *grads)
-
-
-def run_tiled(seg: TiledSegment, x: torch.Tensor) -> torch.Tensor:
-    """Forward one tiled segment, in sweeps when it holds barriers, through autograd when gradients are wanted."""
-    if not isinstance(seg, MultiPassSegment):
-        return run_segment(seg, x)
-    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in seg.params)):
-        return MultiPassFunction.apply(seg, x, *seg.params)
-    with torch.no_grad(), _AutocastState.capture(seg.device.type).context():
-        return seg.forward_sweeps(x, keep_graph=False)[0]
-
-
-def tiled_segment(
-    facts: GraphFacts,
-    seg: SegmentPlan,
-    runner: NodeRunner,
-    device: torch.device,
-    stager: HostStager,
-    hooks: ExecHooks,
-) -> TiledSegment:
-    """The executor for a tiled segment of a plan: multi-pass when it holds barriers."""
-    specs = {i: facts.nodes[i].spec for i in range(seg.start + 1, seg.end + 1)}
-    inputs = {i: facts.nodes[i].inputs for i in specs}
-    cls = MultiPassSegment if segment_barriers(specs, inputs, seg.start, seg.end) else TiledSegment
-    return cls(facts, seg, runner, device, stager, hooks)
-
-
-def sweep_flops_factor(sess: PlanSession, start: int, end: int) -> float:
-    """Extra FLOPs of a segment's barrier sweeps, as a fraction of its one-sweep cost (0 without barriers).
-
-    One-sweep cost: forward, recompute and backward. Each level adds a forward up to its last barrier
-    input (every node before it: an upper bound on the ancestors the sweep runs) and a recompute plus
-    backward of the whole segment. Memoized per segment in the session (it does not depend on the tile).
-    """
-    key = (start, end)
-    if key not in sess._sweeps:
-        sess._sweeps[key] = _sweep_factor(sess.facts, start, end)
-    return sess._sweeps[key]
-
-
-def _sweep_factor(facts: GraphFacts, start: int, end: int) -> float:
-    nodes = range(start + 1, end + 1)
-    if not any(barrier_kind(facts.nodes[i].spec) for i in nodes):
-        return 0.0
-    specs = {i: facts.nodes[i].spec for i in nodes}
-    inputs = {i: facts.nodes[i].inputs for i in nodes}
-    bars = segment_barriers(specs, inputs, start, end)
-    fw_upto = [0.0]  # forward FLOPs of (start, i], i = start + k
-    bw_all = 0.0
-    for i in nodes:
-        f, b = node_flops(facts, i, float(math.prod(facts.nodes[i].shape)))
-        fw_upto.append(fw_upto[-1] + f)
-        bw_all += b
-    fw_all = fw_upto[-1]
-    extra = 0.0
-    for lv in sorted({b.level for b in bars}):
-        last_src = max(b.source for b in bars if b.level == lv)
-        extra += fw_upto[last_src - start] + fw_all + bw_all
-    return extra / max(1.0, 2 * fw_all + bw_all)

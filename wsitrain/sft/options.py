@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from wsitrain.sft.memory_model import SimOp, SimResult, simulate
-from wsitrain.sft.multipass import sweep_flops_factor
 from wsitrain.sft.ops import SPATIAL_KINDS
 from wsitrain.sft.session import PlanSession
+from wsitrain.sft.sweep_plan import sweep_flops_factor
 from wsitrain.sft.tile_memory import TileChoice, tile_choice
 
 PLAIN = "plain"
