@@ -82,6 +82,17 @@ class MBConv(nn.Module):
         return x + y if self.residual else y
 
 
+class MeanGate(nn.Module):
+    """Squeeze-excitation written as timm does: a mean over (H, W) keeping dims, a 1x1 conv, a sigmoid."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.fc = nn.Conv2d(c, c, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(self.fc(x.mean((2, 3), keepdim=True)))
+
+
 def se_blocks() -> nn.Module:
     trunk = nn.Sequential(nn.Conv2d(3, 8, 3, 2, 1), nn.BatchNorm2d(8), nn.SiLU(), MBConv(8, 16), MBConv(8, 24, 2))
     return nn.Sequential(OrderedDict([("features", trunk), *_head(8)]))
@@ -90,7 +101,7 @@ def se_blocks() -> nn.Module:
 def _randomize_bn(model: nn.Module) -> None:
     """Non-trivial affine parameters and running statistics, so a wrong update shows."""
     for m in model.modules():
-        if isinstance(m, nn.BatchNorm2d):
+        if isinstance(m, nn.BatchNorm2d) and m.running_mean is not None:
             m.running_mean.uniform_(-0.2, 0.2)
             m.running_var.uniform_(0.5, 1.5)
             m.num_batches_tracked.fill_(3)
@@ -124,7 +135,6 @@ def check(make, shape: tuple[int, ...], seed: int = 0, train: bool = True, **sft
         torch.testing.assert_close(b, a, **F64, msg=lambda m, n=n: f"{n}: {m}")
     torch.testing.assert_close(var[2], ref[2], **F64)
     bnames = [n for n, _ in model.named_buffers()]
-    assert any(n.endswith("num_batches_tracked") for n in bnames)
     for n, a, b in zip(bnames, ref[3], var[3], strict=True):
         torch.testing.assert_close(b, a, **F64, msg=lambda m, n=n: f"{n}: {m}")
     return sft
@@ -217,3 +227,46 @@ def test_efficientnet_b0_eval_at_45_percent() -> None:
     assert plan.fits and plan.estimated_peak_bytes <= budget
     squeezed = [b for s in multipass_segments(sft) for b in s.barriers if b.kind == "squeeze"]
     assert len(squeezed) >= 2, f"squeeze-excitation blocks must run tiled:\n{plan}"
+
+
+def gated_no_running_stats() -> nn.Module:
+    """BatchNorm without running statistics (batch statistics even in eval) and a mean-based gate."""
+    trunk = nn.Sequential(
+        nn.Conv2d(3, 6, 3, padding=1),
+        nn.BatchNorm2d(6, track_running_stats=False),
+        nn.ReLU(),
+        MeanGate(6),
+        nn.Conv2d(6, 8, 3, stride=2, padding=1),
+        nn.ReLU(),
+    )
+    return nn.Sequential(OrderedDict([("features", trunk), *_head(8)]))
+
+
+def test_batch_statistics_without_running_stats_and_mean_gate() -> None:
+    sft = check(gated_no_running_stats, (2, 3, 45, 62), seed=6, train=False, tile_size=16, memory_budget="4GiB")
+    kinds = sorted(b.kind for s in multipass_segments(sft) for b in s.barriers)
+    assert kinds == ["batchnorm", "squeeze"], kinds
+
+
+@pytest.mark.parametrize("make", [bn_chain, se_blocks])
+def test_bf16_autocast_as_accurate_as_plain(make) -> None:
+    """Under bf16 autocast the sweeps lose no more than plain autograd does against a float64 reference:
+    BatchNorm's explicit gradient and its statistic's correction nearly cancel, so they must meet in float32."""
+    torch.manual_seed(7)
+    model = make().train()
+    _randomize_bn(model)
+    twin, ref = copy.deepcopy(model), copy.deepcopy(model).double()
+    x = torch.randn(2, 3, 45, 62)
+    ref(x.double()).square().sum().backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x).float().square().sum().backward()
+        SFT(twin, tile_size=16, memory_budget="4GiB", checkpoints=[])(x).float().square().sum().backward()
+    for (n, r), a, b in zip(ref.named_parameters(), model.parameters(), twin.parameters(), strict=True):
+        scale = r.grad.abs().max().item()
+        if scale < 1e-6:  # a conv bias before BatchNorm: its true gradient is zero, both are round-off
+            continue
+        err_plain = (a.grad.double() - r.grad).abs().max().item() / scale
+        err_sft = (b.grad.double() - r.grad).abs().max().item() / scale
+        # bf16 round-off depends on summation order (tiles sum differently), so allow 2x; adding BatchNorm's
+        # correction in bf16 instead of float32 made it 5.6x
+        assert err_sft <= 2.0 * err_plain + 0.01, f"{n}: bf16 error {err_sft:.3g} against plain's {err_plain:.3g}"

@@ -56,6 +56,11 @@ from wsitrain.sft.staging import HostStager
 from wsitrain.sft.sweep_plan import multipass_regions, owned_interval
 
 
+def _wide_key(bn: int) -> int:
+    """Where a tile's environment keeps a BatchNorm's widened input (node indices are never negative)."""
+    return -1 - bn
+
+
 class MultiPassSegment(TiledSegment):
     """A tiled segment with barriers: forward and backward in sweeps over the tiles (see the module doc)."""
 
@@ -132,7 +137,14 @@ class MultiPassSegment(TiledSegment):
                 st = stats[u]
                 assert isinstance(st, BNStat)
                 mean, inv = leaves[u] if u in leaves else (st.mean, st.inv)
-                out = bn_apply(self.bn[u], mean, inv, fetch(self.inputs[u][0]))
+                v = self.inputs[u][0]
+                # the layer's input in at least float32, kept: the statistic's gradient correction joins
+                # the explicit gradient there, as BatchNorm's own backward combines them in float32
+                env[_wide_key(u)] = wide(env[v])
+                (rl, rh), (cl, ch) = rt.req[(u, v)], ct.req[(u, v)]
+                nr, nc = rt.need[v][0], ct.need[v][0]
+                x_in = env[_wide_key(u)][:, :, rl - nr : rh - nr, cl - nc : ch - nc]
+                out = bn_apply(self.bn[u], mean, inv, x_in).to(env[v].dtype)
             else:
                 out = self.runner.run(u, env, out_of_place=True, fetch=fetch)
             spec = self.specs[u]
@@ -186,7 +198,7 @@ class MultiPassSegment(TiledSegment):
         for b in self.barriers:
             if b.node not in totals:
                 continue
-            xo = self._owned(env[b.source], b.source, r, c)
+            xo = self._owned(env.get(_wide_key(b.node), env[b.source]), b.source, r, c)
             if xo.numel() == 0 or not xo.requires_grad:
                 continue
             corr = correction(stats[b.node], totals[b.node], xo.detach())
@@ -271,7 +283,8 @@ class MultiPassSegment(TiledSegment):
             here = self.at(lv)
             leaves: Leaves = {b.node: self._leaves(b, stats[b.node]) for b in here}
             flat = [t for b in here for t in leaves[b.node]]
-            sums: list[torch.Tensor] = [torch.zeros_like(t) for t in flat]
+            # sums over tiles in at least float32: bf16 leaves (SE exits under autocast) would round each add
+            sums: list[torch.Tensor] = [torch.zeros_like(wide(t)) for t in flat]
             for r, c in self.tiles():
                 t0 = self._tick()
                 rt, ct = reg.rows[r], reg.cols[c]
@@ -307,7 +320,7 @@ class MultiPassSegment(TiledSegment):
         """Fresh leaves for a barrier's fixed values: a backward sweep collects their gradients."""
         if isinstance(st, BNStat):
             return [st.mean.detach().requires_grad_(), st.inv.detach().requires_grad_()]
-        return [st.exits[e].detach().requires_grad_() for e in b.exits]
+        return [wide(st.exits[e].detach()).requires_grad_() for e in b.exits]
 
     def _through_chain(
         self, b: Barrier, st: SEStat, g_exits: list[torch.Tensor], chain_grads: dict[int, torch.Tensor]
@@ -315,7 +328,8 @@ class MultiPassSegment(TiledSegment):
         """G_P: the exits' total gradients through the kept chain graph; adds the chain's parameter gradients."""
         params = self.chain_params[b.node]
         outs = [st.exits[e] for e in b.exits]
-        res = torch.autograd.grad(outs, [st.pooled, *params], g_exits, allow_unused=True)
+        g_out = [g.to(o.dtype) for g, o in zip(g_exits, outs, strict=True)]
+        res = torch.autograd.grad(outs, [st.pooled, *params], g_out, allow_unused=True)
         for p, g in zip(params, res[1:], strict=True):
             if g is not None:
                 chain_grads[id(p)] = chain_grads[id(p)] + g if id(p) in chain_grads else g
