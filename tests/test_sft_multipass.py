@@ -13,7 +13,7 @@ from collections import OrderedDict
 import pytest
 import torch
 from torch import nn
-from torchvision.models import efficientnet_b0, resnet18
+from torchvision.models import efficientnet_b0, regnet_y_800mf, resnet18
 from torchvision.models.resnet import BasicBlock
 from torchvision.ops import SqueezeExcitation, StochasticDepth
 
@@ -215,14 +215,19 @@ def _efficientnet_b0() -> nn.Module:
     return model
 
 
-def test_efficientnet_b0_eval_at_45_percent() -> None:
-    """EfficientNet-B0 (squeeze-excitation in every block) at 240 x 272 px within 45% of plain's activation
-    memory: fits with squeeze-excitation blocks inside tiled segments, and is exact."""
+def _regnet_y_800mf() -> nn.Module:
+    return regnet_y_800mf(num_classes=3)
+
+
+@pytest.mark.parametrize("make", [_efficientnet_b0, _regnet_y_800mf])
+def test_squeeze_excitation_nets_eval_at_45_percent(make) -> None:
+    """EfficientNet-B0 and RegNetY-800MF (squeeze-excitation in every block) at 240 x 272 px within 45% of
+    plain's activation memory: fit with squeeze-excitation blocks inside tiled segments, and are exact."""
     shape = (1, 3, 240, 272)
-    probe = SFT(_efficientnet_b0().double(), memory_budget="8GiB").plan_for(shape)
+    probe = SFT(make().double(), memory_budget="8GiB").plan_for(shape)
     fixed = sum(probe.breakdown[k] for k in ("parameters", "runtime", "gradients"))
     budget = int(fixed + 0.45 * (probe.baseline_peak_bytes - fixed))
-    sft = check(_efficientnet_b0, shape, seed=5, train=False, memory_budget=budget)
+    sft = check(make, shape, seed=5, train=False, memory_budget=budget)
     plan = next(iter(sft._cache.values())).plan
     assert plan.fits and plan.estimated_peak_bytes <= budget
     squeezed = [b for s in multipass_segments(sft) for b in s.barriers if b.kind == "squeeze"]
