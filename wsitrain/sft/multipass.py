@@ -26,6 +26,9 @@ level L; the last sweep adds every correction and returns parameter and input gr
 position's correction enters once, so sums over tiles are the plain gradient.
 
 The statistics computed in forward are kept for backward (per channel: tiny); nothing else is.
+Under autocast, statistics and leaf gradients are summed in float32, and BatchNorm's correction
+joins its explicit gradient on a float32 copy of the layer's input, as BatchNorm's own backward
+combines them in float32: in bf16 the two nearly cancel.
 """
 
 from __future__ import annotations
