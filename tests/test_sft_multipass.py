@@ -275,3 +275,30 @@ def test_bf16_autocast_as_accurate_as_plain(make) -> None:
         # bf16 round-off depends on summation order (tiles sum differently), so allow 2x; adding BatchNorm's
         # correction in bf16 instead of float32 made it 5.6x
         assert err_sft <= 2.0 * err_plain + 0.01, f"{n}: bf16 error {err_sft:.3g} against plain's {err_plain:.3g}"
+
+
+def test_hooks_see_the_sweeps_output_and_input_gradient() -> None:
+    """The trunk observer gets the output sweep's tiles and the input-gradient sink the last sweep's shares."""
+    torch.manual_seed(8)
+    model = bn_chain().double().train()
+    _randomize_bn(model)
+    twin = copy.deepcopy(model)
+    x = torch.randn(2, 3, 45, 62, dtype=torch.float64)
+    xr = x.clone().requires_grad_()
+    ref_trunk = model.features(xr)
+    model.fc(model.flatten(model.pool(ref_trunk))).square().sum().backward()
+    sft = SFT(twin, tile_size=16, memory_budget="4GiB", checkpoints=[])
+    trunk = torch.zeros_like(ref_trunk)
+    grad = torch.zeros_like(x)
+
+    def observe(t: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> None:
+        trunk[:, :, rows[0] : rows[1], cols[0] : cols[1]] = t
+
+    def sink(g: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> None:
+        grad[:, :, rows[0] : rows[1], cols[0] : cols[1]] += g
+
+    with sft.observe_trunk(observe), sft.input_gradient_sink(sink):
+        sft(x.clone().requires_grad_()).square().sum().backward()
+    assert multipass_segments(sft)
+    torch.testing.assert_close(trunk, ref_trunk.detach(), **F64)
+    torch.testing.assert_close(grad, xr.grad, **F64)
