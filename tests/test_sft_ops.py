@@ -136,7 +136,7 @@ def test_dropout_in_training_refused() -> None:
 
 
 def test_tiling_report_names_what_ends_tiling() -> None:
-    """Squeeze-excitation's pooling ends the tiled trunk, named by module path; layers that run plain are listed."""
+    """The head's pooling ends the tiled trunk, named by module path (squeeze-excitation tiles, in sweeps)."""
     import torchvision
 
     model = torchvision.models.efficientnet_b0().eval()
@@ -144,9 +144,8 @@ def test_tiling_report_names_what_ends_tiling() -> None:
     graph = ctx.graph
     report = tiling_report(ctx.specs, ctx.trunk_end, lambda i: user_name(graph.nodes[i].fx_node, graph.gm))
     assert report.stop is not None
-    assert report.stop[0] == "features.1.0.block.1.avgpool (AdaptiveAvgPool2d)"
-    assert "squeeze-excitation" in report.stop[1]
-    assert report.trunk_nodes < 10 < report.nodes
+    assert report.stop[0] == "avgpool (AdaptiveAvgPool2d)"
+    assert report.trunk_nodes > 200 and report.nodes - report.trunk_nodes < 10
     ctx = context(convnext_like().double(), (1, 3, 45, 62))
     graph = ctx.graph
     report = tiling_report(ctx.specs, ctx.trunk_end, lambda i: user_name(graph.nodes[i].fx_node, graph.gm))

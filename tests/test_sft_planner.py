@@ -111,7 +111,6 @@ def _with(layer: nn.Module) -> nn.Sequential:
 @pytest.mark.parametrize(
     ("layer", "words"),
     [
-        (nn.BatchNorm2d(8), ["features.1", "BatchNorm2d", "freeze"]),
         (nn.Dropout(0.5), ["features.1", "Dropout", "position-dependent"]),
         (nn.GroupNorm(2, 8), ["features.1", "GroupNorm", "not an operator the SFT engine knows"]),
     ],

@@ -13,9 +13,10 @@ from torch import nn
 
 from wsitrain.errors import PlanError
 from wsitrain.memory import DeviceMemory, PeakMeter, detect_budget
-from wsitrain.sft.executor import ExecHooks, TiledSegment, TileObserver, run_segment
+from wsitrain.sft.executor import ExecHooks, TiledSegment, TileObserver
 from wsitrain.sft.facts import GraphFacts
 from wsitrain.sft.graph import ModelGraph
+from wsitrain.sft.multipass_autograd import run_tiled, tiled_segment
 from wsitrain.sft.plan_types import Plan
 from wsitrain.sft.planner import build_plan, new_session
 from wsitrain.sft.runner import NodeRunner
@@ -276,7 +277,7 @@ class SFT(nn.Module):
                 "or train in bf16",
             )
         segs = tuple(
-            TiledSegment(facts, s, self._runner, device, self._stager, self._hooks) if s.mode == "tiled" else None
+            tiled_segment(facts, s, self._runner, device, self._stager, self._hooks) if s.mode == "tiled" else None
             for s in p.segments
         )
         compiled = _Compiled(p, facts, segs)
@@ -336,7 +337,7 @@ class SFT(nn.Module):
                         env[0] = env[0].to(device, non_blocking=True)
                 self._runner.run_plain(sp.start, sp.end, env)
             else:
-                env[sp.end] = run_segment(seg, env[sp.start])
+                env[sp.end] = run_tiled(seg, env[sp.start])
             for k in [k for k in env if k < sp.end]:
                 del env[k]  # autograd keeps what backward needs; this frame keeps nothing more
         trunk_end = c.facts.trunk_end

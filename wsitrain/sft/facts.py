@@ -17,6 +17,7 @@ import torch
 from torch import fx
 
 from wsitrain.errors import PlanError
+from wsitrain.sft.barriers import mark_barriers
 from wsitrain.sft.fused_pool import PoolFusion, pool_kind
 from wsitrain.sft.graph import ModelGraph
 from wsitrain.sft.ops import POINTWISE, OpSpec
@@ -94,6 +95,8 @@ def annotate(
     names = [g.name for g in graph.nodes]
     specs = resolve_layouts(graph.gm, [g.fx_node for g in graph.nodes], graph.specs(), [s for s, _ in shapes],
                             names.__getitem__)
+    # whole-map statistics inside the trunk (train BatchNorm, squeeze-excitation) run tiled in sweeps
+    specs = mark_barriers(graph, specs, [s for s, _ in shapes])
     act = torch.empty((), dtype=act_dtype).element_size()
     inp = torch.empty((), dtype=input_dtype).element_size()
     n = len(graph.nodes)

@@ -72,7 +72,9 @@ def _meta_copy(gm: fx.GraphModule) -> fx.GraphModule:
         memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
     for b in gm.buffers():
         memo[id(b)] = torch.empty_like(b, device="meta")
-    return copy.deepcopy(gm, memo)
+    # eval: shapes do not depend on the mode, and train-mode BatchNorm would update (meta) running
+    # statistics, which with momentum=None reads num_batches_tracked (.item() fails on meta tensors)
+    return copy.deepcopy(gm, memo).eval()
 
 
 class ModelGraph:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from wsitrain.sft.memory_model import SimOp, SimResult, simulate
 from wsitrain.sft.ops import SPATIAL_KINDS
 from wsitrain.sft.session import PlanSession
+from wsitrain.sft.sweep_plan import sweep_flops_factor
 from wsitrain.sft.tile_memory import TileChoice, tile_choice
 
 PLAIN = "plain"
@@ -45,20 +46,23 @@ def plain_option(sess: PlanSession, start: int, end: int) -> SegOption:
     return SegOption(start, end, PLAIN, None, res.forward_peak, res.backward_peak, retained, flops, flops)
 
 
-def fuses_pool(sess: PlanSession, end: int) -> bool:
-    """A tiled segment ending the trunk folds the global pool when the model has one right after it."""
-    return end == sess.facts.trunk_end and sess.facts.fusion is not None
+def fuses_pool(sess: PlanSession, start: int, end: int) -> bool:
+    """A tiled segment ending the trunk folds the global pool when the model has one right after it.
+
+    Not (yet) a multi-pass segment: its sweeps join their own output tiles.
+    """
+    return end == sess.facts.trunk_end and sess.facts.fusion is not None and not sweep_flops_factor(sess, start, end)
 
 
-def _output(sess: PlanSession, end: int) -> int:
-    """The node whose value a tiled segment ending at ``end`` leaves behind (the pool's, when fused)."""
+def _output(sess: PlanSession, start: int, end: int) -> int:
+    """The node whose value a tiled segment (start, end] leaves behind (the pool's, when fused)."""
     fusion = sess.facts.fusion
-    return fusion.node if fuses_pool(sess, end) and fusion is not None else end
+    return fusion.node if fuses_pool(sess, start, end) and fusion is not None else end
 
 
 def tiled_floor(sess: PlanSession, start: int, end: int, in_host: bool = False) -> int:
     """Local peak of a tiled segment before any tile: no tile size can go below it."""
-    in_dev, out = (0 if in_host else sess.device_bytes(start)), _output(sess, end)
+    in_dev, out = (0 if in_host else sess.device_bytes(start)), _output(sess, start, end)
     grad_in = 0 if in_host else sess.grad_bytes(start)
     return max(in_dev + sess.nbytes(out), in_dev + sess.grad_bytes(out) + grad_in + sess.grads_after[end + 1])
 
@@ -87,14 +91,17 @@ def tiled_option(sess: PlanSession, start: int, end: int, edge: int, in_host: bo
     """Tile (start, end] with ``edge``; with ``in_host`` its input checkpoint and that checkpoint's gradient
     buffer live in host memory (tiles are staged in, gradient tiles added back on the host)."""
     t = tile_choice(sess, start, end, edge, staged=in_host)
-    in_dev, out = (0 if in_host else sess.device_bytes(start)), _output(sess, end)
+    in_dev, out = (0 if in_host else sess.device_bytes(start)), _output(sess, start, end)
     grad_in = 0 if in_host else sess.grad_bytes(start)
     seg_param_grads = sum(sess.facts.nodes[i].param_bytes for i in range(start + 1, end + 1))
     local_fwd = in_dev + sess.nbytes(out) + t.fwd_peak
     local_bwd = in_dev + sess.grad_bytes(out) + grad_in + t.bwd_peak + seg_param_grads
     moved = 5 * sess.nbytes(start) if in_host else 0  # out and grad down, tiles up twice, grad tiles up
-    cost = t.flops + t.overhead + HOST_BYTE_FLOPS * moved
-    return SegOption(start, end, TILED, t, local_fwd, local_bwd, in_dev, t.flops, cost, fuses_pool(sess, end), in_host)
+    sweeps = 1.0 + sweep_flops_factor(sess, start, end)  # barriers add sweeps over the tiles
+    flops = sweeps * t.flops
+    cost = sweeps * (t.flops + t.overhead) + HOST_BYTE_FLOPS * moved
+    fused = fuses_pool(sess, start, end)
+    return SegOption(start, end, TILED, t, local_fwd, local_bwd, in_dev, flops, cost, fused, in_host)
 
 
 def path_ops(sess: PlanSession, path: tuple[SegOption, ...]) -> list[SimOp]:
@@ -107,7 +114,7 @@ def path_ops(sess: PlanSession, path: tuple[SegOption, ...]) -> list[SimOp]:
             ops.extend(sess.sim_op(i, sess.nbytes(i)) for i in range(opt.start + 1, opt.end + 1))
             continue
         assert opt.tile is not None
-        out = _output(sess, opt.end) if opt.fused else opt.end
+        out = _output(sess, opt.start, opt.end) if opt.fused else opt.end
         ops.append(
             SimOp(
                 out=out,

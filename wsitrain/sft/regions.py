@@ -52,15 +52,21 @@ def axis_tile(
     sizes: Mapping[int, int],
     axis: int,
     out_interval: Interval,
+    owned: Mapping[int, Interval] | None = None,
 ) -> AxisTile:
     """Intervals for one tile along ``axis`` (0 = H, 1 = W) of the segment whose last node is ``seg_nodes[-1]``.
 
-    ``sizes`` maps each node (and the segment input) to its extent along this axis.
+    ``sizes`` maps each node (and the segment input) to its extent along this axis. ``owned``: nodes
+    whose statistics the tile accumulates (barrier inputs, see ``wsitrain.sft.multipass``) with the
+    interval the tile owns; the tile computes at least that, even where no later layer reads it.
     """
+    extra = {v: r for v, r in (owned or {}).items() if r[1] > r[0]}
     need: dict[int, Interval] = {seg_nodes[-1]: out_interval}
     req: dict[tuple[int, int], Interval] = {}
     computed: dict[int, Interval] = {}
     for u in reversed(seg_nodes):
+        if u in extra:
+            need[u] = _hull(need.get(u), extra[u])
         a, b = need[u]
         spec = specs[u]
         for v in inputs[u]:
@@ -80,6 +86,8 @@ def axis_tile(
             computed[u] = (g0, g0 + max(n_out, b - g0))
         else:
             computed[u] = (a, b)
+    if seg_input in extra:
+        need[seg_input] = _hull(need.get(seg_input), extra[seg_input])
     computed[seg_input] = need[seg_input]
     return AxisTile(need, req, computed)
 

@@ -25,6 +25,7 @@ class PlanSession:
     host_checkpoints: str = "auto"
     _plain: dict[tuple[int, int], tuple[SimResult, float]] = field(default_factory=dict, repr=False)
     _tiles: dict[tuple[int, ...], object] = field(default_factory=dict, repr=False)  # memo of tile_memory
+    _sweeps: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)  # memo of multipass
 
     def __post_init__(self) -> None:
         f = self.facts

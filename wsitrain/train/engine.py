@@ -53,7 +53,10 @@ def batchnorm_note(model: nn.Module, freeze_bn: bool) -> str:
         return (
             f"BatchNorm: {n} layers frozen (running statistics fixed, affine trained; model.freeze_bn: false to change)"
         )
-    return f"BatchNorm: {n} layers in training mode (batch statistics per tile; results are not tiling-exact)"
+    return (
+        f"BatchNorm: {n} layers in training mode (statistics of the whole batch; tiled segments holding them "
+        "run extra sweeps over their tiles)"
+    )
 
 
 def wrap_engine(

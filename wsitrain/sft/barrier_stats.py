@@ -1,0 +1,108 @@
+"""Statistics of barrier layers (``wsitrain.sft.barriers``) accumulated over tiles, and what they apply.
+
+BatchNorm: per-channel (count, mean, M2) combined tile by tile with Chan's parallel update, then the
+normalization the layer applies and the running-statistics update ``F.batch_norm`` does.
+Squeeze-excitation: the pooled map and its chain's results (see ``wsitrain.sft.multipass``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+C_SHAPE = (1, -1, 1, 1)  # per-channel vector to (1, C, 1, 1)
+
+
+@dataclass(frozen=True)
+class BNStat:
+    """A BatchNorm's batch statistic: per channel mean and 1/sqrt(biased var + eps), over ``count`` positions."""
+
+    mean: torch.Tensor  # (C,)
+    inv: torch.Tensor  # (C,)
+    count: int
+
+
+@dataclass(frozen=True)
+class SEStat:
+    """A squeeze-excitation's pooled map and its chain's results (with the chain's graph when kept)."""
+
+    pooled: torch.Tensor  # (B, C, 1, 1), a leaf that requires grad when the graph is kept
+    exits: dict[int, torch.Tensor]  # exit node -> (B, C', 1, 1) computed from ``pooled``
+    count: int  # H * W positions averaged
+
+
+def wide(t: torch.Tensor) -> torch.Tensor:
+    """Statistics accumulate in at least float32."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
+@dataclass
+class Moments:
+    """Running (count, mean, M2) per channel, combined tile by tile."""
+
+    count: int
+    mean: torch.Tensor  # (C,)
+    m2: torch.Tensor  # (C,)
+
+    @staticmethod
+    def of(part: torch.Tensor) -> Moments:
+        """Moments of a (B, C, h, w) block, in at least float32."""
+        xs = wide(part)
+        mean = xs.mean(dim=(0, 2, 3))
+        m2 = ((xs - mean.view(C_SHAPE)) ** 2).sum(dim=(0, 2, 3))
+        return Moments(part.numel() // part.shape[1], mean, m2)
+
+    def add(self, o: Moments) -> Moments:
+        """Chan et al.'s pairwise update: stable where a sum of squares would cancel."""
+        n = self.count + o.count
+        d = o.mean - self.mean
+        return Moments(n, self.mean + d * (o.count / n), self.m2 + o.m2 + d * d * (self.count * o.count / n))
+
+
+def finish_batchnorm(m: nn.BatchNorm2d, mom: Moments) -> BNStat:
+    """The statistic a train-mode BatchNorm normalizes with; updates its running statistics as PyTorch does."""
+    var = mom.m2 / mom.count  # biased: what the layer normalizes with
+    if m.training and m.track_running_stats and m.running_mean is not None and m.running_var is not None:
+        with torch.no_grad():
+            factor = 0.0 if m.momentum is None else float(m.momentum)
+            if m.num_batches_tracked is not None:
+                m.num_batches_tracked.add_(1)
+                if m.momentum is None:  # cumulative moving average
+                    factor = 1.0 / float(m.num_batches_tracked)
+            unbiased = mom.m2 / max(1, mom.count - 1)
+            m.running_mean.mul_(1.0 - factor).add_(mom.mean.to(m.running_mean.dtype), alpha=factor)
+            m.running_var.mul_(1.0 - factor).add_(unbiased.to(m.running_var.dtype), alpha=factor)
+    return BNStat(mom.mean, torch.rsqrt(var + m.eps), mom.count)
+
+
+def bn_apply(m: nn.BatchNorm2d, mean: torch.Tensor, inv: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    y = (x - mean.view(C_SHAPE)) * inv.view(C_SHAPE)
+    if m.weight is not None:
+        y = y * m.weight.view(C_SHAPE)
+    if m.bias is not None:
+        y = y + m.bias.view(C_SHAPE)
+    return y.to(x.dtype)
+
+
+def correction(st: BNStat | SEStat, total: tuple[torch.Tensor, ...], x: torch.Tensor) -> torch.Tensor:
+    """The statistic's part of the gradient at input positions ``x`` (B, C, h, w), detached.
+
+    BatchNorm (biased variance over N positions): G_m / N - G_inv * inv^3 * (x - m) / N.
+    Squeeze-excitation: every averaged position gets its 1 / (H * W) share of G_P (B, C, 1, 1).
+    """
+    if isinstance(st, BNStat):
+        g_m, g_inv = total
+        corr = g_m.view(C_SHAPE) / st.count - (g_inv * st.inv**3).view(C_SHAPE) * (x - st.mean.view(C_SHAPE)) / st.count
+    else:
+        (g_p,) = total
+        corr = (g_p / st.count).expand(x.shape)
+    return corr.to(x.dtype)
+
+
+Stats = dict[int, BNStat | SEStat]  # barrier node -> its statistic
+# barrier node -> the tensors a sweep differentiates: (mean, inv) of a BatchNorm, the exits of an SE
+Leaves = dict[int, list[torch.Tensor]]
+# barrier node -> gradients summed over tiles: (G_m, G_inv) of a BatchNorm, (G_P,) of an SE
+Totals = dict[int, tuple[torch.Tensor, ...]]

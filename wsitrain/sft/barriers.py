@@ -1,0 +1,207 @@
+"""Barrier nodes: operators inside the trunk whose output needs a statistic of their WHOLE input.
+
+Two kinds, both spatially pointwise once the statistic is known:
+- train-mode BatchNorm normalizes with the batch's per-channel mean and variance over (B, H, W);
+- squeeze-excitation: a global average pool (B, C, 1, 1) whose result goes through a *chain* of
+  layers on 1 x 1 maps (1x1 convs, activations, sigmoid) and comes back into the spatial graph only
+  through broadcast multiplies. Its *exits* are the chain nodes those multiplies read.
+No tile sees the statistic, so a tiled segment holding a barrier runs in sweeps
+(``wsitrain.sft.multipass``): first the statistic over all tiles, then the layers after it with the
+statistic (BatchNorm) or the chain's result (squeeze-excitation) as a constant. This module finds
+such nodes and describes them; the sweeps live in ``multipass``.
+
+Barrier nodes get a tileable POINTWISE spec (their regions map an interval to itself) tagged with
+``extra["barrier"]``; chain nodes are tagged ``extra["chain_of"]`` and cost nothing per tile (they
+run once per step on (B, C, 1, 1) tensors). A global pool whose result never returns into a spatial
+tensor is not a barrier: it starts the head, as before.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from wsitrain.sft.graph import ModelGraph
+from wsitrain.sft.ops import MERGE, POINTWISE, OpSpec
+
+BATCHNORM = "batchnorm"  # per-channel mean and biased variance over (B, H, W)
+SQUEEZE = "squeeze"  # per-(sample, channel) mean over (H, W), fed through a chain back into a multiply
+
+
+def is_batch_stat_bn(m: nn.Module) -> bool:
+    """A BatchNorm2d that normalizes with batch statistics: training mode, or no running statistics.
+
+    Only torch's own forward: a subclass that overrides it (FrozenBatchNorm2d, SyncBatchNorm's
+    process-group reduction) means something else.
+    """
+    return (
+        isinstance(m, nn.BatchNorm2d)
+        and type(m).forward is _BatchNorm.forward
+        and (m.training or m.running_mean is None)
+    )
+
+
+def mark_barriers(graph: ModelGraph, specs: list[OpSpec], shapes: Sequence[tuple[int, ...]]) -> list[OpSpec]:
+    """``specs`` with every barrier node made tileable and tagged (the annotating pass calls this)."""
+    out = list(specs)
+    in_chain: set[int] = set()
+    for g in graph.nodes[1:]:
+        found = squeeze_excitation(graph, g.index, shapes)
+        if found is None:
+            continue
+        chain, exits = found
+        in_chain |= set(chain)
+        out[g.index] = _barrier_spec(specs[g.index], {"barrier": SQUEEZE, "chain": chain, "exits": exits})
+        for i in chain:
+            out[i] = replace(_barrier_spec(specs[i], {"chain_of": g.index}), flops_per_output=0.0)
+        for e in exits:  # its readers multiply a feature map by tile constants: pointwise in space
+            for u in graph.nodes[e].users:
+                if u not in chain and u != g.index and not out[u].tileable:
+                    out[u] = replace(out[u], kind=MERGE, tileable=True, why_not="", spatial_dims=(2, 3))
+    for g in graph.nodes[1:]:
+        m = graph.module(g.index)
+        if m is not None and is_batch_stat_bn(m) and g.index not in in_chain:
+            # statistics (2 per element) plus normalize and affine (2), as autograd does it
+            out[g.index] = replace(
+                _barrier_spec(specs[g.index], {"barrier": BATCHNORM}),
+                saves_input=True,
+                flops_per_output=4.0,
+                has_params=m.affine,
+            )
+    return out
+
+
+def _barrier_spec(spec: OpSpec, extra: dict[str, object]) -> OpSpec:
+    # (B, C, H, W) layout: the layout pass took the pool's (B, C, 1, 1) result for a whole-image value; in sweeps
+    # it is a constant of every tile
+    return replace(
+        spec, kind=POINTWISE, windows=None, tileable=True, why_not="", inplace=False, alias=False, extra=extra,
+        spatial_dims=(2, 3),
+    )
+
+
+def _is_global_avg_pool(node: fx.Node, module: nn.Module | None) -> bool:
+    """AdaptiveAvgPool2d(1), F.adaptive_avg_pool2d(x, 1), or a mean over (H, W) keeping the dims."""
+    if module is not None:
+        return isinstance(module, nn.AdaptiveAvgPool2d) and module.output_size in (1, (1, 1))
+    if node.op == "call_function" and node.target is F.adaptive_avg_pool2d:
+        size = node.args[1] if len(node.args) > 1 else node.kwargs.get("output_size")
+        return size in (1, (1, 1))
+    is_mean = (node.op == "call_method" and node.target == "mean") or (
+        node.op == "call_function" and node.target is torch.mean
+    )
+    if not is_mean:
+        return False
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    return bool(keep) and isinstance(dim, (tuple, list)) and sorted(int(d) % 4 for d in dim) == [2, 3]
+
+
+def _is_mul(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target in ("mul", "mul_")
+    return node.op == "call_function" and node.target in (operator.mul, operator.imul, torch.mul)
+
+
+def squeeze_excitation(
+    graph: ModelGraph, p: int, shapes: Sequence[tuple[int, ...]]
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(chain, exits) when node p is a squeeze-excitation pool, else None.
+
+    The chain is every later node computed from the pool alone on (B, C', 1, 1) maps; its exits are
+    the chain nodes read by a node outside it. It is squeeze-excitation when every such reader is a
+    multiply with a spatial operand outside the chain and the model does not return a chain value.
+    """
+    g = graph.nodes[p]
+    if len(g.inputs) != 1 or not _is_global_avg_pool(g.fx_node, graph.module(p)):
+        return None
+    src, out = shapes[g.inputs[0]], shapes[p]
+    if len(src) != 4 or out != (src[0], src[1], 1, 1):
+        return None
+    group = {p}
+    for i in range(p + 1, len(graph.nodes)):
+        ins = graph.nodes[i].inputs
+        if ins and all(v in group for v in ins) and len(shapes[i]) == 4 and shapes[i][2:] == (1, 1):
+            group.add(i)
+    returned = {graph.index[a] for a in graph.output_fx.all_input_nodes if a in graph.index}
+    if group & returned:
+        return None
+    exits = []
+    for i in sorted(group):
+        outside = [u for u in graph.nodes[i].users if u not in group]
+        for u in outside:
+            un = graph.nodes[u]
+            spatial = [v for v in un.inputs if v not in group]
+            if not (_is_mul(un.fx_node) and spatial and all(len(shapes[v]) == 4 for v in spatial)):
+                return None
+            if shapes[u] != shapes[spatial[0]]:
+                return None  # the multiply must broadcast the chain over the spatial operand
+        if outside:
+            exits.append(i)
+    if not exits:
+        return None
+    return tuple(sorted(group - {p})), tuple(exits)
+
+
+@dataclass(frozen=True)
+class Barrier:
+    """One barrier inside a segment."""
+
+    node: int  # the barrier node (the BatchNorm, or the squeeze-excitation pool)
+    kind: str  # BATCHNORM | SQUEEZE
+    source: int  # the node whose whole map the statistic reads (the barrier's input)
+    level: int  # sweep it is computed in: 1 + the deepest barrier among its source's ancestors
+    chain: tuple[int, ...] = ()  # SQUEEZE: nodes computed from the pool alone, run once per step
+    exits: tuple[int, ...] = ()  # SQUEEZE: chain nodes the spatial graph reads (a multiply's operand)
+
+
+def barrier_kind(spec: OpSpec) -> str | None:
+    return spec.extra.get("barrier") if spec.extra else None
+
+
+def in_chain(spec: OpSpec) -> bool:
+    """A node of a squeeze-excitation chain: it runs once per step, outside the tiles."""
+    return bool(spec.extra) and "chain_of" in spec.extra
+
+
+def segment_barriers(
+    specs: Mapping[int, OpSpec] | Sequence[OpSpec],
+    inputs: Mapping[int, tuple[int, ...]],
+    start: int,
+    end: int,
+) -> list[Barrier]:
+    """The barriers of segment (start, end] in execution order, each with its sweep level.
+
+    Barriers whose statistics do not depend on one another (a block's main-branch BatchNorm and its
+    downsample BatchNorm) share a level, so they share a sweep.
+    """
+    out: list[Barrier] = []
+    depth: dict[int, int] = {}  # node -> deepest level among the barriers it depends on (itself included)
+    for i in range(start + 1, end + 1):
+        d = max((depth.get(v, 0) for v in inputs[i]), default=0)
+        kind = barrier_kind(specs[i])
+        if kind is not None:
+            src = inputs[i][0]
+            level = 1 + depth.get(src, 0)
+            d = max(d, level)
+            extra = specs[i].extra
+            out.append(Barrier(i, kind, src, level, tuple(extra.get("chain", ())), tuple(extra.get("exits", ()))))
+        depth[i] = d
+    return out
+
+
+def ancestors_in(inputs: Mapping[int, tuple[int, ...]], start: int, end: int) -> dict[int, frozenset[int]]:
+    """Per node of (start, end]: the nodes of (start, end] it depends on, itself included."""
+    anc: dict[int, frozenset[int]] = {}
+    for i in range(start + 1, end + 1):
+        s = {i}
+        for v in inputs[i]:
+            s |= anc.get(v, frozenset())
+        anc[i] = frozenset(s)
+    return anc

@@ -1,0 +1,382 @@
+"""Multi-pass tiled segments: exact tiling through layers that need a statistic of the whole map.
+
+A tiled segment holding barriers (``wsitrain.sft.barriers``: train-mode BatchNorm, squeeze-excitation)
+runs in sweeps over its tiles. Barriers are grouped in *levels*: a barrier's level is one more than the deepest
+barrier its input depends on, so barriers of one level can be measured in the same sweep.
+
+Forward, one sweep per level, then the output sweep:
+  sweep L recomputes, per tile, only the layers its level's barrier inputs depend on, and adds the
+  tile's OWNED part of each barrier input to per-channel (count, mean, M2) sums (Chan's parallel
+  combination; for squeeze-excitation per-(sample, channel) sums). Owned parts partition the map
+  exactly: no position counted twice, none missed. The statistic is then fixed: BatchNorm updates
+  its running statistics as ``F.batch_norm`` does and later sweeps apply ``(x - m) * inv * w + b``
+  with m, inv constants; squeeze-excitation runs its chain once on the pooled P (keeping that tiny
+  autograd graph) and later sweeps multiply by the chain's result S as a constant.
+
+Backward, one sweep per level from the deepest, then the parameter sweep. With m and inv leaves,
+autograd through a tile gives the explicit part of every gradient; the part through the statistic
+of barrier j at an input position i is (biased variance, N positions per channel)
+    c_i = G_m / N - G_inv * inv^3 * (x_i - m) / N,
+where G_m and G_inv are the gradients of the loss w.r.t. the leaves summed over ALL tiles; for
+squeeze-excitation (S a leaf) G_P = d chain / dP applied to G_S (through the kept graph, which also
+gives the chain's parameter gradients) and c_i = G_P[b, c] / (H * W). Sweep
+L back-propagates each tile's share of the output gradient plus the corrections of deeper levels
+(added at the positions the tile owns, as extra outputs of ``autograd.grad``) into the leaves of
+level L; the last sweep adds every correction and returns parameter and input gradients. Each
+position's correction enters once, so sums over tiles are the plain gradient.
+
+The statistics computed in forward are kept for backward (per channel: tiny); nothing else is.
+Under autocast, statistics and leaf gradients are summed in float32, and BatchNorm's correction
+joins its explicit gradient on a float32 copy of the layer's input, as BatchNorm's own backward
+combines them in float32: in bf16 the two nearly cancel.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from wsitrain.sft.barrier_stats import (
+    BNStat,
+    Leaves,
+    Moments,
+    SEStat,
+    Stats,
+    Totals,
+    bn_apply,
+    correction,
+    finish_batchnorm,
+    wide,
+)
+from wsitrain.sft.barriers import BATCHNORM, SQUEEZE, Barrier, ancestors_in, segment_barriers
+from wsitrain.sft.executor import ExecHooks, TiledSegment, _AutocastState
+from wsitrain.sft.facts import GraphFacts
+from wsitrain.sft.ops import WINDOW
+from wsitrain.sft.plan_types import SegmentPlan
+from wsitrain.sft.regions import AxisTile
+from wsitrain.sft.runner import NodeRunner
+from wsitrain.sft.staging import HostStager
+from wsitrain.sft.sweep_plan import multipass_regions, owned_interval
+
+
+def _wide_key(bn: int) -> int:
+    """Where a tile's environment keeps a BatchNorm's widened input (node indices are never negative)."""
+    return -1 - bn
+
+
+class MultiPassSegment(TiledSegment):
+    """A tiled segment with barriers: forward and backward in sweeps over the tiles (see the module doc)."""
+
+    def __init__(
+        self,
+        facts: GraphFacts,
+        seg: SegmentPlan,
+        runner: NodeRunner,
+        device: torch.device,
+        stager: HostStager,
+        hooks: ExecHooks,
+    ) -> None:
+        super().__init__(facts, seg, runner, device, stager, hooks)
+        self.barriers = segment_barriers(self.specs, self.inputs, self.start, self.end)
+        assert self.barriers, "a multi-pass segment holds at least one barrier"
+        self.levels = sorted({b.level for b in self.barriers})
+        self.bn: dict[int, nn.BatchNorm2d] = {}
+        for b in self.barriers:
+            m = runner.graph.module(b.node)
+            if b.kind == BATCHNORM:
+                assert isinstance(m, nn.BatchNorm2d)
+                self.bn[b.node] = m
+        # squeeze-excitation chains run once per step, outside the tiles; tiles read their exits
+        self.chain = {i for b in self.barriers for i in b.chain} | {b.node for b in self.barriers if b.kind == SQUEEZE}
+        self.tile_nodes = [i for i in self.nodes if i not in self.chain]
+        sources = {b.source for b in self.barriers}
+        self.regions = multipass_regions(facts, seg, sources, self.chain)
+        anc = ancestors_in(self.inputs, self.start, self.end)
+        # per level: the layers its barrier inputs depend on (a stats sweep computes nothing else)
+        self.sweep_nodes = {
+            lv: sorted(set().union(*(anc.get(b.source, frozenset()) for b in self.at(lv))) - self.chain)
+            for lv in self.levels
+        }
+        self.sizes = {v: (facts.nodes[v].shape[2], facts.nodes[v].shape[3]) for v in [self.start, *self.nodes]}
+        self.chain_params: dict[int, list[nn.Parameter]] = {}
+        for b in self.barriers:
+            ps: dict[int, nn.Parameter] = {}
+            for i in b.chain:
+                for p in runner.graph.trainable_params(i):
+                    ps.setdefault(id(p), p)
+            self.chain_params[b.node] = list(ps.values())
+
+    def at(self, level: int) -> list[Barrier]:
+        return [b for b in self.barriers if b.level == level]
+
+    # ---- one tile ------------------------------------------------------------------------------
+    def _run_nodes(
+        self,
+        region: torch.Tensor,
+        rt: AxisTile,
+        ct: AxisTile,
+        nodes: list[int],
+        stats: Stats,
+        leaves: Leaves,
+        keep: set[int],
+    ) -> dict[int, torch.Tensor]:
+        """Run ``nodes`` (in order) on one tile, barriers applied with their fixed statistics."""
+        env: dict[int, torch.Tensor] = {self.start: region}
+        exits = self._exit_values(stats, leaves)
+        last: dict[int, int] = {}
+        for u in nodes:
+            for v in self.inputs[u]:
+                last[v] = u
+        for u in nodes:
+
+            def fetch(v: int, u: int = u) -> torch.Tensor:
+                if v in exits:  # a squeeze-excitation result: (B, C, 1, 1), broadcast over the tile
+                    return exits[v]
+                (rl, rh), (cl, ch) = rt.req[(u, v)], ct.req[(u, v)]
+                nr, nc = rt.need[v][0], ct.need[v][0]
+                return env[v][:, :, rl - nr : rh - nr, cl - nc : ch - nc]
+
+            if u in self.bn:
+                st = stats[u]
+                assert isinstance(st, BNStat)
+                mean, inv = leaves[u] if u in leaves else (st.mean, st.inv)
+                v = self.inputs[u][0]
+                # the layer's input in at least float32, kept: the statistic's gradient correction joins
+                # the explicit gradient there, as BatchNorm's own backward combines them in float32
+                env[_wide_key(u)] = wide(env[v])
+                (rl, rh), (cl, ch) = rt.req[(u, v)], ct.req[(u, v)]
+                nr, nc = rt.need[v][0], ct.need[v][0]
+                x_in = env[_wide_key(u)][:, :, rl - nr : rh - nr, cl - nc : ch - nc]
+                out = bn_apply(self.bn[u], mean, inv, x_in).to(env[v].dtype)
+            else:
+                out = self.runner.run(u, env, out_of_place=True, fetch=fetch)
+            spec = self.specs[u]
+            if spec.kind == WINDOW:  # the layer produced outputs from its crop's first aligned position
+                assert spec.windows is not None
+                v = self.inputs[u][0]
+                g0r = spec.windows[0].first_output(rt.req[(u, v)][0])
+                g0c = spec.windows[1].first_output(ct.req[(u, v)][0])
+                (a, b), (c, d) = rt.need[u], ct.need[u]
+                out = out[:, :, a - g0r : b - g0r, c - g0c : d - g0c]
+            env[u] = out
+            for v in self.inputs[u]:
+                if last.get(v) == u and v not in keep:
+                    env.pop(v, None)
+        return env
+
+    def _exit_values(self, stats: Stats, leaves: Leaves) -> dict[int, torch.Tensor]:
+        """What tiles read for each squeeze-excitation exit: the sweep's leaf, else a detached constant."""
+        out: dict[int, torch.Tensor] = {}
+        for b in self.barriers:
+            st = stats.get(b.node)
+            if b.kind != SQUEEZE or st is None:
+                continue
+            assert isinstance(st, SEStat)
+            for k, e in enumerate(b.exits):
+                out[e] = leaves[b.node][k] if b.node in leaves else st.exits[e].detach()
+        return out
+
+    def _owned(self, value: torch.Tensor, v: int, r: int, c: int) -> torch.Tensor:
+        """The part of node v's tile value that tile (r, c) owns. (B, C, oh, ow), a view."""
+        reg = self.regions
+        rt, ct = reg.rows[r], reg.cols[c]
+        h, w = self.sizes[v]
+        r0, r1 = owned_interval(reg.rows_out[r], self.sizes[self.end][0], h)
+        c0, c1 = owned_interval(reg.cols_out[c], self.sizes[self.end][1], w)
+        nr, nc = rt.need[v][0], ct.need[v][0]
+        return value[:, :, r0 - nr : r1 - nr, c0 - nc : c1 - nc]
+
+    def _outputs(
+        self, env: dict[int, torch.Tensor], r: int, c: int, grad_out: torch.Tensor, stats: Stats, totals: Totals
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """What a tile back-propagates: its output with its share of grad_out, and owned barrier inputs with
+        the statistic's part of their gradient (for the barriers in ``totals``)."""
+        reg = self.regions
+        (r0, r1), (c0, c1) = reg.rows_out[r], reg.cols_out[c]
+        outs, gouts = [], []
+        y = env[self.end]
+        if y.requires_grad:
+            outs.append(y)
+            gouts.append(grad_out[:, :, r0:r1, c0:c1])
+        for b in self.barriers:
+            if b.node not in totals:
+                continue
+            xo = self._owned(env.get(_wide_key(b.node), env[b.source]), b.source, r, c)
+            if xo.numel() == 0 or not xo.requires_grad:
+                continue
+            corr = correction(stats[b.node], totals[b.node], xo.detach())
+            outs.append(xo)
+            gouts.append(corr)
+        return outs, gouts
+
+    # ---- forward -------------------------------------------------------------------------------
+    def forward_sweeps(self, x: torch.Tensor, keep_graph: bool) -> tuple[torch.Tensor, Stats]:
+        """Statistics level by level, then the output sweep. Returns the output (B, C, Ho, Wo) and statistics.
+
+        ``keep_graph``: keep the squeeze-excitation chains' autograd graphs for backward.
+        """
+        reg = self.regions
+        stats: Stats = {}
+        for lv in self.levels:
+            here = self.at(lv)
+            sources = {b.source for b in here}
+            moments: dict[int, Moments] = {}
+            sums: dict[int, torch.Tensor] = {}  # squeeze-excitation: (B, C, 1, 1) sums over owned positions
+            dtypes: dict[int, torch.dtype] = {}  # the pooled map's dtype: its input's
+            for r, c in self.tiles():
+                t0 = self._tick()
+                rt, ct = reg.rows[r], reg.cols[c]
+                env = self._run_nodes(self.input_region(x, rt, ct), rt, ct, self.sweep_nodes[lv], stats, {}, sources)
+                for b in here:
+                    part = self._owned(env[b.source], b.source, r, c)
+                    if part.numel() == 0:
+                        continue
+                    if b.kind == BATCHNORM:
+                        mom = Moments.of(part)
+                        moments[b.node] = moments[b.node].add(mom) if b.node in moments else mom
+                    else:
+                        ps = wide(part).sum(dim=(2, 3), keepdim=True)
+                        dtypes[b.node] = part.dtype
+                        sums[b.node] = sums[b.node] + ps if b.node in sums else ps
+                del env
+                self._tock(t0, r, c, "forward")
+            for b in here:
+                if b.kind == BATCHNORM:
+                    stats[b.node] = finish_batchnorm(self.bn[b.node], moments[b.node])
+                else:
+                    stats[b.node] = self._squeeze(b, sums[b.node], dtypes[b.node], keep_graph)
+        observer = self.hooks.trunk_observer if self.is_trunk_end else None
+        out: torch.Tensor | None = None
+        for r, c in self.tiles():
+            t0 = self._tick()
+            rt, ct = reg.rows[r], reg.cols[c]
+            y = self._run_nodes(self.input_region(x, rt, ct), rt, ct, self.tile_nodes, stats, {}, set())[self.end]
+            if out is None:
+                out = y.new_empty((y.shape[0], y.shape[1], reg.rows_out[-1][1], reg.cols_out[-1][1]))
+            (r0, r1), (c0, c1) = reg.rows_out[r], reg.cols_out[c]
+            out[:, :, r0:r1, c0:c1] = y
+            if observer is not None:
+                observer(y.detach(), (r0, r1), (c0, c1))
+            del y
+            self._tock(t0, r, c, "forward")
+        assert out is not None
+        return out, stats
+
+    def _squeeze(self, b: Barrier, total: torch.Tensor, dtype: torch.dtype, keep_graph: bool) -> SEStat:
+        """The pooled map from its sum, and the chain run on it once (with its graph when kept)."""
+        h, w = self.sizes[b.source]
+        pooled = (total / (h * w)).to(dtype)  # (B, C, 1, 1)
+        with torch.set_grad_enabled(keep_graph):
+            leaf = pooled.detach().requires_grad_(keep_graph)
+            env: dict[int, torch.Tensor] = {b.node: leaf}
+            for i in b.chain:  # in execution order; they read only the pool and one another
+                env[i] = self.runner.run(i, env, out_of_place=True)
+        return SEStat(leaf, {e: env[e] for e in b.exits}, h * w)
+
+    # ---- backward ------------------------------------------------------------------------------
+    def backward_sweeps(
+        self, x: torch.Tensor, grad_out: torch.Tensor, stats: Stats, need_x: bool, autocast: _AutocastState
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+        """Leaf gradients level by level from the deepest, then parameter and input gradients."""
+        reg = self.regions
+        totals: Totals = {}
+        sources = {b.source for b in self.barriers}
+        chain_grads: dict[int, torch.Tensor] = {}  # id(parameter) -> gradient, of squeeze-excitation chains
+        for lv in reversed(self.levels):
+            here = self.at(lv)
+            leaves: Leaves = {b.node: self._leaves(b, stats[b.node]) for b in here}
+            flat = [t for b in here for t in leaves[b.node]]
+            # sums over tiles in at least float32: bf16 leaves (SE exits under autocast) would round each add
+            sums: list[torch.Tensor] = [torch.zeros_like(wide(t)) for t in flat]
+            for r, c in self.tiles():
+                t0 = self._tick()
+                rt, ct = reg.rows[r], reg.cols[c]
+                with torch.enable_grad(), autocast.context():
+                    env = self._run_nodes(
+                        self.input_region(x, rt, ct).detach(), rt, ct, self.tile_nodes, stats, leaves, sources
+                    )
+                    outs, gouts = self._outputs(env, r, c, grad_out, stats, totals)
+                if outs:
+                    res = torch.autograd.grad(outs, flat, gouts, allow_unused=True)
+                    for k, g in enumerate(res):
+                        if g is not None:
+                            sums[k] += g
+                del env, outs, gouts
+                self._tock(t0, r, c, "backward")
+            k = 0
+            for b in here:
+                n = len(leaves[b.node])
+                st = stats[b.node]
+                if isinstance(st, SEStat):
+                    totals[b.node] = (self._through_chain(b, st, sums[k : k + n], chain_grads),)
+                else:
+                    totals[b.node] = tuple(sums[k : k + n])
+                k += n
+        grad_x, grads = self._final_backward(x, grad_out, stats, totals, need_x, autocast)
+        for i, p in enumerate(self.params):
+            g = chain_grads.get(id(p))
+            if g is not None:
+                grads[i] = g if grads[i] is None else grads[i] + g
+        return grad_x, grads
+
+    def _leaves(self, b: Barrier, st: BNStat | SEStat) -> list[torch.Tensor]:
+        """Fresh leaves for a barrier's fixed values: a backward sweep collects their gradients."""
+        if isinstance(st, BNStat):
+            return [st.mean.detach().requires_grad_(), st.inv.detach().requires_grad_()]
+        return [wide(st.exits[e].detach()).requires_grad_() for e in b.exits]
+
+    def _through_chain(
+        self, b: Barrier, st: SEStat, g_exits: list[torch.Tensor], chain_grads: dict[int, torch.Tensor]
+    ) -> torch.Tensor:
+        """G_P: the exits' total gradients through the kept chain graph; adds the chain's parameter gradients."""
+        params = self.chain_params[b.node]
+        outs = [st.exits[e] for e in b.exits]
+        g_out = [g.to(o.dtype) for g, o in zip(g_exits, outs, strict=True)]
+        res = torch.autograd.grad(outs, [st.pooled, *params], g_out, allow_unused=True)
+        for p, g in zip(params, res[1:], strict=True):
+            if g is not None:
+                chain_grads[id(p)] = chain_grads[id(p)] + g if id(p) in chain_grads else g
+        return res[0] if res[0] is not None else torch.zeros_like(st.pooled)
+
+    def _final_backward(
+        self,
+        x: torch.Tensor,
+        grad_out: torch.Tensor,
+        stats: Stats,
+        totals: Totals,
+        need_x: bool,
+        autocast: _AutocastState,
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+        reg = self.regions
+        sink = self.hooks.input_grad_sink if self.start == 0 else None
+        grad_x = torch.zeros_like(x) if need_x and sink is None else None
+        grads: list[torch.Tensor | None] = [None] * len(self.params)
+        sources = {b.source for b in self.barriers}
+        for r, c in self.tiles():
+            t0 = self._tick()
+            rt, ct = reg.rows[r], reg.cols[c]
+            region = self.input_region(x, rt, ct).detach().requires_grad_(need_x)
+            with torch.enable_grad(), autocast.context():
+                env = self._run_nodes(region, rt, ct, self.tile_nodes, stats, {}, sources)
+                outs, gouts = self._outputs(env, r, c, grad_out, stats, totals)  # slices must be in the graph
+            targets = ([region] if need_x else []) + self.params
+            if outs and targets:
+                res = torch.autograd.grad(outs, targets, gouts, allow_unused=True)
+                if need_x:
+                    gx = res[0]
+                    if gx is not None:
+                        rows, cols = rt.need[self.start], ct.need[self.start]
+                        if sink is not None:
+                            sink(gx, rows, cols)
+                        else:
+                            assert grad_x is not None
+                            grad_x[:, :, rows[0] : rows[1], cols[0] : cols[1]] += gx.to(grad_x.device)
+                    res = res[1:]
+                for k, gp in enumerate(res):
+                    if gp is not None:
+                        grads[k] = gp.clone() if grads[k] is None else grads[k].add_(gp)
+            del env, outs, gouts
+            self._tock(t0, r, c, "backward")
+            if self.hooks.stats is not None:
+                self.hooks.stats.stats.recomputed_tiles += 1
+        return grad_x, grads

@@ -1,0 +1,59 @@
+"""The autograd node of a multi-pass segment, and the choice of executor for a tiled segment."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from wsitrain.sft.barriers import segment_barriers
+from wsitrain.sft.executor import ExecHooks, TiledSegment, _AutocastState, run_segment
+from wsitrain.sft.facts import GraphFacts
+from wsitrain.sft.multipass import MultiPassSegment
+from wsitrain.sft.plan_types import SegmentPlan
+from wsitrain.sft.runner import NodeRunner
+from wsitrain.sft.staging import HostStager
+
+
+class MultiPassFunction(torch.autograd.Function):
+    """Autograd node of a multi-pass segment: saves the segment input and the barriers' statistics."""
+
+    @staticmethod
+    def forward(ctx: Any, seg: MultiPassSegment, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.seg = seg
+        ctx.autocast = _AutocastState.capture(seg.device.type)
+        ctx.save_for_backward(x)
+        with torch.no_grad(), ctx.autocast.context():
+            out, ctx.stats = seg.forward_sweeps(x, keep_graph=True)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        grad_x, grads = ctx.seg.backward_sweeps(x, grad_out, ctx.stats, ctx.needs_input_grad[1], ctx.autocast)
+        return (None, grad_x, *grads)
+
+
+def run_tiled(seg: TiledSegment, x: torch.Tensor) -> torch.Tensor:
+    """Forward one tiled segment, in sweeps when it holds barriers, through autograd when gradients are wanted."""
+    if not isinstance(seg, MultiPassSegment):
+        return run_segment(seg, x)
+    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in seg.params)):
+        return MultiPassFunction.apply(seg, x, *seg.params)
+    with torch.no_grad(), _AutocastState.capture(seg.device.type).context():
+        return seg.forward_sweeps(x, keep_graph=False)[0]
+
+
+def tiled_segment(
+    facts: GraphFacts,
+    seg: SegmentPlan,
+    runner: NodeRunner,
+    device: torch.device,
+    stager: HostStager,
+    hooks: ExecHooks,
+) -> TiledSegment:
+    """The executor for a tiled segment of a plan: multi-pass when it holds barriers."""
+    specs = {i: facts.nodes[i].spec for i in range(seg.start + 1, seg.end + 1)}
+    inputs = {i: facts.nodes[i].inputs for i in specs}
+    cls = MultiPassSegment if segment_barriers(specs, inputs, seg.start, seg.end) else TiledSegment
+    return cls(facts, seg, runner, device, stager, hooks)
