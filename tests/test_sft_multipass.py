@@ -13,7 +13,7 @@ from collections import OrderedDict
 import pytest
 import torch
 from torch import nn
-from torchvision.models import efficientnet_b0, regnet_y_800mf, resnet18
+from torchvision.models import efficientnet_b0, mobilenet_v3_large, regnet_y_800mf, resnet18
 from torchvision.models.resnet import BasicBlock
 from torchvision.ops import SqueezeExcitation, StochasticDepth
 
@@ -219,7 +219,11 @@ def _regnet_y_800mf() -> nn.Module:
     return regnet_y_800mf(num_classes=3)
 
 
-@pytest.mark.parametrize("make", [_efficientnet_b0, _regnet_y_800mf])
+def _mobilenet_v3_large() -> nn.Module:
+    return mobilenet_v3_large(num_classes=3)
+
+
+@pytest.mark.parametrize("make", [_efficientnet_b0, _regnet_y_800mf, _mobilenet_v3_large])
 def test_squeeze_excitation_nets_eval_at_45_percent(make) -> None:
     """EfficientNet-B0 and RegNetY-800MF (squeeze-excitation in every block) at 240 x 272 px within 45% of
     plain's activation memory: fit with squeeze-excitation blocks inside tiled segments, and are exact."""

@@ -270,9 +270,9 @@ class SFT(nn.Module):
             host_checkpoints=self.host_checkpoints,
         )
         if not p.fits:
+            why = "; ".join(p.notes) or f"the best plan needs {format_bytes(p.estimated_peak_bytes)}"
             raise PlanError(
-                f"{p.model_name} on input {shape} does not fit {format_bytes(budget)}: "
-                f"the best plan needs {format_bytes(p.estimated_peak_bytes)}",
+                f"{p.model_name} on input {shape} does not fit {format_bytes(budget)}: {why}",
                 hint="raise the memory budget, read slides at a coarser resolution (data.mpp / data.level), "
                 "or train in bf16",
             )
