@@ -105,7 +105,8 @@ def build_plan(
         limiting = max(parts, key=lambda k: parts[k])
         what = ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v)
         notes.append(
-            f"DOES NOT FIT: needs at least {format_bytes(needed)}; budget is {format_bytes(budget)}. What does not "
+            f"DOES NOT FIT: needs at least {format_bytes(needed)}; budget is {format_bytes(budget)}, of which plans "
+            f"use {100 * (1 - sess.terms.headroom):.0f}% (headroom for the memory model's error). What does not "
             f"shrink with tiling: {what}; the largest is the {limiting}"
         )
         fits = False
