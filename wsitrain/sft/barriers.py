@@ -23,10 +23,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 from torch import fx, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from wsitrain.sft.fused_pool import AVG, pool_kind
 from wsitrain.sft.graph import ModelGraph
 from wsitrain.sft.ops import MERGE, POINTWISE, OpSpec
 
@@ -86,23 +86,6 @@ def _barrier_spec(spec: OpSpec, extra: dict[str, object]) -> OpSpec:
     )
 
 
-def _is_global_avg_pool(node: fx.Node, module: nn.Module | None) -> bool:
-    """AdaptiveAvgPool2d(1), F.adaptive_avg_pool2d(x, 1), or a mean over (H, W) keeping the dims."""
-    if module is not None:
-        return isinstance(module, nn.AdaptiveAvgPool2d) and module.output_size in (1, (1, 1))
-    if node.op == "call_function" and node.target is F.adaptive_avg_pool2d:
-        size = node.args[1] if len(node.args) > 1 else node.kwargs.get("output_size")
-        return size in (1, (1, 1))
-    is_mean = (node.op == "call_method" and node.target == "mean") or (
-        node.op == "call_function" and node.target is torch.mean
-    )
-    if not is_mean:
-        return False
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-    keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
-    return bool(keep) and isinstance(dim, (tuple, list)) and sorted(int(d) % 4 for d in dim) == [2, 3]
-
-
 def _is_mul(node: fx.Node) -> bool:
     if node.op == "call_method":
         return node.target in ("mul", "mul_")
@@ -119,7 +102,7 @@ def squeeze_excitation(
     multiply with a spatial operand outside the chain and the model does not return a chain value.
     """
     g = graph.nodes[p]
-    if len(g.inputs) != 1 or not _is_global_avg_pool(g.fx_node, graph.module(p)):
+    if len(g.inputs) != 1 or pool_kind(g.fx_node, graph.module(p)) != AVG:
         return None
     src, out = shapes[g.inputs[0]], shapes[p]
     if len(src) != 4 or out != (src[0], src[1], 1, 1):

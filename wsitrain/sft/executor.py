@@ -209,26 +209,39 @@ class TiledSegment:
                 g = grad_out[:, :, r0:r1, c0:c1].to(y.device)  # from host memory when the output lives there
             if y.requires_grad and targets:
                 res = torch.autograd.grad(y, targets, g, allow_unused=True)
-                if need_x:
-                    gx = res[0]
-                    if gx is not None:
-                        rows, cols = rt.need[self.start], ct.need[self.start]
-                        if sink is not None:
-                            sink(gx, rows, cols)
-                        else:
-                            assert grad_x is not None
-                            grad_x[:, :, rows[0] : rows[1], cols[0] : cols[1]] += gx.to(grad_x.device)
-                    res = res[1:]
-                for k, gp in enumerate(res):
-                    if gp is not None:
-                        # own the sum: a returned gradient may share memory autograd reuses for the next
-                        # tile (seen as NaNs in bf16 weight gradients); summing into it in place corrupted it
-                        grads[k] = gp.clone() if grads[k] is None else grads[k].add_(gp)
+                self.add_tile_grads(res, need_x, rt, ct, sink, grad_x, grads)
             del y
             self._tock(t0, r, c, "backward")
             if self.hooks.stats is not None:
                 self.hooks.stats.stats.recomputed_tiles += 1
         return grad_x, grads
+
+    def add_tile_grads(
+        self,
+        res: tuple[torch.Tensor | None, ...],
+        need_x: bool,
+        rt: AxisTile,
+        ct: AxisTile,
+        sink: TileObserver | None,
+        grad_x: torch.Tensor | None,
+        grads: list[torch.Tensor | None],
+    ) -> None:
+        """Fold one tile's gradients (input region first when ``need_x``, then parameters) into the sums."""
+        if need_x:
+            gx = res[0]
+            if gx is not None:
+                rows, cols = rt.need[self.start], ct.need[self.start]
+                if sink is not None:
+                    sink(gx, rows, cols)
+                else:
+                    assert grad_x is not None
+                    grad_x[:, :, rows[0] : rows[1], cols[0] : cols[1]] += gx.to(grad_x.device)
+            res = res[1:]
+        for k, gp in enumerate(res):
+            if gp is not None:
+                # own the sum: a returned gradient may share memory autograd reuses for the next
+                # tile (seen as NaNs in bf16 weight gradients); summing into it in place corrupted it
+                grads[k] = gp.clone() if grads[k] is None else grads[k].add_(gp)
 
     def _tick(self) -> float:
         return self.hooks.stats.tick() if self.hooks.stats is not None else 0.0

@@ -362,19 +362,7 @@ class MultiPassSegment(TiledSegment):
             targets = ([region] if need_x else []) + self.params
             if outs and targets:
                 res = torch.autograd.grad(outs, targets, gouts, allow_unused=True)
-                if need_x:
-                    gx = res[0]
-                    if gx is not None:
-                        rows, cols = rt.need[self.start], ct.need[self.start]
-                        if sink is not None:
-                            sink(gx, rows, cols)
-                        else:
-                            assert grad_x is not None
-                            grad_x[:, :, rows[0] : rows[1], cols[0] : cols[1]] += gx.to(grad_x.device)
-                    res = res[1:]
-                for k, gp in enumerate(res):
-                    if gp is not None:
-                        grads[k] = gp.clone() if grads[k] is None else grads[k].add_(gp)
+                self.add_tile_grads(res, need_x, rt, ct, sink, grad_x, grads)
             del env, outs, gouts
             self._tock(t0, r, c, "backward")
             if self.hooks.stats is not None:
