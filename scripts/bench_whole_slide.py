@@ -8,6 +8,11 @@ at the largest size plain training fits in host memory (time scales with pixels)
 
     python scripts/bench_whole_slide.py --out bench-whole-slide          # tiny 4096-16384, vgg16 2048-8192
     python scripts/bench_whole_slide.py --quick --out /tmp/wsb           # tiny only, for a smoke run
+    python scripts/bench_whole_slide.py --plot-only --out bench-whole-slide  # redraw the plot from the JSON
+
+Writes bench_whole_slide.json, bench_whole_slide.md and bench_whole_slide.png (peak memory against the
+budget and the plan, and seconds per megapixel, per size). The time goal: every size's seconds per
+megapixel within 15% of the smallest tiled size's.
 """
 
 from __future__ import annotations
@@ -41,7 +46,8 @@ out = {"model": name, "size": size, "mode": mode, "seconds": seconds, "measured_
 if plan is not None:
     fixed = plan.breakdown["parameters"]  # loaded before the measurement started
     out.update(planned_bytes=plan.estimated_peak_bytes - fixed, budget_bytes=plan.budget_bytes - fixed,
-               planned_extra=plan.overhead, tiles=plan.recomputed_tiles, fits=plan.fits)
+               planned_extra=plan.overhead, planned_slowdown=plan.slowdown, tiles=plan.recomputed_tiles,
+               fits=plan.fits)
 print(json.dumps(out))
 """
 
@@ -60,12 +66,67 @@ def run(name: str, size: int, budget: str, mode: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+# seconds per megapixel may grow this much above the smallest tiled size's (issue 10's goal)
+TIME_GOAL = 0.15
+
+
+def time_goal(rows: list[dict]) -> None:
+    """Mark each row with its seconds per megapixel relative to its model's smallest size."""
+    for name in {r["model"] for r in rows}:
+        ok = [r for r in rows if r["model"] == name and "s_per_mp" in r]
+        if ok:
+            first = min(ok, key=lambda r: r["size"])["s_per_mp"]
+            for r in ok:
+                r["vs_smallest"] = r["s_per_mp"] / first - 1
+                r["time_goal_met"] = r["vs_smallest"] <= TIME_GOAL
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only
+    import matplotlib.pyplot as plt
+
+    names = sorted({r["model"] for r in rows if "s_per_mp" in r})
+    fig, axes = plt.subplots(2, len(names), figsize=(5 * len(names), 7), squeeze=False)
+    mib = 2**20
+    for k, name in enumerate(names):
+        rs = sorted((r for r in rows if r["model"] == name and "s_per_mp" in r), key=lambda r: r["size"])
+        sizes = [r["size"] for r in rs]
+        ax = axes[0][k]
+        ax.plot(sizes, [r["measured_bytes"] / mib for r in rs], "o-", label="measured peak")
+        ax.plot(sizes, [r["planned_bytes"] / mib for r in rs], "s--", label="planned peak")
+        ax.plot(sizes, [r["budget_bytes"] / mib for r in rs], "k:", label="budget")
+        ax.set(title=f"{name}: memory above model and image", xscale="log", ylabel="MiB", ylim=(0, None))
+        ax.set_xticks(sizes, [str(s) for s in sizes])
+        ax.legend(fontsize=8)
+        ax = axes[1][k]
+        ax.plot(sizes, [r["s_per_mp"] for r in rs], "o-", label="measured s/MP")
+        first = rs[0]["s_per_mp"]
+        ax.axhline(first * (1 + TIME_GOAL), color="k", ls=":", label=f"goal: +{100 * TIME_GOAL:.0f}% of smallest")
+        if rs[0].get("plain_s_per_mp"):
+            ax.axhline(rs[0]["plain_s_per_mp"], color="gray", ls="--", label="plain PyTorch s/MP")
+        ax.set(title=f"{name}: time per megapixel", xscale="log", xlabel="image edge (px)", ylabel="s / MP")
+        ax.set_xticks(sizes, [str(s) for s in sizes])
+        ax.set_ylim(0, None)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--quick", action="store_true", help="only the tiny model")
     ap.add_argument("--models", default=None, help="comma-separated subset of: " + ", ".join(CONFIGS))
+    ap.add_argument("--sizes", default=None, help="comma-separated subset of the sizes to run")
+    ap.add_argument("--plot-only", action="store_true", help="redraw the plot and table from --out's JSON")
     args = ap.parse_args()
+    if args.plot_only:
+        rows = json.loads((args.out / "bench_whole_slide.json").read_text())
+        write(rows, args.out)
+        return
     names = ["tiny"] if args.quick else (args.models.split(",") if args.models else list(CONFIGS))
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -74,6 +135,8 @@ def main() -> None:
         plain = run(name, ref, budget, "plain")
         plain_s_per_mp = plain["seconds"] / (ref * ref / 1e6) if "seconds" in plain else None
         for size in sizes:
+            if args.sizes and str(size) not in args.sizes.split(","):
+                continue
             r = run(name, size, budget, "sft")
             mp = size * size / 1e6
             if "seconds" in r:
@@ -83,21 +146,36 @@ def main() -> None:
             r["plain_s_per_mp"] = plain_s_per_mp
             rows.append(r)
             print(json.dumps(r), flush=True)
-    (args.out / "bench_whole_slide.json").write_text(json.dumps(rows, indent=1))
-    head = "| model | size | budget | planned peak | measured peak | within | s/MP | extra planned | extra measured |"
-    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
+    path = args.out / "bench_whole_slide.json"
+    if args.sizes and path.exists():  # a partial run adds to (replaces its rows in) the earlier results
+        done = {(r["model"], r["size"]) for r in rows}
+        rows = [r for r in json.loads(path.read_text()) if (r["model"], r["size"]) not in done] + rows
+    write(rows, args.out)
+
+
+def write(rows: list[dict], out: Path) -> None:
+    rows = sorted(rows, key=lambda r: (r["model"], r["size"]))
+    time_goal(rows)
+    (out / "bench_whole_slide.json").write_text(json.dumps(rows, indent=1))
+    head = (
+        "| model | size | budget | planned peak | measured peak | within | s/MP | vs smallest | "
+        "extra planned (FLOPs) | slowdown planned (time model) | extra measured |"
+    )
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['size']} | | | | | | | error: {r['error']} |")
+            lines.append(f"| {r['model']} | {r['size']} | | | | | | | | | error: {r['error']} |")
             continue
         mib = 2**20
         lines.append(
             f"| {r['model']} | {r['size']} | {r['budget_bytes'] / mib:.0f} MiB | {r['planned_bytes'] / mib:.0f} MiB | "
             f"{r['measured_bytes'] / mib:.0f} MiB | {'yes' if r['within_budget'] else 'NO'} | {r['s_per_mp']:.2f} | "
-            f"{100 * r['planned_extra']:+.0f}% | "
+            f"{100 * r['vs_smallest']:+.0f}% | {100 * r['planned_extra']:+.0f}% | "
+            + (f"{r['planned_slowdown']:.2f}x | " if r.get("planned_slowdown") else "- | ")
             + (f"{100 * r['measured_extra']:+.0f}% |" if r.get("measured_extra") is not None else "- |")
         )
-    (args.out / "bench_whole_slide.md").write_text("\n".join(lines) + "\n")
+    (out / "bench_whole_slide.md").write_text("\n".join(lines) + "\n")
+    plot(rows, out / "bench_whole_slide.png")
     print("\n".join(lines))
 
 

@@ -11,10 +11,20 @@ from wsitrain.errors import PlanError
 from wsitrain.sft.facts import GraphFacts
 from wsitrain.sft.ops import WINDOW
 
-# Per tile, operator and pass, the fixed cost of running it, in FLOP-equivalents: launches on CUDA;
-# on CPU, measured: VGG-16 at 1024 px with 16 tiles ran 1.72x plain against 1.18x with 4 tiles of
-# the same layers, about 7 ms per tile, operator and pass beyond the FLOPs (oneDNN set-up per shape).
-TILE_OVERHEAD_FLOPS = {"cpu": 1.5e9, "cuda": 2e8}
+# The time model the planner minimizes and `Plan.slowdown` reports, in FLOP-equivalents: an operator call
+# costs its FLOPs, plus BYTE_FLOPS per byte it reads and writes (depthwise convolutions, BatchNorm and
+# element-wise layers are bound by memory traffic, not FLOPs), plus CALL_FLOPS per call (dispatch, autograd,
+# kernel set-up), plus TILE_CALL_FLOPS per call the tile executor makes (cropping, its Python bookkeeping):
+# light layers on many tiles pay these many times.
+# CPU: fitted by `python scripts/calibrate_costs.py` on the 2-core CI machine (float32, one thread): least
+# squares over plain steps of FLOP-, traffic- and call-bound micro-models gave 9.0e10 FLOP/s, 1 byte = 7.5
+# FLOPs (12 GB/s), a call 9 us = 8e5 FLOPs; tiled steps of a 121-layer 1x1-conv chain on 32 px maps with
+# 1, 4 and 16 tiles measured 16-17 us per executor call beyond plain's (1.4e6 FLOPs). CUDA: a 2080 Ti's
+# nominal 13.4 TFLOP/s and 616 GB/s (22 FLOPs a byte), a launch ~15 us (2e8 FLOPs) that hides the
+# executor's Python; not measured yet.
+BYTE_FLOPS = {"cpu": 7.5, "cuda": 22.0}
+CALL_FLOPS = {"cpu": 8e5, "cuda": 2e8}
+TILE_CALL_FLOPS = {"cpu": 1.0e6, "cuda": 0.0}
 # Bytes of optimizer state per parameter byte (SGD with momentum: one buffer; Adam(W): two moments).
 OPTIMIZER_STATE = {"none": 0.0, "sgd": 1.0, "adam": 2.0, "adamw": 2.0}
 # Allocators hand out more than tensors need: glibc's heap fragments under PyTorch's CPU allocation
@@ -83,3 +93,67 @@ def node_flops(facts: GraphFacts, i: int, numel_out: float) -> tuple[float, floa
     if node.spec.kind == WINDOW and node.spec.has_params:
         return f, f * (1.0 + (1.0 if grads_in else 0.0))
     return f, f
+
+
+@dataclass(frozen=True)
+class Work:
+    """What running some nodes costs: FLOPs (the paper's count) and the time model's FLOP-equivalents."""
+
+    flops: float = 0.0
+    time: float = 0.0
+
+    def __add__(self, other: Work) -> Work:
+        return Work(self.flops + other.flops, self.time + other.time)
+
+    def scaled(self, k: float) -> Work:
+        return Work(k * self.flops, k * self.time)
+
+
+@dataclass(frozen=True)
+class WorkTerms:
+    """The time model's three inputs for some calls of a node: FLOPs, bytes read and written, calls."""
+
+    flops: float
+    traffic: float
+    calls: float
+    tiled: bool = False  # calls made by the tile executor (each pays TILE_CALL_FLOPS more)
+
+    def time(self, device: str) -> float:
+        kind = device_kind(device)
+        per_call = CALL_FLOPS[kind] + (TILE_CALL_FLOPS[kind] if self.tiled else 0.0)
+        return self.flops + BYTE_FLOPS[kind] * self.traffic + per_call * self.calls
+
+
+def node_terms(
+    facts: GraphFacts, i: int, numel_out: float, numel_in: float, calls: int, backward: bool = True, tiled: bool = False
+) -> WorkTerms:
+    """Forward (and, with ``backward`` when the node needs gradients, backward) of node i over ``calls`` calls
+    producing ``numel_out`` elements from ``numel_in`` input elements in all. Backward reads the output's
+    gradient and the saved input and writes the input's gradient: twice the forward's traffic."""
+    fw, bw = node_flops(facts, i, numel_out)
+    traffic = _elem_bytes(facts, i) * (numel_out + numel_in)
+    if backward and facts.nodes[i].requires_grad:
+        return WorkTerms(fw + bw, 3 * traffic, 2 * calls, tiled)
+    return WorkTerms(fw, traffic, calls, tiled)
+
+
+def node_work(
+    facts: GraphFacts, i: int, numel_out: float, numel_in: float, calls: int, device: str, tiled: bool = False
+) -> Work:
+    """Forward and backward of node i (see ``node_terms``) as FLOPs and modelled time."""
+    t = node_terms(facts, i, numel_out, numel_in, calls, tiled=tiled)
+    return Work(t.flops, t.time(device))
+
+
+def forward_work(facts: GraphFacts, i: int, numel_out: float, numel_in: float, calls: int, device: str) -> Work:
+    """A forward alone by the tile executor (the recompute of a tiled segment)."""
+    t = node_terms(facts, i, numel_out, numel_in, calls, backward=False, tiled=True)
+    return Work(t.flops, t.time(device))
+
+
+def _elem_bytes(facts: GraphFacts, i: int) -> float:
+    node = facts.nodes[i]
+    n = 1
+    for d in node.shape:
+        n *= d
+    return node.nbytes / n if n else 0.0

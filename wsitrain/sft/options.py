@@ -24,7 +24,7 @@ class SegOption:
     local_bwd: int  # the same in backward (parameter gradients of later segments excluded)
     retained_add: int  # bytes this segment keeps for backward
     flops: float
-    cost: float  # what the planner minimizes: FLOPs plus launch overhead
+    cost: float  # what the planner minimizes: the time model's FLOP-equivalents (costs.Work.time)
     fused: bool = False  # the global pool after the trunk folds this segment's tiles (its output never exists whole)
     in_host: bool = False  # the input checkpoint (and its gradient buffer) live in pinned host memory
 
@@ -43,7 +43,8 @@ def plain_option(sess: PlanSession, start: int, end: int) -> SegOption:
     # the segment's output is the next segment's input: it is counted there, not in what this one retains
     out_saved = sess.nbytes(end) if sess.saves(start, end, end) else 0
     retained = max(0, res.saved_bytes - out_saved)
-    return SegOption(start, end, PLAIN, None, res.forward_peak, res.backward_peak, retained, flops, flops)
+    cost = sess.plain_work(start, end).time
+    return SegOption(start, end, PLAIN, None, res.forward_peak, res.backward_peak, retained, flops, cost)
 
 
 def fuses_pool(sess: PlanSession, start: int, end: int) -> bool:
@@ -99,7 +100,7 @@ def tiled_option(sess: PlanSession, start: int, end: int, edge: int, in_host: bo
     moved = 5 * sess.nbytes(start) if in_host else 0  # out and grad down, tiles up twice, grad tiles up
     sweeps = 1.0 + sweep_flops_factor(sess, start, end)  # barriers add sweeps over the tiles
     flops = sweeps * t.flops
-    cost = sweeps * (t.flops + t.overhead) + HOST_BYTE_FLOPS * moved
+    cost = sweeps * t.time + HOST_BYTE_FLOPS * moved
     fused = fuses_pool(sess, start, end)
     return SegOption(start, end, TILED, t, local_fwd, local_bwd, in_dev, flops, cost, fused, in_host)
 
@@ -121,8 +122,10 @@ def path_ops(sess: PlanSession, path: tuple[SegOption, ...]) -> list[SimOp]:
                 out_bytes=0 if to_host else sess.nbytes(out),
                 inputs=(opt.start,),
                 saved=(opt.start,),
-                fwd_extra=opt.tile.fwd_peak,
-                bwd_extra=opt.tile.bwd_peak,
+                # a host output: up to two output tiles in flight down (forward), and in backward the gradient
+                # tile in use and the next one being uploaded
+                fwd_extra=opt.tile.fwd_peak + (2 * opt.tile.out_tile_bytes if to_host else 0),
+                bwd_extra=opt.tile.bwd_peak + (2 * opt.tile.out_tile_bytes if to_host else 0),
                 requires_grad=f.nodes[opt.end].requires_grad,
                 grad_inputs=(f.nodes[opt.start].requires_grad,),
                 param_grad_bytes=sum(f.nodes[i].param_bytes for i in range(opt.start + 1, opt.end + 1)),

@@ -73,11 +73,19 @@ class Plan:
     host_bytes: int = 0  # host memory the step needs beside the process: the image (and host checkpoints)
     transfer_bytes: int = 0  # bytes staged host -> device per step (tiles with halo, in forward and recompute)
     tiling: tuple[str, ...] = ()  # how much of the network can and does run tiled, and what ends tiling
+    # the step in the planner's time model (FLOPs, memory traffic, per-call costs; costs.py), FLOP-equivalents
+    time_plain: float = 0.0
+    time_sft: float = 0.0
 
     @property
     def overhead(self) -> float:
         """Extra compute of recomputation and halos, as a fraction of plain training."""
         return self.flops_sft / self.flops_plain - 1.0 if self.flops_plain else 0.0
+
+    @property
+    def slowdown(self) -> float:
+        """Predicted step time over plain training's (1.0 when plain runs), from the time model."""
+        return self.time_sft / self.time_plain if self.time_plain else 1.0
 
     @property
     def tiled_segments(self) -> tuple[SegmentPlan, ...]:
@@ -101,6 +109,7 @@ class Plan:
             "flops_plain": self.flops_plain,
             "flops_sft": self.flops_sft,
             "overhead": self.overhead,
+            "slowdown": self.slowdown,
             "recomputed_tiles": self.recomputed_tiles,
             "breakdown": dict(self.breakdown),
             "segments": [s.to_dict() for s in self.segments],
@@ -122,6 +131,8 @@ class Plan:
             f"  feature maps (each once, the SFT paper's count): {format_bytes(self.feature_map_bytes)}",
             f"  extra compute vs plain: {100 * self.overhead:+.1f}% "
             f"({self.recomputed_tiles} tiles recomputed per step)",
+            f"  predicted step time vs plain: {self.slowdown:.2f}x ({self.device} time model: FLOPs, memory traffic, "
+            "calls; scripts/calibrate_costs.py)",
         ]
         for s in self.segments:
             first, last = s.layers[0], s.layers[-1]

@@ -24,6 +24,8 @@ from wsitrain.sft.search import (
     State,
     extra_compute,
     fitting_plan,
+    plain_time,
+    plan_time,
     search,
     smallest_plan,
     worth_running,
@@ -209,6 +211,8 @@ def _assemble(
         host_bytes=(sess.nbytes(0) if sess.input_on_host else 0)
         + sum(2 * s.checkpoint_bytes for s in segments if s.start and s.checkpoint_location == "host"),
         tiling=_tiling(sess, segments),
+        time_plain=plain_time(sess),
+        time_sft=plan_time(sess, state),
         transfer_bytes=_staged_bytes(sess, segments)
         + sum(5 * s.checkpoint_bytes for s in segments if s.start and s.checkpoint_location == "host"),
         notes=tuple(notes),

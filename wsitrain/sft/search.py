@@ -207,7 +207,16 @@ def prune(states: list[State], objective: Objective) -> list[State]:
         if any(o.cost <= s.cost and o.retained <= s.retained and o.peak <= s.peak for o in out):
             continue
         out.append(s)
-    return out[:_MAX_STATES]
+    kept = out[:_MAX_STATES]
+    # the front's extremes always survive: the state retaining least (and the one peaking lowest) may be the
+    # only one whose later segments still fit, though cheaper states crowd it out of the first few
+    for extreme in (
+        min(out, key=lambda s: (s.retained, s.peak), default=None),
+        min(out, key=lambda s: s.peak, default=None),
+    ):
+        if extreme is not None and extreme not in kept:
+            kept.append(extreme)
+    return kept
 
 
 def fitting_plan(
@@ -247,6 +256,17 @@ def extra_compute(sess: PlanSession, state: State) -> float:
     fused = bool(state.path) and state.path[-1].fused
     plain = sess.plain_sim(0, sess.facts.trunk_end)[1] + sess.head_sim()[1]
     return (state.flops + sess.head_sim(fused)[1]) / plain - 1.0 if plain else 0.0
+
+
+def plain_time(sess: PlanSession) -> float:
+    """Plain training's step in the time model (FLOP-equivalents)."""
+    return (sess.plain_work(0, sess.facts.trunk_end) + sess.head_work()).time
+
+
+def plan_time(sess: PlanSession, state: State) -> float:
+    """The plan's step in the time model: its segments' costs and the head after them."""
+    fused = bool(state.path) and state.path[-1].fused
+    return state.cost + sess.head_work(fused).time
 
 
 def smallest_plan(sess: PlanSession, tile_size: int | None, forced_cuts: list[int] | None) -> State | None:

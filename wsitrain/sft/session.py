@@ -6,9 +6,10 @@ Its replay helpers turn nodes into steps of the memory model (``wsitrain.sft.mem
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
-from wsitrain.sft.costs import TILE_OVERHEAD_FLOPS, MemoryTerms, device_kind, node_flops
+from wsitrain.sft.costs import MemoryTerms, Work, node_flops, node_work
 from wsitrain.sft.facts import GraphFacts
 from wsitrain.sft.memory_model import SimOp, SimResult, simulate
 from wsitrain.sft.ops import MERGE, WINDOW
@@ -26,6 +27,7 @@ class PlanSession:
     _plain: dict[tuple[int, int], tuple[SimResult, float]] = field(default_factory=dict, repr=False)
     _tiles: dict[tuple[int, ...], object] = field(default_factory=dict, repr=False)  # memo of tile_memory
     _sweeps: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)  # memo of multipass
+    _work: dict[tuple[int, int], Work] = field(default_factory=dict, repr=False)  # memo of plain_work
 
     def __post_init__(self) -> None:
         f = self.facts
@@ -34,7 +36,6 @@ class PlanSession:
         for i in range(f.n - 1, -1, -1):
             after[i] = after[i + 1] + f.nodes[i].param_bytes
         self.grads_after = after
-        self.overhead_flops = TILE_OVERHEAD_FLOPS[device_kind(self.device)]
 
     # ---- basic facts ---------------------------------------------------------------------------
     def nbytes(self, i: int) -> int:
@@ -97,6 +98,25 @@ class PlanSession:
                 flops += f + b
             self._plain[key] = (res, flops)
         return self._plain[key]
+
+    def numel(self, i: int) -> int:
+        shape = self.facts.nodes[i].shape
+        return math.prod(shape) if shape else 0
+
+    def plain_work(self, start: int, end: int) -> Work:
+        """FLOPs and modelled time of nodes start+1..end run once with plain autograd."""
+        key = (start, end)
+        if key not in self._work:
+            total = Work()
+            for i in range(start + 1, end + 1):
+                ins = sum(self.numel(v) for v in self.facts.nodes[i].inputs)
+                total = total + node_work(self.facts, i, self.numel(i), ins, 1, self.device)
+            self._work[key] = total
+        return self._work[key]
+
+    def head_work(self, fused: bool = False) -> Work:
+        start, last = self.head_start(fused), self.facts.n - 1
+        return self.plain_work(start, last) if start < last else Work()
 
     def head_start(self, fused: bool) -> int:
         """The node the plain head starts from: the trunk's end, or the fused pool's output."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from wsitrain.sft.costs import node_flops
+from wsitrain.sft.costs import Work, forward_work, node_work
 from wsitrain.sft.facts import GraphFacts
 from wsitrain.sft.memory_model import SimOp, simulate
 from wsitrain.sft.ops_space import spatial_extent, tile_numel
@@ -25,10 +25,11 @@ class TileChoice:
     fwd_peak: int  # one tile's forward working set
     bwd_peak: int  # one tile's recompute + backward working set
     flops: float  # forward + recompute + backward FLOPs over all tiles (halos included)
-    overhead: float  # per-tile launch cost in FLOP-equivalents (planning only)
+    time: float  # the same work in the time model's FLOP-equivalents (traffic and per-call costs; planning only)
     tile_shape: tuple[int, int]  # largest tile's input region incl. halo, segment-input pixels
     halo: tuple[int, int]  # per side, of an interior tile, segment-input pixels
     core: tuple[int, int] = (0, 0)  # the tile's own output, in segment-input pixels (without halo)
+    out_tile_bytes: int = 0  # the largest tile's output: what is in flight when it goes to host memory
 
     @property
     def worth_running(self) -> bool:
@@ -135,14 +136,22 @@ def tile_choice(sess: PlanSession, start: int, end: int, edge: int, staged: bool
     fwd = simulate(ops(False), {start: crop}, backward=False).forward_peak
     bres = simulate(ops(True), {start: crop})
     bwd = max(bres.forward_peak, bres.backward_peak)
-    flops = 0.0
+    # the stager (staging.py) uploads the next tile's region while this one computes, and keeps up to two
+    # input-gradient tiles of a host checkpoint alive until their copies down are done
+    fwd += crop
+    bwd += crop + (2 * tb[start] if staged and f.nodes[start].requires_grad else 0)
+    work = Work()
+    sums = {i: (sum(_extent(t, i) * m for t, m in rows), sum(_extent(t, i) * m for t, m in cols)) for i in tb}
+
+    def numel(i: int) -> int:  # elements of node i over all tiles (halos included)
+        return tile_numel(f.nodes[i].spec, f.nodes[i].shape, *sums[i])
+
     for i in nodes:
-        sum_h = sum(_extent(t, i) * m for t, m in rows)
-        sum_w = sum(_extent(t, i) * m for t, m in cols)
-        fw, bw = node_flops(f, i, tile_numel(f.nodes[i].spec, f.nodes[i].shape, sum_h, sum_w))
-        flops += 2 * fw + bw  # forward, recompute, backward
-    overhead = 2 * sess.overhead_flops * geo.n_tiles * len(nodes)
-    choice = TileChoice(edge, fwd, bwd, flops, overhead, (mx_h[start], mx_w[start]), geo.halo, geo.core)
+        ins = sum(numel(v) for v in f.nodes[i].inputs if v in sums)
+        out_n = numel(i)
+        work = work + node_work(f, i, out_n, ins, geo.n_tiles, sess.device, tiled=True)  # forward and backward
+        work = work + forward_work(f, i, out_n, ins, geo.n_tiles, sess.device)  # the recompute
+    choice = TileChoice(edge, fwd, bwd, work.flops, work.time, (mx_h[start], mx_w[start]), geo.halo, geo.core, tb[end])
     sess._tiles[key] = choice
     return choice
 
