@@ -24,13 +24,15 @@ from __future__ import annotations
 import weakref
 from collections import deque
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from wsitrain.sft.transfers import Copies, CopyEvent, copies_for
 
 Interval = tuple[int, int]
-LANES = ("input", "grad")  # the up lanes
+Lane = Literal["input", "grad"]  # up lanes: tiles' input regions, tiles of the output's gradient
+LANES: tuple[Lane, ...] = ("input", "grad")
 
 
 class _Pair:
@@ -94,7 +96,7 @@ class HostStager:
         self._fixed = copies
         self._copies: dict[torch.device, Copies] = {}
         self._up = {lane: _Pair() for lane in LANES}
-        self._pending: dict[str, _Prefetch] = {}
+        self._pending: dict[Lane, _Prefetch] = {}
         self._down = _Pair()
         self._queue: deque[_Down] = deque()
         self.max_in_flight = 0  # the most device -> host copies ever in flight at once (at most two)
@@ -119,7 +121,7 @@ class HostStager:
         return [*self._up.values(), self._down]
 
     # ---- up ------------------------------------------------------------------------------------
-    def pack(self, region: torch.Tensor, lane: str = "input", pinned: bool | None = None) -> tuple[int, torch.Tensor]:
+    def pack(self, region: torch.Tensor, lane: Lane = "input", pinned: bool | None = None) -> tuple[int, torch.Tensor]:
         """Copy ``region`` into the lane's next buffer; returns (buffer index, packed view)."""
         pin = torch.cuda.is_available() if pinned is None else pinned
         k, buf = self._up[lane].claim(region, pin)
@@ -127,7 +129,7 @@ class HostStager:
         return k, buf
 
     def _start_up(
-        self, lane: str, src: torch.Tensor, rows: Interval, cols: Interval, device: torch.device
+        self, lane: Lane, src: torch.Tensor, rows: Interval, cols: Interval, device: torch.device
     ) -> tuple[torch.Tensor, CopyEvent]:
         copies = self.copies(device)
         k, buf = self.pack(src[:, :, rows[0] : rows[1], cols[0] : cols[1]], lane, copies.pinned)
@@ -137,7 +139,7 @@ class HostStager:
 
     def fetch(
         self,
-        lane: str,
+        lane: Lane,
         src: torch.Tensor,
         rows: Interval,
         cols: Interval,
@@ -159,14 +161,6 @@ class HostStager:
             t, e = self._start_up(lane, src, nr, nc, device)
             self._pending[lane] = _Prefetch(weakref.ref(src), src._version, nr, nc, t, e)
         return self.copies(device).ready(tensor, event)
-
-    def to_device(self, region: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """One region to the device through a staging buffer, without prefetch."""
-        copies = self.copies(device)
-        k, buf = self.pack(region, "input", copies.pinned)
-        tensor, event = copies.up(buf, device)
-        self._up["input"].events[k] = event
-        return copies.ready(tensor, event)
 
     # ---- down ----------------------------------------------------------------------------------
     def store(self, dst: torch.Tensor, tile: torch.Tensor) -> None:
