@@ -168,3 +168,53 @@ def test_demo_fit_on_cuda(tmp_path: Path, record_property) -> None:
     record_property("demo_peak_bytes", summary["peak_bytes"])
     record_property("budget_bytes", budget)
     assert budget is not None and 0 < summary["peak_bytes"] <= budget
+
+
+@pytest.mark.parametrize(("name", "tile"), [("vgg_chain", 16), ("resnet_basic", 16)])
+def test_host_checkpoints_exact_on_cuda_with_side_streams(name: str, tile: int) -> None:
+    """Checkpoints in host memory on the GPU: exact in float64, every tile copied on the stager's side streams."""
+    from wsitrain.sft.facts import annotate
+    from wsitrain.sft.graph import ModelGraph
+    from wsitrain.sft.staging import HostStager
+    from wsitrain.sft.transfers import CopyEvent, CudaCopies
+
+    class CountingCopies(CudaCopies):
+        """CUDA copies that also record which stream was current when each one was issued."""
+
+        def __init__(self, device: torch.device) -> None:
+            super().__init__(device)
+            self.calls = {"up": 0, "down": 0}
+            self.compute: set[int] = set()
+
+        def down(self, dst: torch.Tensor, src: torch.Tensor) -> CopyEvent:
+            self.calls["down"] += 1
+            self.compute.add(torch.cuda.current_stream().cuda_stream)
+            return super().down(dst, src)
+
+        def up(self, src: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, CopyEvent]:
+            self.calls["up"] += 1
+            self.compute.add(torch.cuda.current_stream().cuda_stream)
+            return super().up(src, device)
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    model = MODELS[name]().double().to(dev)
+    x = torch.randn(2, 3, 45, 62, dtype=torch.float64, device=dev, requires_grad=True)
+    with torch.no_grad():
+        target = torch.randn_like(model(x))
+    twin = copy.deepcopy(model)
+    ref = _step(model, model, x, target)
+    facts = annotate(ModelGraph(model), tuple(x.shape), torch.float64, torch.float64, True)
+    cuts = [facts.name(i) for i in facts.candidates[1:-1]][::2]
+    sft = SFT(twin, tile_size=tile, memory_budget="1GiB", host_checkpoints="always", checkpoints=cuts)
+    copies = CountingCopies(dev)
+    sft._stager = HostStager(copies)  # before the first call: segments take the stager when compiled
+    var = _step(sft, twin, x, target)
+    _assert_same(ref, var)
+    plan = sft.plan_for(tuple(x.shape), input_dtype=torch.float64)
+    assert any(s.start and s.checkpoint_location == "host" for s in plan.segments), "must place a host checkpoint"
+    assert copies.calls["up"] > 0 and copies.calls["down"] > 0, copies.calls
+    side = {copies.up_stream.cuda_stream, copies.down_stream.cuda_stream}
+    assert len(side) == 2 and not side & copies.compute, "copies run on side streams, not the compute stream"
+    assert torch.cuda.current_stream().cuda_stream not in side
+    assert sft._stager.max_in_flight <= 2

@@ -83,6 +83,12 @@ class TiledSegment:
         self.is_trunk_end = seg.end == facts.trunk_end
         self.fusion: PoolFusion | None = facts.fusion if seg.fused_pool else None
         self.out_on_host = seg.output_location == "host"  # the next checkpoint lives in host memory
+        # the input lives in host memory (a host checkpoint, or the image streamed from the host): its tiles are
+        # staged up and its gradient tiles added back on the host, through the stager even on CPU
+        self.in_on_host = seg.checkpoint_location == "host"
+        self._indexed: object = None  # the regions the tile index below was built for
+        self._row_of: dict[int, int] = {}
+        self._col_of: dict[int, int] = {}
         self.nodes = list(range(seg.start + 1, seg.end + 1))
         self.specs = {i: facts.nodes[i].spec for i in [seg.start, *self.nodes]}
         self.inputs = {i: facts.nodes[i].inputs for i in self.nodes}
@@ -98,12 +104,66 @@ class TiledSegment:
 
     # ---- one tile ------------------------------------------------------------------------------
     def input_region(self, x: torch.Tensor, rt: AxisTile, ct: AxisTile) -> torch.Tensor:
-        """The tile's input with its halo, cut from the checkpoint (on the host for the image)."""
-        (r0, r1), (c0, c1) = rt.need[self.start], ct.need[self.start]
-        region = x[:, :, r0:r1, c0:c1]  # (B, C, th + halo, tw + halo), a view
-        if region.device != self.device:
-            region = self.stager.to_device(region, self.device)
-        return region
+        """The tile's input with its halo, cut from the checkpoint. (B, C, th + halo, tw + halo).
+
+        From host memory, the tile comes through the stager, which also starts uploading the next tile's
+        region in tile order (loops visit tiles in ``tiles()`` order; any other order is still exact).
+        """
+        rows, cols = rt.need[self.start], ct.need[self.start]
+        if not self.in_on_host and x.device == self.device:
+            return x[:, :, rows[0] : rows[1], cols[0] : cols[1]]  # a view
+        nxt = self._next_tile(*self._tile_of(rt, ct))
+        reg = self.regions
+        ahead = None if nxt is None else (reg.rows[nxt[0]].need[self.start], reg.cols[nxt[1]].need[self.start])
+        return self.stager.fetch("input", x, rows, cols, self.device, ahead)
+
+    def grad_tile(self, grad_out: torch.Tensor, r: int, c: int) -> torch.Tensor:
+        """Tile (r, c)'s share of the output gradient, on the device. (B, C, th, tw).
+
+        From host memory (the output is a host checkpoint), staged like input regions, next tile prefetched.
+        """
+        reg = self.regions
+        rows, cols = reg.rows_out[r], reg.cols_out[c]
+        if not self.out_on_host and grad_out.device == self.device:
+            return grad_out[:, :, rows[0] : rows[1], cols[0] : cols[1]]  # a view
+        nxt = self._next_tile(r, c)
+        ahead = None if nxt is None else (reg.rows_out[nxt[0]], reg.cols_out[nxt[1]])
+        return self.stager.fetch("grad", grad_out, rows, cols, self.device, ahead)
+
+    def new_output(self, y: torch.Tensor) -> torch.Tensor:
+        """The joined output (B, C, Ho, Wo) for tiles like ``y``: on the device, or in host memory.
+
+        Host memory here is pageable: tiles reach it through the stager's page-locked buffers (a strided tile
+        of a pinned tensor would still be copied through a pageable temporary), so pinning it would only cost.
+        """
+        reg = self.regions
+        shape = (y.shape[0], y.shape[1], reg.rows_out[-1][1], reg.cols_out[-1][1])
+        if self.out_on_host:
+            return torch.empty(shape, dtype=y.dtype)
+        return y.new_empty(shape)
+
+    def store_tile(self, out: torch.Tensor, y: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> None:
+        """``out[:, :, rows, cols] = y``; into host memory through the stager (complete after ``stager.drain()``)."""
+        dst = out[:, :, rows[0] : rows[1], cols[0] : cols[1]]
+        if self.out_on_host or out.device != y.device:
+            self.stager.store(dst, y)
+        else:
+            dst.copy_(y)
+
+    def _tile_of(self, rt: AxisTile, ct: AxisTile) -> tuple[int, int]:
+        """The grid indices of a tile's row and column regions (by identity; the index is built once per regions)."""
+        if self._indexed is not self.regions:
+            self._row_of = {id(t): i for i, t in enumerate(self.regions.rows)}
+            self._col_of = {id(t): i for i, t in enumerate(self.regions.cols)}
+            self._indexed = self.regions
+        return self._row_of[id(rt)], self._col_of[id(ct)]
+
+    def _next_tile(self, r: int, c: int) -> tuple[int, int] | None:
+        """The tile after (r, c) in ``tiles()`` order, None after the last."""
+        rows, cols = self.regions.grid
+        if c + 1 < cols:
+            return r, c + 1
+        return (r + 1, 0) if r + 1 < rows else None
 
     def run_tile(self, region: torch.Tensor, rt: AxisTile, ct: AxisTile) -> torch.Tensor:
         """Run the segment's layers on one tile; returns the tile's exact output. (B, C, th, tw)."""
@@ -160,17 +220,13 @@ class TiledSegment:
                 self._tock(t0, r, c, "forward")
                 continue
             if out is None:
-                shape = (y.shape[0], y.shape[1], reg.rows_out[-1][1], reg.cols_out[-1][1])
-                if self.out_on_host:  # pinned, so tiles go down (and come back up) without a pageable bounce
-                    out = torch.empty(shape, dtype=y.dtype, pin_memory=torch.cuda.is_available())
-                else:
-                    out = torch.empty(shape, dtype=y.dtype, device=y.device)
-            (r0, r1), (c0, c1) = reg.rows_out[r], reg.cols_out[c]
-            out[:, :, r0:r1, c0:c1] = y
+                out = self.new_output(y)
+            self.store_tile(out, y, reg.rows_out[r], reg.cols_out[c])
             if observer is not None:
-                observer(y.detach(), (r0, r1), (c0, c1))
-            del y
+                observer(y.detach(), reg.rows_out[r], reg.cols_out[c])
+            del y  # a tile still being copied down stays allocated until its copy is done (record_stream)
             self._tock(t0, r, c, "forward")
+        self.stager.drain()  # the host output is complete before anyone reads it
         if acc is not None:
             assert self.fusion is not None and acc.value is not None
             return acc.result(out_dtype), acc
@@ -206,7 +262,7 @@ class TiledSegment:
                 assert pooled_grad is not None
                 g = acc.tile_grad(pooled_grad, y.detach(), (r0, r1), (c0, c1))  # this tile's share of the pool's
             else:
-                g = grad_out[:, :, r0:r1, c0:c1].to(y.device)  # from host memory when the output lives there
+                g = self.grad_tile(grad_out, r, c)  # from host memory when the output lives there
             if y.requires_grad and targets:
                 res = torch.autograd.grad(y, targets, g, allow_unused=True)
                 self.add_tile_grads(res, need_x, rt, ct, sink, grad_x, grads)
@@ -214,6 +270,7 @@ class TiledSegment:
             self._tock(t0, r, c, "backward")
             if self.hooks.stats is not None:
                 self.hooks.stats.stats.recomputed_tiles += 1
+        self.stager.drain()  # every input-gradient tile is added into a host grad_x before it is returned
         return grad_x, grads
 
     def add_tile_grads(
@@ -235,7 +292,11 @@ class TiledSegment:
                     sink(gx, rows, cols)
                 else:
                     assert grad_x is not None
-                    grad_x[:, :, rows[0] : rows[1], cols[0] : cols[1]] += gx.to(grad_x.device)
+                    dst = grad_x[:, :, rows[0] : rows[1], cols[0] : cols[1]]
+                    if self.in_on_host or grad_x.device != gx.device:
+                        self.stager.accumulate(dst, gx)  # copied down on the side stream, added in tile order
+                    else:
+                        dst += gx
             res = res[1:]
         for k, gp in enumerate(res):
             if gp is not None:

@@ -191,13 +191,11 @@ class MultiPassSegment(TiledSegment):
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """What a tile back-propagates: its output with its share of grad_out, and owned barrier inputs with
         the statistic's part of their gradient (for the barriers in ``totals``)."""
-        reg = self.regions
-        (r0, r1), (c0, c1) = reg.rows_out[r], reg.cols_out[c]
         outs, gouts = [], []
         y = env[self.end]
         if y.requires_grad:
             outs.append(y)
-            gouts.append(grad_out[:, :, r0:r1, c0:c1])
+            gouts.append(self.grad_tile(grad_out, r, c))  # staged up when the output lives in host memory
         for b in self.barriers:
             if b.node not in totals:
                 continue
@@ -252,13 +250,14 @@ class MultiPassSegment(TiledSegment):
             rt, ct = reg.rows[r], reg.cols[c]
             y = self._run_nodes(self.input_region(x, rt, ct), rt, ct, self.tile_nodes, stats, {}, set())[self.end]
             if out is None:
-                out = y.new_empty((y.shape[0], y.shape[1], reg.rows_out[-1][1], reg.cols_out[-1][1]))
+                out = self.new_output(y)  # in host memory when the next checkpoint lives there
             (r0, r1), (c0, c1) = reg.rows_out[r], reg.cols_out[c]
-            out[:, :, r0:r1, c0:c1] = y
+            self.store_tile(out, y, (r0, r1), (c0, c1))
             if observer is not None:
                 observer(y.detach(), (r0, r1), (c0, c1))
             del y
             self._tock(t0, r, c, "forward")
+        self.stager.drain()  # a host output is complete before anyone reads it
         assert out is not None
         return out, stats
 
@@ -367,4 +366,5 @@ class MultiPassSegment(TiledSegment):
             self._tock(t0, r, c, "backward")
             if self.hooks.stats is not None:
                 self.hooks.stats.stats.recomputed_tiles += 1
+        self.stager.drain()  # every input-gradient tile is added into a host grad_x before it is returned
         return grad_x, grads

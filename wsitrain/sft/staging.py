@@ -1,54 +1,201 @@
-"""Host -> device staging of tile regions through two reused pinned buffers (one pair per ``SFT``).
+"""Staging of tiles between host tensors and the device: two buffers per lane, prefetch, ordered host adds.
 
-A region cut from a host image is a strided view; copying it to the device directly goes through a
-pageable temporary and blocks. The region is first packed into a pinned buffer, then copied with
-``non_blocking=True``; two buffers alternate so packing the next tile overlaps the transfer of the
-current one, and an event guards a buffer's reuse. Buffers are flat and grow to the largest region
-seen, so the pinned memory held is two regions' worth however many input shapes a run sees.
+One ``HostStager`` per ``SFT``. It owns the copies (``wsitrain.sft.transfers``: side CUDA streams, or
+synchronous copies on CPU) and three lanes of two reused staging buffers (page-locked on CUDA). Buffers are
+flat and grow to the largest tile seen, so the memory held is two tiles' worth per lane whatever the shapes.
+
+Up (host -> device), lanes "input" (a tile's input region) and "grad" (a tile of the output's gradient):
+a tile cut from a host tensor is a strided view, which PyTorch copies through a pageable temporary,
+blocking the host. It is first packed into a staging buffer (a host memcpy), then copied with
+``non_blocking``. ``fetch`` returns tile t and immediately starts the upload of the tile the caller will
+ask for next (t+1), so that copy overlaps tile t's compute; the compute stream waits on the upload's event
+before using the tile. A buffer is repacked only after the host has waited on its previous upload's event.
+
+Down (device -> host), output tiles (``store``) and input-gradient tiles (``accumulate``): each tile is
+copied into a staging buffer on the side stream after the compute stream produced it; at most two copies
+are in flight. Issuing a third first waits for the oldest and applies it to its host destination (copy or
+add), so tile t's copy and host add overlap tile t+1's compute; host adds happen in tile order, so tiles
+whose regions overlap (halos) sum as they would in place. ``drain`` applies all of them; the executor
+drains at the end of each segment's forward and backward, before anyone reads the host tensors.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from typing import Literal
+
 import torch
+
+from wsitrain.sft.transfers import Copies, CopyEvent, copies_for
+
+Interval = tuple[int, int]
+Lane = Literal["input", "grad"]  # up lanes: tiles' input regions, tiles of the output's gradient
+LANES: tuple[Lane, ...] = ("input", "grad")
+
+
+class _Pair:
+    """Two flat staging buffers used in turn; an event guards each buffer's reuse."""
+
+    def __init__(self) -> None:
+        self.flat: list[torch.Tensor | None] = [None, None]
+        self.events: list[CopyEvent | None] = [None, None]
+        self.turn = 0
+
+    def claim(self, like: torch.Tensor, pinned: bool) -> tuple[int, torch.Tensor]:
+        """The next buffer, shaped like ``like`` (contiguous), once its previous copy is done."""
+        k = self.turn
+        self.turn ^= 1
+        event = self.events[k]
+        if event is not None:
+            event.synchronize()  # the copy that last used this buffer is done: it may be overwritten
+            self.events[k] = None
+        nbytes = like.numel() * like.element_size()
+        flat = self.flat[k]
+        if flat is None or flat.numel() < nbytes:
+            self.flat[k] = None  # free the smaller buffer before taking the larger one
+            flat = self.flat[k] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        return k, flat[:nbytes].view(like.dtype).view(like.shape)
+
+
+@dataclass
+class _Prefetch:
+    """An upload started for the tile the caller is expected to ask for next."""
+
+    source: weakref.ref[torch.Tensor]  # the host tensor (weak: a prefetch never keeps a checkpoint alive)
+    version: int  # its version counter then: an in-place change in between makes the prefetch stale
+    rows: Interval
+    cols: Interval
+    tensor: torch.Tensor
+    event: CopyEvent
+
+    def matches(self, src: torch.Tensor, rows: Interval, cols: Interval) -> bool:
+        return self.source() is src and self.version == src._version and (self.rows, self.cols) == (rows, cols)
+
+
+@dataclass
+class _Down:
+    """A device -> host copy in flight into a staging buffer, and where the host puts it when it lands."""
+
+    event: CopyEvent
+    k: int  # which down buffer
+    staged: torch.Tensor
+    dst: torch.Tensor  # a view of the host tensor
+    add: bool  # add into dst (gradient tiles) or copy (output tiles)
 
 
 class HostStager:
-    def __init__(self) -> None:
-        self._flat: list[torch.Tensor | None] = [None, None]
-        self._events: list[torch.cuda.Event | None] = [None, None]
-        self._turn = 0
+    """Host <-> device staging for one ``SFT`` (see the module doc).
+
+    ``copies``: how copies are issued; by default chosen per device (side streams on CUDA, synchronous on
+    CPU). Tests inject a deferred implementation to check every read waits for its copy.
+    """
+
+    def __init__(self, copies: Copies | None = None) -> None:
+        self._fixed = copies
+        self._copies: dict[torch.device, Copies] = {}
+        self._up = {lane: _Pair() for lane in LANES}
+        self._pending: dict[Lane, _Prefetch] = {}
+        self._down = _Pair()
+        self._queue: deque[_Down] = deque()
+        self.max_in_flight = 0  # the most device -> host copies ever in flight at once (at most two)
+
+    def copies(self, device: torch.device) -> Copies:
+        if self._fixed is not None:
+            return self._fixed
+        if device not in self._copies:
+            self._copies[device] = copies_for(device)
+        return self._copies[device]
 
     @property
     def buffers(self) -> int:
-        """Pinned buffers held now (at most two)."""
-        return sum(b is not None for b in self._flat)
+        """Staging buffers held now (at most two per lane)."""
+        return sum(b is not None for p in self._pairs() for b in p.flat)
 
     @property
     def pinned_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._flat if b is not None)
+        return sum(b.numel() for p in self._pairs() for b in p.flat if b is not None)
 
-    def pack(self, region: torch.Tensor) -> tuple[int, torch.Tensor]:
-        """Copy ``region`` into the next buffer (pinned where CUDA exists); returns (buffer index, packed view)."""
-        k = self._turn
-        self._turn ^= 1
-        event = self._events[k]
-        if event is not None:
-            event.synchronize()  # the previous transfer out of this buffer is done
-        nbytes = region.numel() * region.element_size()
-        flat = self._flat[k]
-        if flat is None or flat.numel() < nbytes:
-            self._flat[k] = None  # free the smaller buffer before taking the larger one
-            flat = self._flat[k] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-        buf = flat[:nbytes].view(region.dtype).view(region.shape)
+    def _pairs(self) -> list[_Pair]:
+        return [*self._up.values(), self._down]
+
+    # ---- up ------------------------------------------------------------------------------------
+    def pack(self, region: torch.Tensor, lane: Lane = "input", pinned: bool | None = None) -> tuple[int, torch.Tensor]:
+        """Copy ``region`` into the lane's next buffer; returns (buffer index, packed view)."""
+        pin = torch.cuda.is_available() if pinned is None else pinned
+        k, buf = self._up[lane].claim(region, pin)
         buf.copy_(region)
         return k, buf
 
-    def to_device(self, region: torch.Tensor, device: torch.device) -> torch.Tensor:
-        if device.type != "cuda":
-            return region.to(device)
-        k, buf = self.pack(region)
-        out = buf.to(device, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._events[k] = event
-        return out
+    def _start_up(
+        self, lane: Lane, src: torch.Tensor, rows: Interval, cols: Interval, device: torch.device
+    ) -> tuple[torch.Tensor, CopyEvent]:
+        copies = self.copies(device)
+        k, buf = self.pack(src[:, :, rows[0] : rows[1], cols[0] : cols[1]], lane, copies.pinned)
+        tensor, event = copies.up(buf, device)
+        self._up[lane].events[k] = event  # the buffer is repacked only after this upload is done
+        return tensor, event
+
+    def fetch(
+        self,
+        lane: Lane,
+        src: torch.Tensor,
+        rows: Interval,
+        cols: Interval,
+        device: torch.device,
+        next_tile: tuple[Interval, Interval] | None = None,
+    ) -> torch.Tensor:
+        """The tile ``src[:, :, rows, cols]`` on ``device``, ready for compute; starts uploading ``next_tile``.
+
+        Takes the upload prefetched by the previous call when it was for this tile, else uploads now.
+        """
+        p = self._pending.pop(lane, None)
+        if p is not None and p.matches(src, rows, cols):
+            tensor, event = p.tensor, p.event
+        else:
+            tensor, event = self._start_up(lane, src, rows, cols, device)
+        del p  # a stale prefetch is dropped (its buffer is guarded by its event)
+        if next_tile is not None:
+            nr, nc = next_tile
+            t, e = self._start_up(lane, src, nr, nc, device)
+            self._pending[lane] = _Prefetch(weakref.ref(src), src._version, nr, nc, t, e)
+        return self.copies(device).ready(tensor, event)
+
+    # ---- down ----------------------------------------------------------------------------------
+    def store(self, dst: torch.Tensor, tile: torch.Tensor) -> None:
+        """``dst[...] = tile`` (dst a view of a host tensor, tile on the device), applied by a later wait."""
+        self._start_down(dst, tile, add=False)
+
+    def accumulate(self, dst: torch.Tensor, tile: torch.Tensor) -> None:
+        """``dst += tile``, applied after the previous tiles' adds (in order), by a later wait."""
+        self._start_down(dst, tile, add=True)
+
+    def _start_down(self, dst: torch.Tensor, tile: torch.Tensor, add: bool) -> None:
+        assert dst.shape == tile.shape, (dst.shape, tile.shape)
+        if len(self._queue) == 2:  # double buffering: the oldest copy lands before its buffer is reused
+            self._land_oldest()
+        copies = self.copies(tile.device)
+        k, staged = self._down.claim(tile, copies.pinned)
+        assert all(d.k != k for d in self._queue), "a staging buffer is reused while its copy is in flight"
+        event = copies.down(staged, tile)
+        self._down.events[k] = event
+        self._queue.append(_Down(event, k, staged, dst, add))
+        self.max_in_flight = max(self.max_in_flight, len(self._queue))
+
+    def _land_oldest(self) -> None:
+        d = self._queue.popleft()
+        d.event.synchronize()  # waits for this copy only (its compute finished before it); not a device sync
+        if d.add:
+            d.dst.add_(d.staged)
+        else:
+            d.dst.copy_(d.staged)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._queue)
+
+    def drain(self) -> None:
+        """Wait for every device -> host copy and apply it, in the order issued; host tensors are then complete."""
+        while self._queue:
+            self._land_oldest()

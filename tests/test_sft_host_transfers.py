@@ -1,0 +1,235 @@
+"""Host <-> device transfers of host checkpoints: staging buffers, prefetch, ordered host adds, drains.
+
+On CPU the stager's copies are synchronous, so a missing wait would never show. These tests inject
+``DeferredCopies``: a copy happens only when its event is waited on (``synchronize``, or the compute side's
+``ready``). An executor that reads a host buffer, or reuses a staging buffer, before waiting then computes
+with stale data (uploads start as NaN) and fails the float64 comparison with plain autograd.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from collections.abc import Callable
+
+import pytest
+import torch
+from sft_models import MODELS
+from torch import nn
+
+from wsitrain.sft import SFT
+from wsitrain.sft.facts import annotate
+from wsitrain.sft.graph import ModelGraph
+from wsitrain.sft.multipass import MultiPassSegment
+from wsitrain.sft.staging import HostStager, _Pair
+
+F64 = {"rtol": 1e-10, "atol": 1e-11}
+pytestmark = pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")
+
+
+class _Deferred:
+    """The event of a copy that runs only when waited on."""
+
+    def __init__(self, run: Callable[[], object], owner: DeferredCopies, kind: str) -> None:
+        self.run, self.owner, self.kind, self.done = run, owner, kind, False
+
+    def synchronize(self) -> None:
+        if not self.done:
+            self.run()
+            self.done = True
+            self.owner.pending[self.kind] -= 1
+
+
+class DeferredCopies:
+    """Copies that happen late: at the event's ``synchronize`` (host) or ``ready`` (compute). See the module doc."""
+
+    pinned = False
+
+    def __init__(self) -> None:
+        self.pending = {"down": 0, "up": 0}  # issued, not yet performed
+        self.most = {"down": 0, "up": 0}
+        self.issued = {"down": 0, "up": 0}
+
+    def _issue(self, run: Callable[[], object], kind: str) -> _Deferred:
+        self.pending[kind] += 1
+        self.issued[kind] += 1
+        self.most[kind] = max(self.most[kind], self.pending[kind])
+        return _Deferred(run, self, kind)
+
+    def down(self, dst: torch.Tensor, src: torch.Tensor) -> _Deferred:
+        return self._issue(lambda: dst.copy_(src), "down")
+
+    def up(self, src: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, _Deferred]:
+        out = torch.empty_like(src, device=device)
+        out.fill_(float("nan") if out.is_floating_point() else 77)  # what a tile read too early holds
+        return out, self._issue(lambda: out.copy_(src), "up")
+
+    def ready(self, tensor: torch.Tensor, event: _Deferred) -> torch.Tensor:
+        event.synchronize()
+        return tensor
+
+
+# ---- exactness with deferred copies ----------------------------------------------------------------
+def _bn_chain() -> nn.Module:
+    """conv-BN(train)-ReLU twice around a stride-2 conv: multi-pass segments (BatchNorm needs whole-map statistics)."""
+    trunk = nn.Sequential(
+        nn.Conv2d(3, 6, 3, padding=1),
+        nn.BatchNorm2d(6),
+        nn.ReLU(),
+        nn.Conv2d(6, 8, 3, stride=2, padding=1),
+        nn.BatchNorm2d(8, momentum=0.3),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+    )
+    head = [("pool", nn.AdaptiveAvgPool2d(1)), ("flatten", nn.Flatten(1)), ("fc", nn.Linear(8, 3))]
+    return nn.Sequential(OrderedDict([("features", trunk), *head]))
+
+
+def _step(net: nn.Module, params: nn.Module, x: torch.Tensor) -> tuple:
+    params.zero_grad(set_to_none=True)
+    xr = x.detach().clone().requires_grad_(True)
+    y = net(xr)
+    (y * torch.linspace(0.5, 1.5, y.shape[-1], dtype=y.dtype)).sum().backward()
+    return y.detach(), [p.grad.clone() for p in params.parameters()], xr.grad, [b.clone() for b in params.buffers()]
+
+
+def _cuts(model: nn.Module, shape: tuple[int, ...], names: list[str] | None) -> list[str]:
+    if names is not None:
+        return names
+    facts = annotate(ModelGraph(model), shape, torch.float64, torch.float64, True)
+    return [facts.name(i) for i in facts.candidates[1:-1]][::2]  # a few checkpoints after the image
+
+
+@pytest.mark.parametrize(
+    ("make", "tile", "cuts"),
+    [
+        (MODELS["vgg_chain"], 16, None),
+        (MODELS["resnet_basic"], 16, None),
+        (_bn_chain, 16, ["features.2", "features.5"]),
+    ],
+    ids=["vgg_chain", "resnet_basic", "bn_chain_multipass"],
+)
+def test_host_checkpoints_exact_with_deferred_copies(make: Callable[[], nn.Module], tile: int, cuts) -> None:
+    torch.manual_seed(0)
+    model = make().double().train()
+    twin = copy.deepcopy(model)
+    x = torch.randn(2, 3, 45, 62, dtype=torch.float64)  # batch 2, non-square, ragged last tiles
+    ref = _step(model, model, x)
+    sft = SFT(
+        twin, tile_size=tile, memory_budget="1GiB", host_checkpoints="always", checkpoints=_cuts(model, x.shape, cuts)
+    )
+    fake = DeferredCopies()
+    sft._stager = HostStager(fake)  # before the first call: the segments take the SFT's stager when compiled
+    got = _step(sft, twin, x)
+
+    p = sft.plan_for(tuple(x.shape), input_dtype=torch.float64)
+    host = [s for s in p.segments if s.start and s.checkpoint_location == "host"]
+    assert host, "the test must place a checkpoint in host memory"
+    assert all(p.segments[s.index - 1].output_location == "host" for s in host)
+    assert fake.issued["down"] > 0 and fake.issued["up"] > 0, "tiles must go through the stager"
+    assert fake.pending == {"down": 0, "up": 0}, "every copy drained or used; no prefetch past the last tile"
+    assert fake.most["down"] <= 2, "at most two device -> host copies in flight"
+    assert fake.most["up"] <= 4, "per lane (input, gradient): the tile in use and the next one"
+    if make is _bn_chain:
+        compiled = next(iter(sft._cache.values()))
+        mp = [s for s in compiled.segments if isinstance(s, MultiPassSegment)]
+        assert any(s.in_on_host for s in mp) and any(s.out_on_host for s in mp), "multi-pass segments on the host"
+
+    torch.testing.assert_close(got[0], ref[0], **F64)
+    names = [n for n, _ in model.named_parameters()]
+    for n, a, b in zip(names, ref[1], got[1], strict=True):
+        torch.testing.assert_close(b, a, **F64, msg=lambda m, n=n: f"{n}: {m}")
+    torch.testing.assert_close(got[2], ref[2], **F64)
+    for a, b in zip(ref[3], got[3], strict=True):  # running statistics of train-mode BatchNorm
+        torch.testing.assert_close(b, a, **F64)
+
+
+# ---- the stager alone ------------------------------------------------------------------------------
+def _tiles(h: int, w: int, step: int, halo: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """Row-major tiles of a (h, w) map, each widened by ``halo`` (so neighbours overlap), clipped."""
+    out = []
+    for r in range(0, h, step):
+        for c in range(0, w, step):
+            out.append(((max(0, r - halo), min(h, r + step + halo)), (max(0, c - halo), min(w, c + step + halo))))
+    return out
+
+
+def test_down_copies_double_buffered_and_drained_before_read() -> None:
+    fake = DeferredCopies()
+    stager = HostStager(fake)
+    host = torch.zeros(2, 3, 13, 17, dtype=torch.float64)
+    want = torch.zeros_like(host)
+    tiles = _tiles(13, 17, 5, 2)
+    for k, ((r0, r1), (c0, c1)) in enumerate(tiles):
+        tile = torch.full((2, 3, r1 - r0, c1 - c0), float(k + 1), dtype=torch.float64)
+        stager.store(host[:, :, r0:r1, c0:c1], tile)
+        want[:, :, r0:r1, c0:c1] = tile  # overlapping stores: the later tile wins, so order matters
+        assert stager.in_flight <= 2 and fake.pending["down"] <= 2
+    assert stager.buffers == 2 and stager.max_in_flight == 2
+    (r0, r1), (c0, c1) = tiles[-1]
+    assert (host[:, :, r0:r1, c0:c1] != len(tiles)).all(), "the last tile has not landed before the drain"
+    stager.drain()
+    assert stager.in_flight == 0 and fake.pending["down"] == 0
+    torch.testing.assert_close(host, want, rtol=0, atol=0)
+
+
+def test_gradient_tiles_add_in_tile_order_with_halos() -> None:
+    fake = DeferredCopies()
+    stager = HostStager(fake)
+    grad = torch.zeros(2, 3, 11, 14, dtype=torch.float64)
+    want = torch.zeros_like(grad)
+    torch.manual_seed(0)
+    for (r0, r1), (c0, c1) in _tiles(11, 14, 4, 3):
+        g = torch.randn(2, 3, r1 - r0, c1 - c0, dtype=torch.float64)
+        stager.accumulate(grad[:, :, r0:r1, c0:c1], g)
+        want[:, :, r0:r1, c0:c1] += g
+        del g  # the copy in flight keeps the tile (on CUDA: record_stream)
+    stager.drain()
+    assert fake.most["down"] == 2
+    torch.testing.assert_close(grad, want, rtol=0, atol=0)  # the same adds in the same order: bit-identical
+
+
+def test_staging_buffer_reuse_waits_for_its_copy() -> None:
+    fake = DeferredCopies()
+    pair = _Pair()
+    src = torch.arange(24, dtype=torch.float64).view(2, 3, 2, 2)
+    k0, b0 = pair.claim(src, pinned=False)
+    b0.copy_(src)
+    dev, e0 = fake.up(b0, torch.device("cpu"))
+    pair.events[k0] = e0
+    k1, _ = pair.claim(src, pinned=False)
+    assert k1 != k0 and not e0.done
+    k2, b2 = pair.claim(src, pinned=False)  # buffer 0 again: its upload must be done first
+    assert k2 == k0 and e0.done
+    b2.fill_(-1.0)
+    torch.testing.assert_close(dev, src, rtol=0, atol=0)
+
+
+def test_uploads_prefetch_the_next_tile_once() -> None:
+    fake = DeferredCopies()
+    stager = HostStager(fake)
+    x = torch.randn(2, 3, 21, 30, dtype=torch.float64)
+    tiles = _tiles(21, 30, 8, 2)
+    cpu = torch.device("cpu")
+    for k, (rows, cols) in enumerate(tiles):
+        nxt = tiles[k + 1] if k + 1 < len(tiles) else None
+        got = stager.fetch("input", x, rows, cols, cpu, nxt)
+        torch.testing.assert_close(got, x[:, :, rows[0] : rows[1], cols[0] : cols[1]], rtol=0, atol=0)
+        assert fake.pending["up"] <= 1, "only the next tile's upload is left in flight"
+    assert fake.issued["up"] == len(tiles), "every tile uploaded exactly once: each prefetch was used"
+    assert stager.buffers == 2
+
+
+def test_stale_prefetch_is_not_used() -> None:
+    """Asked for another tile than predicted, or the source changed in place: the stager uploads again."""
+    stager = HostStager(DeferredCopies())
+    x = torch.randn(1, 2, 10, 10, dtype=torch.float64)
+    cpu = torch.device("cpu")
+    stager.fetch("input", x, (0, 5), (0, 5), cpu, ((0, 5), (5, 10)))
+    got = stager.fetch("input", x, (5, 10), (0, 5), cpu, ((5, 10), (5, 10)))  # not the predicted tile
+    torch.testing.assert_close(got, x[:, :, 5:10, 0:5], rtol=0, atol=0)
+    x.mul_(2.0)  # in place after the prefetch of (5:10, 5:10)
+    got = stager.fetch("input", x, (5, 10), (5, 10), cpu)
+    torch.testing.assert_close(got, x[:, :, 5:10, 5:10], rtol=0, atol=0)
