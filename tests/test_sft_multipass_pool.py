@@ -6,6 +6,7 @@ running statistics), with the helpers of ``test_sft_multipass``: batch 2, a non-
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 
 import pytest
@@ -113,6 +114,29 @@ def test_squeeze_excitation_segment_folds_the_pool(pool: str, train: bool) -> No
     _fused_last(sft, pool)
     kinds = [b.kind for b in multipass_segments(sft)[-1].barriers]
     assert kinds.count(SQUEEZE) == 2, kinds
+
+
+@pytest.mark.parametrize(("make", "pool"), [(se_like, "amax"), (resnet_like, "max")])
+def test_fused_bf16_autocast_as_accurate_as_plain(make, pool: str) -> None:
+    """Under bf16 autocast the folded pool loses no more than plain autograd does against float64 (amax's tie
+    mask and max's index come from the recomputed tiles, which must match the forward's values)."""
+    torch.manual_seed(15)
+    model = make(pool).train()
+    twin, ref = copy.deepcopy(model), copy.deepcopy(model).double()
+    x = torch.randn(*SHAPE)
+    ref(x.double()).square().sum().backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x).float().square().sum().backward()
+        sft = SFT(twin, tile_size=16, memory_budget="4GiB", checkpoints=[])
+        sft(x).float().square().sum().backward()
+    _fused_last(sft, pool)
+    for (n, r), a, b in zip(ref.named_parameters(), model.parameters(), twin.parameters(), strict=True):
+        scale = r.grad.abs().max().item()
+        if scale < 1e-6:  # a conv bias before BatchNorm: its true gradient is zero, both are round-off
+            continue
+        err_plain = (a.grad.double() - r.grad).abs().max().item() / scale
+        err_sft = (b.grad.double() - r.grad).abs().max().item() / scale
+        assert err_sft <= 2.0 * err_plain + 0.01, f"{n}: bf16 error {err_sft:.3g} against plain's {err_plain:.3g}"
 
 
 def test_fusion_lowers_the_planned_peak(monkeypatch: pytest.MonkeyPatch) -> None:
