@@ -246,3 +246,99 @@ MODELS = {
     "arith": arith_net,
     "functional": functional_net,
 }
+
+
+class SELayer(nn.Module):
+    """Squeeze-excitation as the SENet reference code writes it: pool, ``view(b, c)``, 2-D Linear layers,
+    ``view(b, c, 1, 1)``, and ``x * y.expand_as(x)``, with the sizes read from ``x.size()``."""
+
+    def __init__(self, c: int, reduction: int = 2) -> None:
+        super().__init__()
+        self.avg_pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Sequential(
+            nn.Linear(c, c // reduction, bias=False),
+            nn.ReLU(inplace=True),
+            nn.Linear(c // reduction, c, bias=False),
+            nn.Sigmoid(),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, _, _ = x.size()
+        y = self.avg_pool(x).view(b, c)
+        y = self.fc(y).view(b, c, 1, 1)
+        return x * y.expand_as(x)
+
+
+class MeanLinearSE(nn.Module):
+    """Squeeze-excitation on (B, C): ``x.mean((2, 3))``, Linear layers, back with ``[:, :, None, None]``."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(c, 3)
+        self.fc2 = nn.Linear(3, c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.sigmoid(self.fc2(F.relu(self.fc1(x.mean((2, 3))))))
+        return x * y[:, :, None, None]
+
+
+class FlattenSE(nn.Module):
+    """Squeeze-excitation on (B, C): ``adaptive_avg_pool2d(x, 1).flatten(1)``, back with two ``unsqueeze``,
+    the scale on the left of the multiply."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(c, 3)
+        self.fc2 = nn.Linear(3, c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.adaptive_avg_pool2d(x, 1).flatten(1)
+        y = torch.sigmoid(self.fc2(F.relu(self.fc1(y))))
+        return y.unsqueeze(-1).unsqueeze(-1) * x
+
+
+class AddGate(nn.Module):
+    """Not squeeze-excitation: the pooled (B, C) comes back by an add (a global context bias), which ends tiling."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(c, c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, _, _ = x.size()
+        return x + self.fc(x.mean((2, 3))).view(b, c, 1, 1)
+
+
+SE_FORMS = {"selayer": SELayer, "mean_linear": MeanLinearSE, "flatten": FlattenSE}
+
+
+def se_form_net(form: str) -> nn.Sequential:
+    """Two squeeze-excitation blocks of one hand-written form, one before and one after a stride-2 conv."""
+    se = SE_FORMS[form]
+    trunk = nn.Sequential(
+        nn.Conv2d(3, 6, 3, padding=1),
+        nn.ReLU(),
+        se(6),
+        nn.Conv2d(6, 8, 3, stride=2, padding=1),
+        nn.ReLU(),
+        se(8),
+        nn.Conv2d(8, 8, 3, padding=1),
+    )
+    return nn.Sequential(OrderedDict([("features", trunk), *head(8)]))
+
+
+class ShuffledSE(nn.Module):
+    """Squeeze-excitation whose ``b, c`` (from ``x.size()``) also shape a channel shuffle after it: the chain and
+    the tiles both read them (the tiles' ``h, w`` are the tile's, the chain's ``b, c`` the image's)."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(c, c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = x.size()
+        x = x * torch.sigmoid(self.fc(x.mean((2, 3)))).view(b, c, 1, 1)
+        return x.view(b, 2, c // 2, h, w).transpose(1, 2).reshape(b, c, h, w)
+
+
+SE_FORMS["shuffled"] = ShuffledSE

@@ -2,15 +2,21 @@
 
 BatchNorm: per-channel (count, mean, M2) combined tile by tile with Chan's parallel update, then the
 normalization the layer applies and the running-statistics update ``F.batch_norm`` does.
-Squeeze-excitation: the pooled map and its chain's results (see ``wsitrain.sft.multipass``).
+Squeeze-excitation: the pooled map and its chain's results, run once per step outside the tiles, and the
+gradient back through that chain (see ``wsitrain.sft.multipass``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
+
+from wsitrain.sft.barriers import Barrier
+from wsitrain.sft.runner import NodeRunner
 
 C_SHAPE = (1, -1, 1, 1)  # per-channel vector to (1, C, 1, 1)
 
@@ -28,7 +34,7 @@ class BNStat:
 class SEStat:
     """A squeeze-excitation's pooled map and its chain's results (with the chain's graph when kept)."""
 
-    pooled: torch.Tensor  # (B, C, 1, 1), a leaf that requires grad when the graph is kept
+    pooled: torch.Tensor  # (B, C, 1, 1) or (B, C) as the pool gives it; a leaf, requiring grad when the graph is kept
     exits: dict[int, torch.Tensor]  # exit node -> (B, C', 1, 1) computed from ``pooled``
     count: int  # H * W positions averaged
 
@@ -90,14 +96,14 @@ def correction(st: BNStat | SEStat, total: tuple[torch.Tensor, ...], x: torch.Te
     """The statistic's part of the gradient at input positions ``x`` (B, C, h, w), detached.
 
     BatchNorm (biased variance over N positions): G_m / N - G_inv * inv^3 * (x - m) / N.
-    Squeeze-excitation: every averaged position gets its 1 / (H * W) share of G_P (B, C, 1, 1).
+    Squeeze-excitation: every averaged position gets its 1 / (H * W) share of G_P ((B, C, 1, 1) or (B, C)).
     """
     if isinstance(st, BNStat):
         g_m, g_inv = total
         corr = g_m.view(C_SHAPE) / st.count - (g_inv * st.inv**3).view(C_SHAPE) * (x - st.mean.view(C_SHAPE)) / st.count
     else:
         (g_p,) = total
-        corr = (g_p / st.count).expand(x.shape)
+        corr = (g_p.reshape(x.shape[0], x.shape[1], 1, 1) / st.count).expand(x.shape)
     return corr.to(x.dtype)
 
 
@@ -106,3 +112,41 @@ Stats = dict[int, BNStat | SEStat]  # barrier node -> its statistic
 Leaves = dict[int, list[torch.Tensor]]
 # barrier node -> gradients summed over tiles: (G_m, G_inv) of a BatchNorm, (G_P,) of an SE
 Totals = dict[int, tuple[torch.Tensor, ...]]
+
+
+class SqueezeChain:
+    """A squeeze-excitation's chain, run once per step on the pooled value of the whole map."""
+
+    def __init__(self, runner: NodeRunner, b: Barrier, shapes: Mapping[int, tuple[int, ...]]) -> None:
+        self.runner, self.b, self.shapes = runner, b, shapes
+        self.nodes = sorted(b.chain + b.shapes)  # execution order; they read the pool, shapes and one another
+        ps: dict[int, nn.Parameter] = {}
+        for i in b.chain:
+            for p in runner.graph.trainable_params(i):
+                ps.setdefault(id(p), p)
+        self.params = list(ps.values())
+
+    def run(self, total: torch.Tensor, dtype: torch.dtype, keep_graph: bool) -> SEStat:
+        """The pooled map from its sum (B, C, 1, 1) over the map, and the chain on it (with its graph when kept)."""
+        h, w = self.shapes[self.b.source][2:]
+        pooled = (total / (h * w)).to(dtype).reshape(self.shapes[self.b.node])  # (B, C, 1, 1) or (B, C): the pool's
+        with torch.set_grad_enabled(keep_graph):
+            leaf = pooled.detach().requires_grad_(keep_graph)
+            env: dict[int, Any] = {self.b.node: leaf}
+
+            def fetch(v: int) -> Any:  # shape reads (x.size()) see the untiled map, as in plain PyTorch
+                return env[v] if v in env else torch.empty(self.shapes[v], device="meta")
+
+            for i in self.nodes:
+                env[i] = self.runner.run(i, env, out_of_place=True, fetch=fetch)
+        return SEStat(leaf, {e: env[e] for e in self.b.exits}, h * w)
+
+    def backward(self, st: SEStat, g_exits: list[torch.Tensor], chain_grads: dict[int, torch.Tensor]) -> torch.Tensor:
+        """G_P: the exits' total gradients through the kept chain graph; adds the chain's parameter gradients."""
+        outs = [st.exits[e] for e in self.b.exits]
+        g_out = [g.to(o.dtype) for g, o in zip(g_exits, outs, strict=True)]
+        res = torch.autograd.grad(outs, [st.pooled, *self.params], g_out, allow_unused=True)
+        for p, g in zip(self.params, res[1:], strict=True):
+            if g is not None:
+                chain_grads[id(p)] = chain_grads[id(p)] + g if id(p) in chain_grads else g
+        return res[0] if res[0] is not None else torch.zeros_like(st.pooled)

@@ -2,9 +2,12 @@
 
 Two kinds, both spatially pointwise once the statistic is known:
 - train-mode BatchNorm normalizes with the batch's per-channel mean and variance over (B, H, W);
-- squeeze-excitation: a global average pool (B, C, 1, 1) whose result goes through a *chain* of
-  layers on 1 x 1 maps (1x1 convs, activations, sigmoid) and comes back into the spatial graph only
-  through broadcast multiplies. Its *exits* are the chain nodes those multiplies read.
+- squeeze-excitation: a global average pool (B, C, 1, 1) or (B, C) whose result goes through a *chain*
+  of layers on per-(sample, channel) values (1x1 convs or ``nn.Linear`` on (B, C), activations, sigmoid,
+  and the ``view`` / ``flatten`` / ``unsqueeze`` / ``[:, :, None, None]`` between them) and comes back into
+  the spatial graph only through broadcast multiplies (``x * s``, or ``x * s.expand_as(x)``). Its *exits*
+  are the (B, C', 1, 1) chain nodes those multiplies (or ``expand_as``) read. The chain may read shapes
+  (``b, c, _, _ = x.size()``): it recomputes them on the untiled map, as plain PyTorch sees it.
 No tile sees the statistic, so a tiled segment holding a barrier runs in sweeps
 (``wsitrain.sft.multipass``): first the statistic over all tiles, then the layers after it with the
 statistic (BatchNorm) or the chain's result (squeeze-excitation) as a constant. This module finds
@@ -28,7 +31,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from wsitrain.sft.fused_pool import AVG, pool_kind
 from wsitrain.sft.graph import ModelGraph
-from wsitrain.sft.ops import MERGE, POINTWISE, OpSpec
+from wsitrain.sft.ops import MERGE, POINTWISE, SHAPE, OpSpec
 
 BATCHNORM = "batchnorm"  # per-channel mean and biased variance over (B, H, W)
 SQUEEZE = "squeeze"  # per-(sample, channel) mean over (H, W), fed through a chain back into a multiply
@@ -52,13 +55,17 @@ def mark_barriers(graph: ModelGraph, specs: list[OpSpec], shapes: Sequence[tuple
     out = list(specs)
     in_chain: set[int] = set()
     for g in graph.nodes[1:]:
-        found = squeeze_excitation(graph, g.index, shapes)
+        found = squeeze_excitation(graph, g.index, shapes, specs)
         if found is None:
             continue
-        chain, exits = found
+        chain, exits, shared = found
         in_chain |= set(chain)
-        out[g.index] = _barrier_spec(specs[g.index], {"barrier": SQUEEZE, "chain": chain, "exits": exits})
+        extra = {"barrier": SQUEEZE, "chain": chain, "exits": exits, "shapes": shared}
+        out[g.index] = _barrier_spec(specs[g.index], extra)
         for i in chain:
+            if specs[i].kind == SHAPE:  # a shape read only the chain uses: it keeps its spec, runs with the chain
+                out[i] = replace(specs[i], extra={"chain_of": g.index})
+                continue
             out[i] = replace(_barrier_spec(specs[i], {"chain_of": g.index}), flops_per_output=0.0)
         for e in exits:  # its readers multiply a feature map by tile constants: pointwise in space
             for u in graph.nodes[e].users:
@@ -92,44 +99,100 @@ def _is_mul(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in (operator.mul, operator.imul, torch.mul)
 
 
-def squeeze_excitation(
-    graph: ModelGraph, p: int, shapes: Sequence[tuple[int, ...]]
-) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """(chain, exits) when node p is a squeeze-excitation pool, else None.
+def _per_channel(shape: tuple[int, ...], batch: int) -> bool:
+    """(B, C'), (B, C', 1) or (B, C', 1, 1): a value per (sample, channel), constant over the image plane."""
+    return 2 <= len(shape) <= 4 and shape[0] == batch and all(s == 1 for s in shape[2:])
 
-    The chain is every later node computed from the pool alone on (B, C', 1, 1) maps; its exits are
-    the chain nodes read by a node outside it. It is squeeze-excitation when every such reader is a
-    multiply with a spatial operand outside the chain and the model does not return a chain value.
+
+def _scales(graph: ModelGraph, u: int, group: set[int], shapes: Sequence[tuple[int, ...]]) -> bool:
+    """Node u multiplies a feature map outside ``group`` by a chain value, broadcast over the map's shape."""
+    un = graph.nodes[u]
+    spatial = [v for v in un.inputs if v not in group]
+    return _is_mul(un.fx_node) and bool(spatial) and all(len(shapes[v]) == 4 for v in spatial) and (
+        shapes[u] == shapes[spatial[0]]
+    )
+
+
+def _expands_for_scale(graph: ModelGraph, u: int, group: set[int], shapes: Sequence[tuple[int, ...]]) -> bool:
+    """Node u is ``s.expand_as(x)`` of a chain value s to a feature map x, read only by multiplies with maps."""
+    un = graph.nodes[u]
+    n = un.fx_node
+    if not (n.op == "call_method" and n.target == "expand_as" and len(n.args) == 2):
+        return False
+    other = n.args[1]
+    if not isinstance(other, fx.Node) or other not in graph.index or graph.index[other] in group:
+        return False
+    x = graph.index[other]
+    return (
+        len(shapes[x]) == 4
+        and shapes[u] == shapes[x]
+        and bool(un.users)
+        and all(_scales(graph, w, group, shapes) for w in un.users)
+    )
+
+
+def _shape_reads(
+    graph: ModelGraph, group: set[int], p: int, specs: Sequence[OpSpec]
+) -> tuple[set[int], set[int]] | None:
+    """The shape reads (``x.size()`` and ints from it) the chain reads, split into those only the chain uses
+    and those tiles use as well; None when a chain node reads anything else from outside the chain."""
+    reads: set[int] = set()
+    todo = [v for i in group - {p} for v in graph.nodes[i].inputs if v not in group]
+    while todo:
+        v = todo.pop()
+        if v in reads:
+            continue
+        if specs[v].kind != SHAPE:
+            return None
+        reads.add(v)
+        todo.extend(w for w in graph.nodes[v].inputs if specs[w].kind == SHAPE)
+    own: set[int] = set()
+    for v in sorted(reads, reverse=True):  # users come later: decide them first
+        if all(u in group or u in own for u in graph.nodes[v].users):
+            own.add(v)
+    return own, reads - own
+
+
+def squeeze_excitation(
+    graph: ModelGraph, p: int, shapes: Sequence[tuple[int, ...]], specs: Sequence[OpSpec]
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None:
+    """(chain, exits, shared shape reads) when node p is a squeeze-excitation pool, else None.
+
+    The chain is every later node computed from the pool alone (shape reads aside) on per-(sample, channel)
+    values, plus the shape reads only it uses; its exits are the chain nodes read by a node outside it. It is
+    squeeze-excitation when every such reader is a multiply with a spatial operand outside the chain (directly,
+    or through ``expand_as`` to that operand), every exit is (B, C', 1, 1), and the model returns no chain value.
     """
     g = graph.nodes[p]
     if len(g.inputs) != 1 or pool_kind(g.fx_node, graph.module(p)) != AVG:
         return None
     src, out = shapes[g.inputs[0]], shapes[p]
-    if len(src) != 4 or out != (src[0], src[1], 1, 1):
+    if len(src) != 4 or out not in ((src[0], src[1], 1, 1), (src[0], src[1])):
         return None
     group = {p}
     for i in range(p + 1, len(graph.nodes)):
-        ins = graph.nodes[i].inputs
-        if ins and all(v in group for v in ins) and len(shapes[i]) == 4 and shapes[i][2:] == (1, 1):
+        data = [v for v in graph.nodes[i].inputs if specs[v].kind != SHAPE]
+        # a chain value, or a non-tensor read from one (``y.size(0)``)
+        if data and all(v in group for v in data) and (_per_channel(shapes[i], src[0]) or shapes[i] == ()):
             group.add(i)
     returned = {graph.index[a] for a in graph.output_fx.all_input_nodes if a in graph.index}
-    if group & returned:
+    reads = _shape_reads(graph, group, p, specs)
+    if group & returned or reads is None:
         return None
+    own, shared = reads
     exits = []
     for i in sorted(group):
         outside = [u for u in graph.nodes[i].users if u not in group]
         for u in outside:
-            un = graph.nodes[u]
-            spatial = [v for v in un.inputs if v not in group]
-            if not (_is_mul(un.fx_node) and spatial and all(len(shapes[v]) == 4 for v in spatial)):
+            if len(shapes[i]) != 4:
+                return None  # (B, C) against a map would broadcast over the wrong dims
+            if not (_scales(graph, u, group, shapes) or _expands_for_scale(graph, u, group, shapes)):
                 return None
-            if shapes[u] != shapes[spatial[0]]:
-                return None  # the multiply must broadcast the chain over the spatial operand
         if outside:
             exits.append(i)
     if not exits:
         return None
-    return tuple(sorted(group - {p})), tuple(exits)
+    return tuple(sorted((group - {p}) | own)), tuple(exits), tuple(sorted(shared))
 
 
 @dataclass(frozen=True)
@@ -142,6 +205,7 @@ class Barrier:
     level: int  # sweep it is computed in: 1 + the deepest barrier among its source's ancestors
     chain: tuple[int, ...] = ()  # SQUEEZE: nodes computed from the pool alone, run once per step
     exits: tuple[int, ...] = ()  # SQUEEZE: chain nodes the spatial graph reads (a multiply's operand)
+    shapes: tuple[int, ...] = ()  # SQUEEZE: shape reads the chain needs that tiles use too (run again for it)
 
 
 def barrier_kind(spec: OpSpec) -> str | None:
@@ -174,7 +238,8 @@ def segment_barriers(
             level = 1 + depth.get(src, 0)
             d = max(d, level)
             extra = specs[i].extra
-            out.append(Barrier(i, kind, src, level, tuple(extra.get("chain", ())), tuple(extra.get("exits", ()))))
+            chain, exits, shared = (tuple(extra.get(k, ())) for k in ("chain", "exits", "shapes"))
+            out.append(Barrier(i, kind, src, level, chain, exits, shared))
         depth[i] = d
     return out
 

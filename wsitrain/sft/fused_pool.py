@@ -74,9 +74,11 @@ class PoolAccumulator:
         self.value: torch.Tensor | None = None  # (B, C): running sum or maximum
         self.index: torch.Tensor | None = None  # (B, C) int64: global flat index of the maximum (MAX)
         self.count: torch.Tensor | None = None  # (B, C): positions equal to the maximum (AMAX)
+        self.dtype: torch.dtype | None = None  # the tiles' dtype: the pooled value's, as plain PyTorch gives it
 
     def add(self, y: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> None:
         """One tile ``y`` (B, C, th, tw) covering ``rows`` x ``cols`` of the map."""
+        self.dtype = y.dtype
         if self.kind == AVG:
             acc = torch.float32 if y.dtype in (torch.float16, torch.bfloat16) else y.dtype
             part = y.sum((2, 3), dtype=acc)
@@ -104,9 +106,10 @@ class PoolAccumulator:
         )
         self.value = torch.maximum(self.value, tile_max)
 
-    def result(self, dtype: torch.dtype) -> torch.Tensor:
-        """The pooled (B, C), as plain PyTorch computes it."""
-        assert self.value is not None, "no tile was added"
+    def result(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The pooled (B, C), as plain PyTorch computes it (in ``dtype``, by default the tiles')."""
+        assert self.value is not None and self.dtype is not None, "no tile was added"
+        dtype = dtype or self.dtype
         if self.kind == AVG:
             return (self.value / (self.h * self.w)).to(dtype)
         return self.value

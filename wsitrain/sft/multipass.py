@@ -25,6 +25,10 @@ L back-propagates each tile's share of the output gradient plus the corrections 
 level L; the last sweep adds every correction and returns parameter and input gradients. Each
 position's correction enters once, so sums over tiles are the plain gradient.
 
+A segment that ends the trunk may fold the global pool after it (``seg.fused_pool``), as a plain tiled
+segment does: the output sweep adds each tile to a ``PoolAccumulator`` instead of joining a map, and
+every backward sweep gives each recomputed tile its share of the pooled gradient (``acc.tile_grad``).
+
 The statistics computed in forward are kept for backward (per channel: tiny); nothing else is.
 Under autocast, statistics and leaf gradients are summed in float32, and BatchNorm's correction
 joins its explicit gradient on a float32 copy of the layer's input, as BatchNorm's own backward
@@ -41,6 +45,7 @@ from wsitrain.sft.barrier_stats import (
     Leaves,
     Moments,
     SEStat,
+    SqueezeChain,
     Stats,
     Totals,
     bn_apply,
@@ -51,7 +56,9 @@ from wsitrain.sft.barrier_stats import (
 from wsitrain.sft.barriers import BATCHNORM, SQUEEZE, Barrier, ancestors_in, segment_barriers
 from wsitrain.sft.executor import ExecHooks, TiledSegment, _AutocastState
 from wsitrain.sft.facts import GraphFacts
+from wsitrain.sft.fused_pool import PoolAccumulator
 from wsitrain.sft.ops import WINDOW
+from wsitrain.sft.ops_space import crop
 from wsitrain.sft.plan_types import SegmentPlan
 from wsitrain.sft.regions import AxisTile
 from wsitrain.sft.runner import NodeRunner
@@ -97,14 +104,9 @@ class MultiPassSegment(TiledSegment):
             lv: sorted(set().union(*(anc.get(b.source, frozenset()) for b in self.at(lv))) - self.chain)
             for lv in self.levels
         }
-        self.sizes = {v: (facts.nodes[v].shape[2], facts.nodes[v].shape[3]) for v in [self.start, *self.nodes]}
-        self.chain_params: dict[int, list[nn.Parameter]] = {}
-        for b in self.barriers:
-            ps: dict[int, nn.Parameter] = {}
-            for i in b.chain:
-                for p in runner.graph.trainable_params(i):
-                    ps.setdefault(id(p), p)
-            self.chain_params[b.node] = list(ps.values())
+        shapes = {v: facts.nodes[v].shape for v in [self.start, *self.nodes]}
+        self.sizes = {v: (s[2], s[3]) for v, s in shapes.items() if len(s) == 4}  # (H, W) of the feature maps
+        self.se = {b.node: SqueezeChain(runner, b, shapes) for b in self.barriers if b.kind == SQUEEZE}
 
     def at(self, level: int) -> list[Barrier]:
         return [b for b in self.barriers if b.level == level]
@@ -134,7 +136,7 @@ class MultiPassSegment(TiledSegment):
                     return exits[v]
                 (rl, rh), (cl, ch) = rt.req[(u, v)], ct.req[(u, v)]
                 nr, nc = rt.need[v][0], ct.need[v][0]
-                return env[v][:, :, rl - nr : rh - nr, cl - nc : ch - nc]
+                return crop(env[v], self.specs[v].spatial_dims, (rl - nr, rh - nr), (cl - nc, ch - nc))
 
             if u in self.bn:
                 st = stats[u]
@@ -187,15 +189,28 @@ class MultiPassSegment(TiledSegment):
         return value[:, :, r0 - nr : r1 - nr, c0 - nc : c1 - nc]
 
     def _outputs(
-        self, env: dict[int, torch.Tensor], r: int, c: int, grad_out: torch.Tensor, stats: Stats, totals: Totals
+        self,
+        env: dict[int, torch.Tensor],
+        r: int,
+        c: int,
+        grad_out: torch.Tensor,
+        stats: Stats,
+        totals: Totals,
+        acc: PoolAccumulator | None,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """What a tile back-propagates: its output with its share of grad_out, and owned barrier inputs with
-        the statistic's part of their gradient (for the barriers in ``totals``)."""
+        """What a tile back-propagates: its output with its share of grad_out (of the pooled gradient (B, C) with
+        a fused pool), and owned barrier inputs with the statistic's part of their gradient (for the barriers in
+        ``totals``)."""
+        reg = self.regions
+        (r0, r1), (c0, c1) = reg.rows_out[r], reg.cols_out[c]
         outs, gouts = [], []
         y = env[self.end]
         if y.requires_grad:
             outs.append(y)
-            gouts.append(self.grad_tile(grad_out, r, c))  # staged up when the output lives in host memory
+            if acc is not None:
+                gouts.append(acc.tile_grad(grad_out, y.detach(), (r0, r1), (c0, c1)))
+            else:
+                gouts.append(self.grad_tile(grad_out, r, c))  # staged up when the output lives in host memory
         for b in self.barriers:
             if b.node not in totals:
                 continue
@@ -208,8 +223,11 @@ class MultiPassSegment(TiledSegment):
         return outs, gouts
 
     # ---- forward -------------------------------------------------------------------------------
-    def forward_sweeps(self, x: torch.Tensor, keep_graph: bool) -> tuple[torch.Tensor, Stats]:
-        """Statistics level by level, then the output sweep. Returns the output (B, C, Ho, Wo) and statistics.
+    def forward_sweeps(
+        self, x: torch.Tensor, keep_graph: bool
+    ) -> tuple[torch.Tensor, Stats, PoolAccumulator | None]:
+        """Statistics level by level, then the output sweep. Returns the output (B, C, Ho, Wo), or with a fused
+        pool the pooled (B, C) and the accumulator backward needs, and the statistics.
 
         ``keep_graph``: keep the squeeze-excitation chains' autograd graphs for backward.
         """
@@ -242,13 +260,21 @@ class MultiPassSegment(TiledSegment):
                 if b.kind == BATCHNORM:
                     stats[b.node] = finish_batchnorm(self.bn[b.node], moments[b.node])
                 else:
-                    stats[b.node] = self._squeeze(b, sums[b.node], dtypes[b.node], keep_graph)
+                    stats[b.node] = self.se[b.node].run(sums[b.node], dtypes[b.node], keep_graph)
         observer = self.hooks.trunk_observer if self.is_trunk_end else None
+        acc = PoolAccumulator(self.fusion.kind, reg.rows_out[-1][1], reg.cols_out[-1][1]) if self.fusion else None
         out: torch.Tensor | None = None
         for r, c in self.tiles():
             t0 = self._tick()
             rt, ct = reg.rows[r], reg.cols[c]
             y = self._run_nodes(self.input_region(x, rt, ct), rt, ct, self.tile_nodes, stats, {}, set())[self.end]
+            if acc is not None:  # fused global pool: fold the tile, no output map is built
+                acc.add(y, reg.rows_out[r], reg.cols_out[c])
+                if observer is not None:
+                    observer(y.detach(), reg.rows_out[r], reg.cols_out[c])
+                del y
+                self._tock(t0, r, c, "forward")
+                continue
             if out is None:
                 out = self.new_output(y)  # in host memory when the next checkpoint lives there
             (r0, r1), (c0, c1) = reg.rows_out[r], reg.cols_out[c]
@@ -258,26 +284,28 @@ class MultiPassSegment(TiledSegment):
             del y
             self._tock(t0, r, c, "forward")
         self.stager.drain()  # a host output is complete before anyone reads it
+        if acc is not None:
+            return acc.result(), stats, acc
         assert out is not None
-        return out, stats
-
-    def _squeeze(self, b: Barrier, total: torch.Tensor, dtype: torch.dtype, keep_graph: bool) -> SEStat:
-        """The pooled map from its sum, and the chain run on it once (with its graph when kept)."""
-        h, w = self.sizes[b.source]
-        pooled = (total / (h * w)).to(dtype)  # (B, C, 1, 1)
-        with torch.set_grad_enabled(keep_graph):
-            leaf = pooled.detach().requires_grad_(keep_graph)
-            env: dict[int, torch.Tensor] = {b.node: leaf}
-            for i in b.chain:  # in execution order; they read only the pool and one another
-                env[i] = self.runner.run(i, env, out_of_place=True)
-        return SEStat(leaf, {e: env[e] for e in b.exits}, h * w)
+        return out, stats, None
 
     # ---- backward ------------------------------------------------------------------------------
     def backward_sweeps(
-        self, x: torch.Tensor, grad_out: torch.Tensor, stats: Stats, need_x: bool, autocast: _AutocastState
+        self,
+        x: torch.Tensor,
+        grad_out: torch.Tensor,
+        stats: Stats,
+        need_x: bool,
+        autocast: _AutocastState,
+        acc: PoolAccumulator | None = None,
     ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
-        """Leaf gradients level by level from the deepest, then parameter and input gradients."""
+        """Leaf gradients level by level from the deepest, then parameter and input gradients.
+
+        ``grad_out`` is the gradient of the joined output, or of the pooled value when ``acc`` (fused) is given.
+        """
         reg = self.regions
+        if acc is not None:
+            grad_out = grad_out.reshape(grad_out.shape[0], grad_out.shape[1])  # (B, C)
         totals: Totals = {}
         sources = {b.source for b in self.barriers}
         chain_grads: dict[int, torch.Tensor] = {}  # id(parameter) -> gradient, of squeeze-excitation chains
@@ -294,7 +322,7 @@ class MultiPassSegment(TiledSegment):
                     env = self._run_nodes(
                         self.input_region(x, rt, ct).detach(), rt, ct, self.tile_nodes, stats, leaves, sources
                     )
-                    outs, gouts = self._outputs(env, r, c, grad_out, stats, totals)
+                    outs, gouts = self._outputs(env, r, c, grad_out, stats, totals, acc)
                 if outs:
                     res = torch.autograd.grad(outs, flat, gouts, allow_unused=True)
                     for k, g in enumerate(res):
@@ -307,11 +335,11 @@ class MultiPassSegment(TiledSegment):
                 n = len(leaves[b.node])
                 st = stats[b.node]
                 if isinstance(st, SEStat):
-                    totals[b.node] = (self._through_chain(b, st, sums[k : k + n], chain_grads),)
+                    totals[b.node] = (self.se[b.node].backward(st, sums[k : k + n], chain_grads),)
                 else:
                     totals[b.node] = tuple(sums[k : k + n])
                 k += n
-        grad_x, grads = self._final_backward(x, grad_out, stats, totals, need_x, autocast)
+        grad_x, grads = self._final_backward(x, grad_out, stats, totals, need_x, autocast, acc)
         for i, p in enumerate(self.params):
             g = chain_grads.get(id(p))
             if g is not None:
@@ -324,19 +352,6 @@ class MultiPassSegment(TiledSegment):
             return [st.mean.detach().requires_grad_(), st.inv.detach().requires_grad_()]
         return [wide(st.exits[e].detach()).requires_grad_() for e in b.exits]
 
-    def _through_chain(
-        self, b: Barrier, st: SEStat, g_exits: list[torch.Tensor], chain_grads: dict[int, torch.Tensor]
-    ) -> torch.Tensor:
-        """G_P: the exits' total gradients through the kept chain graph; adds the chain's parameter gradients."""
-        params = self.chain_params[b.node]
-        outs = [st.exits[e] for e in b.exits]
-        g_out = [g.to(o.dtype) for g, o in zip(g_exits, outs, strict=True)]
-        res = torch.autograd.grad(outs, [st.pooled, *params], g_out, allow_unused=True)
-        for p, g in zip(params, res[1:], strict=True):
-            if g is not None:
-                chain_grads[id(p)] = chain_grads[id(p)] + g if id(p) in chain_grads else g
-        return res[0] if res[0] is not None else torch.zeros_like(st.pooled)
-
     def _final_backward(
         self,
         x: torch.Tensor,
@@ -345,6 +360,7 @@ class MultiPassSegment(TiledSegment):
         totals: Totals,
         need_x: bool,
         autocast: _AutocastState,
+        acc: PoolAccumulator | None,
     ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
         reg = self.regions
         sink = self.hooks.input_grad_sink if self.start == 0 else None
@@ -357,7 +373,7 @@ class MultiPassSegment(TiledSegment):
             region = self.input_region(x, rt, ct).detach().requires_grad_(need_x)
             with torch.enable_grad(), autocast.context():
                 env = self._run_nodes(region, rt, ct, self.tile_nodes, stats, {}, sources)
-                outs, gouts = self._outputs(env, r, c, grad_out, stats, totals)  # slices must be in the graph
+                outs, gouts = self._outputs(env, r, c, grad_out, stats, totals, acc)  # slices must be in the graph
             targets = ([region] if need_x else []) + self.params
             if outs and targets:
                 res = torch.autograd.grad(outs, targets, gouts, allow_unused=True)

@@ -16,7 +16,8 @@ from wsitrain.sft.staging import HostStager
 
 
 class MultiPassFunction(torch.autograd.Function):
-    """Autograd node of a multi-pass segment: saves the segment input and the barriers' statistics."""
+    """Autograd node of a multi-pass segment: saves the segment input, the barriers' statistics and, with a fused
+    pool, its accumulator (per (sample, channel): tiny)."""
 
     @staticmethod
     def forward(ctx: Any, seg: MultiPassSegment, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -24,13 +25,15 @@ class MultiPassFunction(torch.autograd.Function):
         ctx.autocast = _AutocastState.capture(seg.device.type)
         ctx.save_for_backward(x)
         with torch.no_grad(), ctx.autocast.context():
-            out, ctx.stats = seg.forward_sweeps(x, keep_graph=True)
+            out, ctx.stats, ctx.pool = seg.forward_sweeps(x, keep_graph=True)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         (x,) = ctx.saved_tensors
-        grad_x, grads = ctx.seg.backward_sweeps(x, grad_out, ctx.stats, ctx.needs_input_grad[1], ctx.autocast)
+        grad_x, grads = ctx.seg.backward_sweeps(
+            x, grad_out, ctx.stats, ctx.needs_input_grad[1], ctx.autocast, ctx.pool
+        )
         return (None, grad_x, *grads)
 
 

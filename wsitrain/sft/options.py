@@ -50,9 +50,9 @@ def plain_option(sess: PlanSession, start: int, end: int) -> SegOption:
 def fuses_pool(sess: PlanSession, start: int, end: int) -> bool:
     """A tiled segment ending the trunk folds the global pool when the model has one right after it.
 
-    Not (yet) a multi-pass segment: its sweeps join their own output tiles.
+    Multi-pass segments too: their output sweep folds the tiles (``MultiPassSegment.forward_sweeps``).
     """
-    return end == sess.facts.trunk_end and sess.facts.fusion is not None and not sweep_flops_factor(sess, start, end)
+    return end == sess.facts.trunk_end and sess.facts.fusion is not None
 
 
 def _output(sess: PlanSession, start: int, end: int) -> int:

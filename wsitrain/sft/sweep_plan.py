@@ -11,6 +11,7 @@ import math
 from wsitrain.sft.barriers import barrier_kind, segment_barriers
 from wsitrain.sft.costs import node_flops
 from wsitrain.sft.facts import GraphFacts
+from wsitrain.sft.ops_space import spatial_extent
 from wsitrain.sft.plan_types import SegmentPlan
 from wsitrain.sft.regions import AxisTile, Interval, SegmentRegions, axis_tile
 from wsitrain.sft.session import PlanSession
@@ -35,7 +36,7 @@ def multipass_regions(facts: GraphFacts, seg: SegmentPlan, sources: set[int], ch
     inputs = {i: tuple(v for v in facts.nodes[i].inputs if v not in chain) for i in nodes}
     per_axis: list[tuple[AxisTile, ...]] = []
     for axis, outs in ((0, seg.regions.rows_out), (1, seg.regions.cols_out)):
-        sizes = {i: facts.nodes[i].shape[2 + axis] for i in [seg.start, *nodes]}
+        sizes = {i: spatial_extent(facts.nodes[i].spec, facts.nodes[i].shape, axis) for i in [seg.start, *nodes]}
         size_out = sizes[seg.end]
         per_axis.append(
             tuple(
