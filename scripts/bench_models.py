@@ -100,16 +100,19 @@ def markdown(rows: list[Row]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("models", nargs="*", default=list(MODELS), choices=list(MODELS), metavar="MODEL")
+    ap.add_argument("models", nargs="*", metavar="MODEL", help="default: all of " + ", ".join(MODELS))
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--fraction", type=float, default=None, help="override each model's budget share")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    unknown = [m for m in args.models if m not in MODELS]
+    if unknown:
+        ap.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
     torch.set_num_threads(args.threads)
     rows = []
-    for name in args.models:
+    for name in args.models or list(MODELS):
         rows.append(measure(name, getattr(torch, args.dtype), args.fraction, args.runs))
         r = rows[-1]
         print(f"{name}: measured {r.measured_ratio:.2f}x, predicted {r.predicted_time_ratio:.2f}x", flush=True)

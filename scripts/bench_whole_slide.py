@@ -54,7 +54,7 @@ print(json.dumps(out))
 CONFIGS = {
     # model: (budget, SFT sizes, plain reference size)
     "tiny": ("256MiB", (4096, 8192, 16384), 2048),
-    "vgg16": ("1GiB", (2048, 4096, 8192), 1024),
+    "vgg16": ("2GiB", (2048, 4096, 8192), 1024),
 }
 
 

@@ -16,14 +16,14 @@ from wsitrain.sft.ops import WINDOW
 # element-wise layers are bound by memory traffic, not FLOPs), plus CALL_FLOPS per call (dispatch, autograd,
 # kernel set-up), plus TILE_CALL_FLOPS per call the tile executor makes (cropping, its Python bookkeeping):
 # light layers on many tiles pay these many times.
-# CPU: fitted by `python scripts/calibrate_costs.py` on the 2-core CI machine (float32, one thread): least
-# squares over plain steps of FLOP-, traffic- and call-bound micro-models gave 9.0e10 FLOP/s, 1 byte = 7.5
-# FLOPs (12 GB/s), a call 9 us = 8e5 FLOPs; tiled steps of a 121-layer 1x1-conv chain on 32 px maps with
-# 1, 4 and 16 tiles measured 16-17 us per executor call beyond plain's (1.4e6 FLOPs). CUDA: a 2080 Ti's
-# nominal 13.4 TFLOP/s and 616 GB/s (22 FLOPs a byte), a launch ~15 us (2e8 FLOPs) that hides the
-# executor's Python; not measured yet.
-BYTE_FLOPS = {"cpu": 7.5, "cuda": 22.0}
-CALL_FLOPS = {"cpu": 8e5, "cuda": 2e8}
+# CPU: fitted by `python scripts/calibrate_costs.py` on the 2-core CI machine (float32, one thread, two quiet
+# runs): least squares over plain steps of FLOP-, traffic- and call-bound micro-models gave 9.0-9.2e10 FLOP/s,
+# 1 byte = 7.5-8.1 FLOPs (11-12 GB/s) and a call of 9 us (8.1-8.4e5 FLOPs). Tiled steps of a 121-layer 1x1-conv
+# chain on 32 px maps with 4 and 16 tiles then matched their predicted slowdown (7.2x, 26.6x) within 5% with
+# 1e6 FLOPs (11 us) per executor call. CUDA: a 2080 Ti's nominal 13.4 TFLOP/s and 616 GB/s (22 FLOPs a
+# byte) and a launch of ~15 us (2e8 FLOPs) that hides the executor's Python; not measured yet.
+BYTE_FLOPS = {"cpu": 8.0, "cuda": 22.0}
+CALL_FLOPS = {"cpu": 8.4e5, "cuda": 2e8}
 TILE_CALL_FLOPS = {"cpu": 1.0e6, "cuda": 0.0}
 # Bytes of optimizer state per parameter byte (SGD with momentum: one buffer; Adam(W): two moments).
 OPTIMIZER_STATE = {"none": 0.0, "sgd": 1.0, "adam": 2.0, "adamw": 2.0}
