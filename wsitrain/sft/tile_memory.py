@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from wsitrain.sft.costs import Work, forward_work, node_work
+from wsitrain.sft.costs import Work
 from wsitrain.sft.facts import GraphFacts
 from wsitrain.sft.memory_model import SimOp, simulate
 from wsitrain.sft.ops_space import spatial_extent, tile_numel
@@ -49,6 +49,24 @@ def _axis_tile(facts: GraphFacts, start: int, end: int, axis: int, out: tuple[in
     nodes = list(range(start + 1, end + 1))
     specs = {i: facts.nodes[i].spec for i in nodes}
     return axis_tile(nodes, start, _inputs(facts, start, end), specs, _axis_sizes(facts, start, end, axis), axis, out)
+
+
+def _planning_axis_tile(sess: PlanSession, start: int, end: int, axis: int, out: tuple[int, int]) -> AxisTile:
+    """``_axis_tile`` for planning, shared by segments that end at the same node.
+
+    What a node's tile needs depends only on its readers up to ``end``, never on where the segment starts (a
+    start is a cut point: no edge crosses it), so the intervals computed for an earlier start hold for a later
+    one, with the later start's own region as its computed extent. The search asks for the earliest start of
+    an end first; a later call with an earlier start recomputes and replaces the memo.
+    """
+    key = ("axis", end, axis, out)
+    memo = sess._tiles.get(key)
+    if isinstance(memo, tuple) and memo[0] <= start:
+        t: AxisTile = memo[1]
+        return AxisTile(t.need, t.req, {**t.computed, start: t.need[start]})
+    t = _axis_tile(sess.facts, start, end, axis, out)
+    sess._tiles[key] = (start, t)
+    return t
 
 
 def segment_regions(facts: GraphFacts, start: int, end: int, edge: int) -> SegmentRegions:
@@ -92,7 +110,7 @@ def tile_geometry(sess: PlanSession, start: int, end: int, edge: int) -> TileGeo
     square = f.nodes[end].shape[2] == f.nodes[end].shape[3] and f.nodes[start].shape[2] == f.nodes[start].shape[3]
     for axis in (0,) if square else (0, 1):  # square: the W axis is the H axis
         outs = split_axis(f.nodes[end].shape[2 + axis], edge)
-        reps = tuple((_axis_tile(f, start, end, axis, outs[k]), m) for k, m in representative_tiles(outs))
+        reps = tuple((_planning_axis_tile(sess, start, end, axis, outs[k]), m) for k, m in representative_tiles(outs))
         per_axis.append((len(outs), reps))
     (nr, rows), (nc, cols) = per_axis[0], per_axis[-1]
     in_h, in_w = f.nodes[start].shape[2], f.nodes[start].shape[3]
@@ -125,13 +143,8 @@ def tile_choice(sess: PlanSession, start: int, end: int, edge: int, staged: bool
     image_staged = start == 0 and (sess.input_on_host or not f.input_dtype.is_floating_point)
     crop = tb[start] if staged or image_staged else 0
 
-    def ops(grad: bool) -> list[SimOp]:
-        out = []
-        for i in nodes:
-            op = sess.sim_op(i, tb[i], grad=grad)
-            ins = f.nodes[i].inputs
-            out.append(sess.with_cpu_reorder(op, tb[ins[0]]) if ins else op)  # constants read nothing
-        return out
+    def ops(grad: bool) -> list[SimOp]:  # constants read nothing
+        return [sess.tile_op(i, tb[i], tb[f.nodes[i].inputs[0]] if f.nodes[i].inputs else 0, grad) for i in nodes]
 
     fwd = simulate(ops(False), {start: crop}, backward=False).forward_peak
     bres = simulate(ops(True), {start: crop})
@@ -149,8 +162,8 @@ def tile_choice(sess: PlanSession, start: int, end: int, edge: int, staged: bool
     for i in nodes:
         ins = sum(numel(v) for v in f.nodes[i].inputs if v in sums)
         out_n = numel(i)
-        work = work + node_work(f, i, out_n, ins, geo.n_tiles, sess.device, tiled=True)  # forward and backward
-        work = work + forward_work(f, i, out_n, ins, geo.n_tiles, sess.device)  # the recompute
+        both, recompute = sess.tile_node_work(i, out_n, ins, geo.n_tiles)
+        work = work + both + recompute
     choice = TileChoice(edge, fwd, bwd, work.flops, work.time, (mx_h[start], mx_w[start]), geo.halo, geo.core, tb[end])
     sess._tiles[key] = choice
     return choice
