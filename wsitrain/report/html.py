@@ -215,6 +215,7 @@ def _plans(run_dir: Path) -> str:
             f"best checkpoint_sequential ({p.get('checkpoint_segments')} segments)":
                 format_bytes(p.get("checkpoint_peak_bytes") or 0),
             "extra compute vs plain": f"{100 * float(p.get('overhead') or 0):+.1f}%",
+            "predicted step time vs plain": f"{float(p.get('slowdown') or 1.0):.2f}x",
             "recomputed tiles per step": p.get("recomputed_tiles"),
             "input on host": p.get("input_on_host"),
         }

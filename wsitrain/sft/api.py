@@ -205,6 +205,11 @@ class SFT(nn.Module):
         self.last_stats = StepStats()
 
     # ---- planning ------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        """Where the model's parameters live (CPU for a model without any)."""
+        return self._device()
+
     def _device(self) -> torch.device:
         for p in self.model.parameters():
             return p.device

@@ -204,32 +204,43 @@ class TiledSegment:
         instead and also returns the accumulator backward needs.
         """
         reg = self.regions
+
+        def produce(r: int, c: int) -> torch.Tensor:
+            return self.run_tile(self.input_region(x, reg.rows[r], reg.cols[c]), reg.rows[r], reg.cols[c])
+
+        return self.join_tiles(produce, x.dtype)
+
+    def join_tiles(
+        self, produce: Callable[[int, int], torch.Tensor], dtype: torch.dtype
+    ) -> tuple[torch.Tensor, PoolAccumulator | None]:
+        """The output sweep (plain and multi-pass segments): tile (r, c)'s output ``produce(r, c)`` is folded into
+        the fused pool, or stored into the joined output (B, C, Ho, Wo); the trunk observer sees every tile.
+
+        Returns the joined output, or the pooled value and the accumulator backward needs. ``dtype``: the pooled
+        value's when no tile ran.
+        """
+        reg = self.regions
         observer = self.hooks.trunk_observer if self.is_trunk_end else None
         acc = PoolAccumulator(self.fusion.kind, reg.rows_out[-1][1], reg.cols_out[-1][1]) if self.fusion else None
         out: torch.Tensor | None = None
-        out_dtype = x.dtype
         for r, c in self.tiles():
             t0 = self._tick()
-            y = self.run_tile(self.input_region(x, reg.rows[r], reg.cols[c]), reg.rows[r], reg.cols[c])
+            y = produce(r, c)  # (B, C, th, tw)
             if acc is not None:
-                out_dtype = y.dtype
+                dtype = y.dtype
                 acc.add(y, reg.rows_out[r], reg.cols_out[c])
-                if observer is not None:
-                    observer(y.detach(), reg.rows_out[r], reg.cols_out[c])
-                del y
-                self._tock(t0, r, c, "forward")
-                continue
-            if out is None:
-                out = self.new_output(y)
-            self.store_tile(out, y, reg.rows_out[r], reg.cols_out[c])
+            else:
+                if out is None:
+                    out = self.new_output(y)  # in host memory when the next checkpoint lives there
+                self.store_tile(out, y, reg.rows_out[r], reg.cols_out[c])
             if observer is not None:
                 observer(y.detach(), reg.rows_out[r], reg.cols_out[c])
             del y  # a tile still being copied down stays allocated until its copy is done (record_stream)
             self._tock(t0, r, c, "forward")
         self.stager.drain()  # the host output is complete before anyone reads it
         if acc is not None:
-            assert self.fusion is not None and acc.value is not None
-            return acc.result(out_dtype), acc
+            assert acc.value is not None
+            return acc.result(dtype), acc
         assert out is not None
         return out, None
 

@@ -261,33 +261,13 @@ class MultiPassSegment(TiledSegment):
                     stats[b.node] = finish_batchnorm(self.bn[b.node], moments[b.node])
                 else:
                     stats[b.node] = self.se[b.node].run(sums[b.node], dtypes[b.node], keep_graph)
-        observer = self.hooks.trunk_observer if self.is_trunk_end else None
-        acc = PoolAccumulator(self.fusion.kind, reg.rows_out[-1][1], reg.cols_out[-1][1]) if self.fusion else None
-        out: torch.Tensor | None = None
-        for r, c in self.tiles():
-            t0 = self._tick()
+
+        def produce(r: int, c: int) -> torch.Tensor:
             rt, ct = reg.rows[r], reg.cols[c]
-            y = self._run_nodes(self.input_region(x, rt, ct), rt, ct, self.tile_nodes, stats, {}, set())[self.end]
-            if acc is not None:  # fused global pool: fold the tile, no output map is built
-                acc.add(y, reg.rows_out[r], reg.cols_out[c])
-                if observer is not None:
-                    observer(y.detach(), reg.rows_out[r], reg.cols_out[c])
-                del y
-                self._tock(t0, r, c, "forward")
-                continue
-            if out is None:
-                out = self.new_output(y)  # in host memory when the next checkpoint lives there
-            (r0, r1), (c0, c1) = reg.rows_out[r], reg.cols_out[c]
-            self.store_tile(out, y, (r0, r1), (c0, c1))
-            if observer is not None:
-                observer(y.detach(), (r0, r1), (c0, c1))
-            del y
-            self._tock(t0, r, c, "forward")
-        self.stager.drain()  # a host output is complete before anyone reads it
-        if acc is not None:
-            return acc.result(), stats, acc
-        assert out is not None
-        return out, stats, None
+            return self._run_nodes(self.input_region(x, rt, ct), rt, ct, self.tile_nodes, stats, {}, set())[self.end]
+
+        out, acc = self.join_tiles(produce, x.dtype)
+        return out, stats, acc
 
     # ---- backward ------------------------------------------------------------------------------
     def backward_sweeps(

@@ -37,6 +37,9 @@ class FitProgress:
         self.quiet = quiet
         self.epochs = epochs
         self.engine = engine
+        # CUDA: the step's peak of allocated tensors (what the engine's budget bounds); CPU: the whole process's
+        # resident high-water mark (Python, libraries and the slide included), so it says so
+        self.peak_label = "peak" if engine.device.type == "cuda" else "peak RSS"
         self._progress: Progress | None = None
         self._task: Any = None
         self._epoch_start = 0.0
@@ -49,7 +52,7 @@ class FitProgress:
                 TextColumn("slide {task.completed:.0f}/{task.total:.0f}"),
                 LiveTilesColumn(self.engine),
                 TextColumn("loss {task.fields[loss]}"),
-                TextColumn("peak {task.fields[peak]}"),
+                TextColumn(self.peak_label + " {task.fields[peak]}"),
                 TimeElapsedColumn(),
                 TextColumn("ETA"),
                 TimeRemainingColumn(),
@@ -93,7 +96,7 @@ class FitProgress:
         if self.quiet:
             self.print(
                 f"epoch {epoch + 1}/{self.epochs} slide {index + 1}/{n} step {step}: loss {loss:.4f}, lr {lr:.3g}, "
-                f"peak {format_bytes(peak)}",
+                f"{self.peak_label} {format_bytes(peak)}",
                 markup=False, highlight=False,
             )
 
