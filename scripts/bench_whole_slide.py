@@ -99,6 +99,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.plot(sizes, [r["budget_bytes"] / mib for r in rs], "k:", label="budget")
         ax.set(title=f"{name}: memory above model and image", xscale="log", ylabel="MiB", ylim=(0, None))
         ax.set_xticks(sizes, [str(s) for s in sizes])
+        ax.minorticks_off()  # the log axis's own labels would overlap the sizes
         ax.legend(fontsize=8)
         ax = axes[1][k]
         ax.plot(sizes, [r["s_per_mp"] for r in rs], "o-", label="measured s/MP")
@@ -108,6 +109,7 @@ def plot(rows: list[dict], path: Path) -> None:
             ax.axhline(rs[0]["plain_s_per_mp"], color="gray", ls="--", label="plain PyTorch s/MP")
         ax.set(title=f"{name}: time per megapixel", xscale="log", xlabel="image edge (px)", ylabel="s / MP")
         ax.set_xticks(sizes, [str(s) for s in sizes])
+        ax.minorticks_off()  # the log axis's own labels would overlap the sizes
         ax.set_ylim(0, None)
         ax.legend(fontsize=8)
     fig.tight_layout()

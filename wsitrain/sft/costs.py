@@ -20,8 +20,11 @@ from wsitrain.sft.ops import WINDOW
 # runs): least squares over plain steps of FLOP-, traffic- and call-bound micro-models gave 9.0-9.2e10 FLOP/s,
 # 1 byte = 7.5-8.1 FLOPs (11-12 GB/s) and a call of 9 us (8.1-8.4e5 FLOPs). Tiled steps of a 121-layer 1x1-conv
 # chain on 32 px maps with 4 and 16 tiles then matched their predicted slowdown (7.2x, 26.6x) within 5% with
-# 1e6 FLOPs (11 us) per executor call. CUDA: a 2080 Ti's nominal 13.4 TFLOP/s and 616 GB/s (22 FLOPs a
-# byte) and a launch of ~15 us (2e8 FLOPs) that hides the executor's Python; not measured yet.
+# 1e6 FLOPs (11 us) per executor call. With two threads (`--threads 2`) the FLOP rate doubles (1.8e11) but a
+# call still takes 11 us, so a call is worth 1.9e6 FLOPs and a byte 11: these one-thread constants under-predict
+# light models on several threads (the tiny whole-slide model at two threads: 1.34x predicted, 2.1x measured).
+# CUDA: a 2080 Ti's nominal 13.4 TFLOP/s and 616 GB/s (22 FLOPs a byte) and a launch of ~15 us (2e8 FLOPs)
+# that hides the executor's Python; not measured yet.
 BYTE_FLOPS = {"cpu": 8.0, "cuda": 22.0}
 CALL_FLOPS = {"cpu": 8.4e5, "cuda": 2e8}
 TILE_CALL_FLOPS = {"cpu": 1.0e6, "cuda": 0.0}
