@@ -145,3 +145,16 @@ def test_bad_budget_string() -> None:
 
     with pytest.raises(WsiTrainError, match="cannot read"):
         plan(MODELS["vgg_chain"](), (1, 3, 32, 32), "eleven gigs", device="cpu")
+
+
+def test_sft_plans_a_model_built_on_the_meta_device() -> None:
+    """Planning needs shapes only: an SFT around a meta model plans (it used to fail asking autocast about the
+    meta device) as ``plan`` does for that device."""
+    with torch.device("meta"):
+        model = build("vgg16", 2)
+    shape = (1, 3, 2048, 2048)
+    got = SFT(model, memory_budget="2GiB").plan_for(shape)
+    want = plan(model, shape, "2GiB", device="meta", input_on_host=False)
+    assert got.fits == want.fits
+    assert got.estimated_peak_bytes == want.estimated_peak_bytes
+    assert [s.mode for s in got.segments] == [s.mode for s in want.segments]

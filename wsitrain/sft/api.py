@@ -218,7 +218,11 @@ class SFT(nn.Module):
         return torch.device("cpu")
 
     def _act_dtype(self, device: torch.device) -> torch.dtype:
-        if torch.is_autocast_enabled(device.type):
+        try:
+            autocast = torch.is_autocast_enabled(device.type)
+        except RuntimeError:  # a device type without autocast: a model built on the meta device, to plan
+            autocast = False
+        if autocast:
             return torch.get_autocast_dtype(device.type)
         return _param_dtype(self.model)
 
