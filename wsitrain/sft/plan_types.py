@@ -149,10 +149,14 @@ class Plan:
             lines.append(
                 f"  segment {s.index}: {len(s.layers)} layers [{span}] {desc}; peak {format_bytes(s.peak_bytes)}"
             )
-        if self.input_on_host:
+        host_ck = [s for s in self.segments if s.start and s.checkpoint_location == "host"]
+        if self.input_on_host or host_ck:
+            parts = (["the image, streamed from pinned host memory"] if self.input_on_host else []) + (
+                [f"{len(host_ck)} checkpoint(s) and their gradient buffers"] if host_ck else []
+            )
             lines.append(
-                f"  host memory: {format_bytes(self.host_bytes)} (the image, streamed from pinned host memory); "
-                f"{format_bytes(self.transfer_bytes)} staged to the device per step"
+                f"  host memory: {format_bytes(self.host_bytes)} ({', '.join(parts)}); "
+                f"{format_bytes(self.transfer_bytes)} moved between host and device per step"
             )
         lines.extend(f"  tiling: {t}" for t in self.tiling)
         parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.breakdown.items() if v)
