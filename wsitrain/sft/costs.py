@@ -5,6 +5,7 @@ Every constant here carries the measurement behind it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from wsitrain.errors import PlanError
@@ -109,9 +110,6 @@ class Work:
     def __add__(self, other: Work) -> Work:
         return Work(self.flops + other.flops, self.time + other.time)
 
-    def scaled(self, k: float) -> Work:
-        return Work(k * self.flops, k * self.time)
-
 
 @dataclass(frozen=True)
 class WorkTerms:
@@ -157,7 +155,5 @@ def forward_work(facts: GraphFacts, i: int, numel_out: float, numel_in: float, c
 
 def _elem_bytes(facts: GraphFacts, i: int) -> float:
     node = facts.nodes[i]
-    n = 1
-    for d in node.shape:
-        n *= d
+    n = math.prod(node.shape)
     return node.nbytes / n if n else 0.0

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from wsitrain.sft.costs import MemoryTerms, Work, forward_work, node_flops, node_work
+from wsitrain.sft.costs import MemoryTerms, Work, forward_work, node_work
 from wsitrain.sft.facts import GraphFacts
 from wsitrain.sft.memory_model import SimOp, SimResult, simulate
 from wsitrain.sft.ops import MERGE, WINDOW
@@ -115,11 +115,7 @@ class PlanSession:
         if key not in self._plain:
             ops = [self.sim_op(i, self.nbytes(i)) for i in range(start + 1, end + 1)]
             res = simulate(ops, {start: self.device_bytes(start)})
-            flops = 0.0
-            for i in range(start + 1, end + 1):
-                f, b = node_flops(self.facts, i, self.nbytes(i) / self.facts.act_size)
-                flops += f + b
-            self._plain[key] = (res, flops)
+            self._plain[key] = (res, self.plain_work(start, end).flops)
         return self._plain[key]
 
     def numel(self, i: int) -> int:
