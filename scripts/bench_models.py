@@ -3,7 +3,7 @@
 Per model: random weights, one image, a budget of ``--fraction`` of plain training's activation memory
 (above the weights, gradients and workspaces the plan reports as fixed), so tiling is forced. The planner's
 two predictions are printed next to the measured ratio: extra FLOPs (the paper's count) and the time model
-(``wsitrain.sft.costs``: FLOPs, memory traffic, per-call costs). Plain and SFT steps are interleaved and
+(``wsitrain.sft.planning.costs``: FLOPs, memory traffic, per-call costs). Plain and SFT steps are interleaved and
 the fastest of ``--runs`` is kept for each, so a load that comes and goes hits both alike.
 
 Usage:

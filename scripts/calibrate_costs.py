@@ -1,4 +1,4 @@
-"""Fit the planner's time model (``wsitrain.sft.costs``: BYTE_FLOPS, CALL_FLOPS) on this machine.
+"""Fit the planner's time model (``wsitrain.sft.planning.costs``: BYTE_FLOPS, CALL_FLOPS) on this machine.
 
 The model says a training step costs FLOPs + BYTE_FLOPS x bytes read and written + CALL_FLOPS x operator
 calls. This script times plain training steps of micro-models that are each bound by one of the three
@@ -23,9 +23,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from wsitrain.sft.costs import node_terms
 from wsitrain.sft.facts import annotate
 from wsitrain.sft.graph import ModelGraph
+from wsitrain.sft.planning.costs import node_terms
 
 
 def _head(c: int) -> list[nn.Module]:

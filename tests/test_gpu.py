@@ -173,10 +173,10 @@ def test_demo_fit_on_cuda(tmp_path: Path, record_property) -> None:
 @pytest.mark.parametrize(("name", "tile"), [("vgg_chain", 16), ("resnet_basic", 16)])
 def test_host_checkpoints_exact_on_cuda_with_side_streams(name: str, tile: int) -> None:
     """Checkpoints in host memory on the GPU: exact in float64, every tile copied on the stager's side streams."""
+    from wsitrain.sft.execution.staging import HostStager
+    from wsitrain.sft.execution.transfers import CopyEvent, CudaCopies
     from wsitrain.sft.facts import annotate
     from wsitrain.sft.graph import ModelGraph
-    from wsitrain.sft.staging import HostStager
-    from wsitrain.sft.transfers import CopyEvent, CudaCopies
 
     class CountingCopies(CudaCopies):
         """CUDA copies that also record which stream was current when each one was issued."""

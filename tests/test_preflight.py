@@ -170,7 +170,7 @@ def test_forced_checkpoint_that_is_not_a_cut_point(cohort: Path) -> None:
 
 
 def test_train_mode_batchnorm_is_tiled_in_sweeps(cohort: Path) -> None:
-    """Training-mode BatchNorm no longer blocks tiling: multi-pass segments (wsitrain.sft.multipass) tile it."""
+    """Training-mode BatchNorm no longer blocks tiling: multi-pass segments tile it."""
     raw = make_cfg(cohort, "good-labels.csv").model_dump()
     raw["model"] = {"name": "resnet18", "freeze_bn": False}
     raw["engine"]["tile_size"] = 128

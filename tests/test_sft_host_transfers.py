@@ -18,10 +18,10 @@ from sft_models import MODELS
 from torch import nn
 
 from wsitrain.sft import SFT
+from wsitrain.sft.execution.multipass import MultiPassSegment
+from wsitrain.sft.execution.staging import HostStager, _Pair
 from wsitrain.sft.facts import annotate
 from wsitrain.sft.graph import ModelGraph
-from wsitrain.sft.multipass import MultiPassSegment
-from wsitrain.sft.staging import HostStager, _Pair
 
 F64 = {"rtol": 1e-10, "atol": 1e-11}
 pytestmark = pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")

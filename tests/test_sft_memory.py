@@ -21,7 +21,7 @@ import json, sys, torch
 from wsitrain.memory import PeakMeter
 from wsitrain.models import build
 from wsitrain.sft import SFT, plan
-from wsitrain.sft.costs import ALLOCATOR_SLACK
+from wsitrain.sft.planning.costs import ALLOCATOR_SLACK
 torch.manual_seed(0)
 torch.set_num_threads(2)
 name, size, frac = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])

@@ -18,9 +18,9 @@ from torchvision.models.resnet import BasicBlock
 from torchvision.ops import SqueezeExcitation, StochasticDepth
 
 from wsitrain.sft import SFT
+from wsitrain.sft.execution.multipass import MultiPassSegment
 from wsitrain.sft.facts import annotate
 from wsitrain.sft.graph import ModelGraph
-from wsitrain.sft.multipass import MultiPassSegment
 
 F64 = {"rtol": 1e-10, "atol": 1e-11}
 

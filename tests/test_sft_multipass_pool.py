@@ -16,12 +16,12 @@ from test_sft_multipass import MBConv, assert_bf16_no_worse, check, multipass_se
 from torch import nn
 from torchvision.models.resnet import BasicBlock
 
-import wsitrain.sft.options as options
+import wsitrain.sft.planning.options as options
 from wsitrain.models import build
 from wsitrain.sft import SFT, plan
-from wsitrain.sft.barriers import SQUEEZE
 from wsitrain.sft.facts import annotate
 from wsitrain.sft.graph import ModelGraph
+from wsitrain.sft.ops.barriers import SQUEEZE
 
 SHAPE = (2, 3, 45, 62)
 KIND = {"avg": "avg", "mean": "avg", "max": "max", "amax": "amax"}

@@ -17,9 +17,9 @@ from wsitrain.errors import PlanError
 from wsitrain.sft import SFT
 from wsitrain.sft.facts import GraphFacts, annotate
 from wsitrain.sft.graph import ModelGraph
-from wsitrain.sft.ops import CONST, POINTWISE, SHAPE, OpSpec, user_name
-from wsitrain.sft.ops_report import tiling_report
-from wsitrain.sft.ops_space import check_tile_extent, crop
+from wsitrain.sft.ops.registry import CONST, POINTWISE, SHAPE, OpSpec, user_name
+from wsitrain.sft.ops.report import tiling_report
+from wsitrain.sft.ops.space import check_tile_extent, crop
 
 
 def make(name: str, shape: tuple[int, ...], seed: int = 0):

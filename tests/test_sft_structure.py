@@ -14,9 +14,9 @@ from wsitrain.errors import PlanError
 from wsitrain.memory import DeviceMemory, PeakMeter, detect_budget
 from wsitrain.sft import SFT
 from wsitrain.sft.api import PLAN_CACHE_SIZE
+from wsitrain.sft.execution.staging import HostStager
 from wsitrain.sft.facts import annotate
 from wsitrain.sft.graph import ModelGraph
-from wsitrain.sft.staging import HostStager
 
 F64 = {"rtol": 1e-10, "atol": 1e-11}
 pytestmark = pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")
@@ -199,19 +199,50 @@ def _imports(path: Path) -> set[str]:
     return out
 
 
-def test_executor_reads_plans_and_never_imports_the_planner() -> None:
-    planning = {f"wsitrain.sft.{m}" for m in ("planner", "search", "options", "session", "tile_memory", "costs",
-                                               "baselines")}
-    for name in ("executor", "runner", "staging", "stats"):
-        assert not (_imports(SFT_DIR / f"{name}.py") & planning), name
+def _closure(module: str, graph: dict[str, set[str]]) -> set[str]:
+    """Every wsitrain module ``module`` imports, directly or through others."""
+    seen: set[str] = set()
+    todo = [module]
+    while todo:
+        for n in graph.get(todo.pop(), set()):
+            if n not in seen:
+                seen.add(n)
+                todo.append(n)
+    return seen
 
 
-def test_no_import_circles_in_the_package() -> None:
+def _import_graph() -> dict[str, set[str]]:
     root = SFT_DIR.parent
     graph: dict[str, set[str]] = {}
     for path in root.rglob("*.py"):
         mod = ".".join(path.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__")
         graph[mod] = {m for m in _imports(path) if m.startswith("wsitrain")}
+    return graph
+
+
+def test_execution_reads_plans_and_never_imports_planning() -> None:
+    """Not directly, nor through a shared module: execution sees a plan only as a frozen ``Plan``."""
+    graph = _import_graph()
+    execution = [m for m in graph if m.startswith("wsitrain.sft.execution")]
+    assert len(execution) >= 8
+    for mod in execution:
+        bad = {m for m in _closure(mod, graph) if m.startswith("wsitrain.sft.planning")}
+        assert not bad, f"{mod} imports {sorted(bad)}"
+
+
+def test_engine_has_a_folder_per_idea() -> None:
+    """Operators, planning, execution and the simulator are sub-packages; no file-name prefix stands in for one."""
+    for pkg in ("ops", "planning", "execution", "simulate"):
+        assert (SFT_DIR / pkg / "__init__.py").is_file(), pkg
+    for folder in [SFT_DIR, *(p for p in SFT_DIR.iterdir() if p.is_dir() and p.name != "__pycache__")]:
+        stems = [p.stem for p in folder.glob("*.py") if p.stem != "__init__"]
+        prefixes = [s.split("_")[0] for s in stems if "_" in s]
+        shared = {x for x in prefixes if prefixes.count(x) + stems.count(x) >= 3}
+        assert not shared, f"{folder.name}/: file names share the prefix(es) {sorted(shared)}: a sub-package waiting"
+
+
+def test_no_import_circles_in_the_package() -> None:
+    graph = _import_graph()
     for mod in graph:  # a module's own package __init__ imports it; that edge is not a circle
         graph[mod] = {m for m in graph[mod] if m in graph and not mod.startswith(m + ".")}
     state: dict[str, int] = {}
@@ -234,5 +265,5 @@ def test_no_import_circles_in_the_package() -> None:
 
 
 def test_engine_modules_stay_small() -> None:
-    for path in SFT_DIR.glob("*.py"):
+    for path in SFT_DIR.rglob("*.py"):
         assert len(path.read_text().splitlines()) <= 400, path.name

@@ -7,10 +7,10 @@ from sft_models import MODELS
 from torch import nn
 
 from wsitrain.sft import SFT
-from wsitrain.sft.costs import BYTE_FLOPS, CALL_FLOPS, TILE_CALL_FLOPS, node_terms
 from wsitrain.sft.facts import annotate
 from wsitrain.sft.graph import ModelGraph
-from wsitrain.sft.search import CHEAPEST, State, prune
+from wsitrain.sft.planning.costs import BYTE_FLOPS, CALL_FLOPS, TILE_CALL_FLOPS, node_terms
+from wsitrain.sft.planning.search import CHEAPEST, State, prune
 
 SHAPE = (1, 3, 64, 80)
 

@@ -7,7 +7,7 @@ loss_fn(m(x), t).backward()    # same gradients as plain autograd
 """
 
 from wsitrain.sft.api import SFT, max_square_size, plan
+from wsitrain.sft.execution.stats import StepStats, TileStat
 from wsitrain.sft.plan_types import Plan, SegmentPlan
-from wsitrain.sft.stats import StepStats, TileStat
 
 __all__ = ["SFT", "Plan", "SegmentPlan", "StepStats", "TileStat", "max_square_size", "plan"]

@@ -13,16 +13,16 @@ from torch import nn
 
 from wsitrain.errors import PlanError
 from wsitrain.memory import DeviceMemory, PeakMeter, detect_budget
-from wsitrain.sft.executor import ExecHooks, TiledSegment, TileObserver
+from wsitrain.sft.execution.runner import NodeRunner
+from wsitrain.sft.execution.segments import run_tiled, tiled_segment
+from wsitrain.sft.execution.staging import HostStager
+from wsitrain.sft.execution.stats import StatsRecorder, StepStats
+from wsitrain.sft.execution.tiled import ExecHooks, TiledSegment, TileObserver
 from wsitrain.sft.facts import GraphFacts
 from wsitrain.sft.graph import ModelGraph
-from wsitrain.sft.multipass_autograd import run_tiled, tiled_segment
 from wsitrain.sft.plan_types import Plan
-from wsitrain.sft.planner import build_plan, new_session
-from wsitrain.sft.runner import NodeRunner
-from wsitrain.sft.search import fitting_plan, worth_running
-from wsitrain.sft.staging import HostStager
-from wsitrain.sft.stats import StatsRecorder, StepStats
+from wsitrain.sft.planning.planner import build_plan, new_session
+from wsitrain.sft.planning.search import fitting_plan, worth_running
 from wsitrain.units import format_bytes, parse_bytes
 
 MemoryProbe = Callable[[torch.device | str], DeviceMemory]

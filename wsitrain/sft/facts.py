@@ -17,11 +17,11 @@ import torch
 from torch import fx
 
 from wsitrain.errors import PlanError
-from wsitrain.sft.barriers import mark_barriers
-from wsitrain.sft.fused_pool import PoolFusion, pool_kind
 from wsitrain.sft.graph import ModelGraph
-from wsitrain.sft.ops import POINTWISE, OpSpec
-from wsitrain.sft.ops_space import can_checkpoint, ends_trunk, resolve_layouts
+from wsitrain.sft.ops.barriers import mark_barriers
+from wsitrain.sft.ops.fused_pool import PoolFusion, pool_kind
+from wsitrain.sft.ops.registry import POINTWISE, OpSpec
+from wsitrain.sft.ops.space import can_checkpoint, ends_trunk, resolve_layouts
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ import torch
 from torch import fx, nn
 
 from wsitrain.errors import PlanError
-from wsitrain.sft.ops import INPUT, OpSpec, function_spec, is_leaf_module, module_spec, node_parameters
-from wsitrain.sft.ops_space import prune_unused_shape_reads
+from wsitrain.sft.ops.registry import INPUT, OpSpec, function_spec, is_leaf_module, module_spec, node_parameters
+from wsitrain.sft.ops.space import prune_unused_shape_reads
 
 
 class _Tracer(fx.Tracer):

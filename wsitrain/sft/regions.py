@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from wsitrain.sft.ops import WINDOW, OpSpec
+from wsitrain.sft.ops.registry import WINDOW, OpSpec
 
 Interval = tuple[int, int]
 
@@ -57,7 +57,7 @@ def axis_tile(
     """Intervals for one tile along ``axis`` (0 = H, 1 = W) of the segment whose last node is ``seg_nodes[-1]``.
 
     ``sizes`` maps each node (and the segment input) to its extent along this axis. ``owned``: nodes
-    whose statistics the tile accumulates (barrier inputs, see ``wsitrain.sft.multipass``) with the
+    whose statistics the tile accumulates (barrier inputs, see ``wsitrain.sft.execution.multipass``) with the
     interval the tile owns; the tile computes at least that, even where no later layer reads it.
     """
     extra = {v: r for v, r in (owned or {}).items() if r[1] > r[0]}

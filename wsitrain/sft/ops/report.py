@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from wsitrain.sft.ops_space import ends_trunk
-from wsitrain.sft.ops_types import OpSpec
+from wsitrain.sft.ops.space import ends_trunk
+from wsitrain.sft.ops.types import OpSpec
 
 # The config key that fixes each kind of blocker, for messages (wsitrain's YAML keys).
 FIX_KEYS = {"BatchNorm2d": "model.freeze_bn: true"}

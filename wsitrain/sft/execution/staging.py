@@ -1,6 +1,6 @@
 """Staging of tiles between host tensors and the device: two buffers per lane, prefetch, ordered host adds.
 
-One ``HostStager`` per ``SFT``. It owns the copies (``wsitrain.sft.transfers``: side CUDA streams, or
+One ``HostStager`` per ``SFT``. It owns the copies (``wsitrain.sft.execution.transfers``: side CUDA streams, or
 synchronous copies on CPU) and three lanes of two reused staging buffers (page-locked on CUDA). Buffers are
 flat and grow to the largest tile seen, so the memory held is two tiles' worth per lane whatever the shapes.
 
@@ -28,7 +28,7 @@ from typing import Literal
 
 import torch
 
-from wsitrain.sft.transfers import Copies, CopyEvent, copies_for
+from wsitrain.sft.execution.transfers import Copies, CopyEvent, copies_for
 
 Interval = tuple[int, int]
 Lane = Literal["input", "grad"]  # up lanes: tiles' input regions, tiles of the output's gradient

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from wsitrain.errors import PlanError
 from wsitrain.sft.facts import GraphFacts
-from wsitrain.sft.ops import WINDOW
+from wsitrain.sft.ops.registry import WINDOW
 
 # The time model the planner minimizes and `Plan.slowdown` reports, in FLOP-equivalents: an operator call
 # costs its FLOPs, plus BYTE_FLOPS per byte it reads and writes (depthwise convolutions, BatchNorm and

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from wsitrain.sft.memory_model import SimOp, simulate
-from wsitrain.sft.options import plain_option, replay_path
-from wsitrain.sft.session import PlanSession
+from wsitrain.sft.planning.memory_model import SimOp, simulate
+from wsitrain.sft.planning.options import plain_option, replay_path
+from wsitrain.sft.planning.session import PlanSession
 
 
 def baseline_peak(sess: PlanSession) -> int:

@@ -9,7 +9,7 @@ Two kinds, both spatially pointwise once the statistic is known:
   are the (B, C', 1, 1) chain nodes those multiplies (or ``expand_as``) read. The chain may read shapes
   (``b, c, _, _ = x.size()``): it recomputes them on the untiled map, as plain PyTorch sees it.
 No tile sees the statistic, so a tiled segment holding a barrier runs in sweeps
-(``wsitrain.sft.multipass``): first the statistic over all tiles, then the layers after it with the
+(``wsitrain.sft.execution.multipass``): first the statistic over all tiles, then the layers after it with the
 statistic (BatchNorm) or the chain's result (squeeze-excitation) as a constant. This module finds
 such nodes and describes them; the sweeps live in ``multipass``.
 
@@ -29,9 +29,9 @@ import torch
 from torch import fx, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from wsitrain.sft.fused_pool import AVG, pool_kind
 from wsitrain.sft.graph import ModelGraph
-from wsitrain.sft.ops import MERGE, POINTWISE, SHAPE, OpSpec
+from wsitrain.sft.ops.fused_pool import AVG, pool_kind
+from wsitrain.sft.ops.registry import MERGE, POINTWISE, SHAPE, OpSpec
 
 BATCHNORM = "batchnorm"  # per-channel mean and biased variance over (B, H, W)
 SQUEEZE = "squeeze"  # per-(sample, channel) mean over (H, W), fed through a chain back into a multiply

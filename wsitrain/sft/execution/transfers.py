@@ -1,6 +1,6 @@
 """How one copy between host and device is issued and awaited: side CUDA streams and events.
 
-``wsitrain.sft.staging`` decides *what* to copy and *when* (two buffers, prefetch, the order of host adds);
+``wsitrain.sft.execution.staging`` decides *what* to copy and *when* (two buffers, prefetch, the order of host adds);
 a ``Copies`` object only issues one copy and hands back the event that says when it is done. Three
 implementations share one protocol:
 

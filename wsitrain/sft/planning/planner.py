@@ -11,14 +11,14 @@ from __future__ import annotations
 import torch
 
 from wsitrain.errors import PlanError
-from wsitrain.sft.baselines import baseline_peak, checkpoint_sequential_peak
-from wsitrain.sft.costs import memory_terms
 from wsitrain.sft.facts import GraphFacts, annotate
 from wsitrain.sft.graph import ModelGraph
-from wsitrain.sft.ops_report import fix_hint, tiling_report
-from wsitrain.sft.options import PLAIN, TILED, SegOption, replay_path, segment_blocker
+from wsitrain.sft.ops.report import fix_hint, tiling_report
 from wsitrain.sft.plan_types import Plan, SegmentPlan
-from wsitrain.sft.search import (
+from wsitrain.sft.planning.baselines import baseline_peak, checkpoint_sequential_peak
+from wsitrain.sft.planning.costs import memory_terms
+from wsitrain.sft.planning.options import PLAIN, TILED, SegOption, replay_path, segment_blocker
+from wsitrain.sft.planning.search import (
     CHEAPEST,
     MAX_EXTRA_COMPUTE,
     State,
@@ -30,8 +30,8 @@ from wsitrain.sft.search import (
     smallest_plan,
     worth_running,
 )
-from wsitrain.sft.session import PlanSession
-from wsitrain.sft.tile_memory import segment_regions
+from wsitrain.sft.planning.session import PlanSession
+from wsitrain.sft.planning.tile_memory import segment_regions
 from wsitrain.units import format_bytes
 
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from wsitrain.sft.memory_model import SimOp, SimResult, simulate
-from wsitrain.sft.ops import SPATIAL_KINDS
-from wsitrain.sft.session import PlanSession
-from wsitrain.sft.sweep_plan import sweep_flops_factor
-from wsitrain.sft.tile_memory import TileChoice, tile_choice
+from wsitrain.sft.ops.registry import SPATIAL_KINDS
+from wsitrain.sft.planning.memory_model import SimOp, SimResult, simulate
+from wsitrain.sft.planning.session import PlanSession
+from wsitrain.sft.planning.sweeps import sweep_flops_factor
+from wsitrain.sft.planning.tile_memory import TileChoice, tile_choice
 
 PLAIN = "plain"
 TILED = "tiled"

@@ -9,8 +9,8 @@ from torch import fx
 from torch.fx.node import map_arg
 
 from wsitrain.sft.graph import ModelGraph
-from wsitrain.sft.ops import out_of_place_callable
-from wsitrain.sft.ops_drop import MaskReplay, replay_callable
+from wsitrain.sft.ops.drop import MaskReplay, replay_callable
+from wsitrain.sft.ops.registry import out_of_place_callable
 
 
 def _call(node: fx.Node, fn: Any, kwargs: dict[str, Any], args: tuple[Any, ...]) -> Any:

@@ -1,7 +1,7 @@
 """One planning session: the frozen facts and memory terms of a shape, plus memos of the replays.
 
 The session lives only while a plan (or ``max_square_size``) is computed; the executor never sees it.
-Its replay helpers turn nodes into steps of the memory model (``wsitrain.sft.memory_model``).
+Its replay helpers turn nodes into steps of the memory model (``wsitrain.sft.planning.memory_model``).
 """
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from wsitrain.sft.costs import MemoryTerms, Work, forward_work, node_work
 from wsitrain.sft.facts import GraphFacts
-from wsitrain.sft.memory_model import SimOp, SimResult, simulate
-from wsitrain.sft.ops import MERGE, WINDOW
+from wsitrain.sft.ops.registry import MERGE, WINDOW
+from wsitrain.sft.planning.costs import MemoryTerms, Work, forward_work, node_work
+from wsitrain.sft.planning.memory_model import SimOp, SimResult, simulate
 
 
 @dataclass

@@ -1,9 +1,9 @@
-"""Statistics of barrier layers (``wsitrain.sft.barriers``) accumulated over tiles, and what they apply.
+"""Statistics of barrier layers (``wsitrain.sft.ops.barriers``) accumulated over tiles, and what they apply.
 
 BatchNorm: per-channel (count, mean, M2) combined tile by tile with Chan's parallel update, then the
 normalization the layer applies and the running-statistics update ``F.batch_norm`` does.
 Squeeze-excitation: the pooled map and its chain's results, run once per step outside the tiles, and the
-gradient back through that chain (see ``wsitrain.sft.multipass``).
+gradient back through that chain (see ``wsitrain.sft.execution.multipass``).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from wsitrain.sft.barriers import Barrier
-from wsitrain.sft.runner import NodeRunner
+from wsitrain.sft.execution.runner import NodeRunner
+from wsitrain.sft.ops.barriers import Barrier
 
 C_SHAPE = (1, -1, 1, 1)  # per-channel vector to (1, C, 1, 1)
 

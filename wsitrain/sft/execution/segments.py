@@ -6,13 +6,13 @@ from typing import Any
 
 import torch
 
-from wsitrain.sft.barriers import segment_barriers
-from wsitrain.sft.executor import ExecHooks, TiledSegment, _AutocastState, run_segment
+from wsitrain.sft.execution.multipass import MultiPassSegment
+from wsitrain.sft.execution.runner import NodeRunner
+from wsitrain.sft.execution.staging import HostStager
+from wsitrain.sft.execution.tiled import ExecHooks, TiledSegment, _AutocastState, run_segment
 from wsitrain.sft.facts import GraphFacts
-from wsitrain.sft.multipass import MultiPassSegment
+from wsitrain.sft.ops.barriers import segment_barriers
 from wsitrain.sft.plan_types import SegmentPlan
-from wsitrain.sft.runner import NodeRunner
-from wsitrain.sft.staging import HostStager
 
 
 class MultiPassFunction(torch.autograd.Function):

@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from wsitrain.sft.options import (
+from wsitrain.sft.planning.options import (
     TILED,
     SegOption,
     host_placement_allowed,
@@ -22,8 +22,8 @@ from wsitrain.sft.options import (
     tiled_floor,
     tiled_option,
 )
-from wsitrain.sft.session import PlanSession
-from wsitrain.sft.tile_memory import edge_candidates, tile_geometry
+from wsitrain.sft.planning.session import PlanSession
+from wsitrain.sft.planning.tile_memory import edge_candidates, tile_geometry
 
 # States kept per cut point after pruning dominated ones: more never changed a plan of the
 # built-in models (vgg16, resnet50, darknet19 from 1024 to 100000 px) and costs planning time.

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from wsitrain.sft.ops_types import (
+from wsitrain.sft.ops.types import (
     CAT,
     CONCAT,
     DROPOUT_WHY,

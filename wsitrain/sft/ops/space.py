@@ -25,7 +25,7 @@ import torch
 from torch import fx
 
 from wsitrain.errors import PlanError
-from wsitrain.sft.ops import (
+from wsitrain.sft.ops.registry import (
     CAT,
     CONCAT,
     CONST,

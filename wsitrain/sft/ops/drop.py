@@ -22,7 +22,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from wsitrain.sft.ops import drop_rate, is_sample_drop
+from wsitrain.sft.ops.registry import drop_rate, is_sample_drop
 
 
 class StepMasks:

@@ -18,15 +18,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from wsitrain.sft.execution.runner import NodeRunner
+from wsitrain.sft.execution.staging import HostStager
+from wsitrain.sft.execution.stats import StatsRecorder
 from wsitrain.sft.facts import GraphFacts
-from wsitrain.sft.fused_pool import PoolAccumulator, PoolFusion
-from wsitrain.sft.ops import WINDOW
-from wsitrain.sft.ops_space import check_tile_extent, crop
+from wsitrain.sft.ops.fused_pool import PoolAccumulator, PoolFusion
+from wsitrain.sft.ops.registry import WINDOW
+from wsitrain.sft.ops.space import check_tile_extent, crop
 from wsitrain.sft.plan_types import SegmentPlan
 from wsitrain.sft.regions import AxisTile
-from wsitrain.sft.runner import NodeRunner
-from wsitrain.sft.staging import HostStager
-from wsitrain.sft.stats import StatsRecorder
 
 # fn(tile, rows, cols): a tile of a feature map, detached, with its interval along H and W
 TileObserver = Callable[[torch.Tensor, tuple[int, int], tuple[int, int]], None]

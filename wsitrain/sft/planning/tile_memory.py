@@ -11,12 +11,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from wsitrain.sft.costs import Work
 from wsitrain.sft.facts import GraphFacts
-from wsitrain.sft.memory_model import SimOp, simulate
-from wsitrain.sft.ops_space import spatial_extent, tile_numel
+from wsitrain.sft.ops.space import spatial_extent, tile_numel
+from wsitrain.sft.planning.costs import Work
+from wsitrain.sft.planning.memory_model import SimOp, simulate
+from wsitrain.sft.planning.session import PlanSession
 from wsitrain.sft.regions import AxisTile, SegmentRegions, axis_tile, representative_tiles, split_axis
-from wsitrain.sft.session import PlanSession
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Multi-pass tiled segments: exact tiling through layers that need a statistic of the whole map.
 
-A tiled segment holding barriers (``wsitrain.sft.barriers``: train-mode BatchNorm, squeeze-excitation)
+A tiled segment holding barriers (``wsitrain.sft.ops.barriers``: train-mode BatchNorm, squeeze-excitation)
 runs in sweeps over its tiles. Barriers are grouped in *levels*: a barrier's level is one more than the deepest
 barrier its input depends on, so barriers of one level can be measured in the same sweep.
 
@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from wsitrain.sft.barrier_stats import (
+from wsitrain.sft.execution.barrier_stats import (
     BNStat,
     Leaves,
     Moments,
@@ -53,17 +53,17 @@ from wsitrain.sft.barrier_stats import (
     finish_batchnorm,
     wide,
 )
-from wsitrain.sft.barriers import BATCHNORM, SQUEEZE, Barrier, ancestors_in, segment_barriers
-from wsitrain.sft.executor import ExecHooks, TiledSegment, _AutocastState
+from wsitrain.sft.execution.owned_regions import multipass_regions, owned_interval
+from wsitrain.sft.execution.runner import NodeRunner
+from wsitrain.sft.execution.staging import HostStager
+from wsitrain.sft.execution.tiled import ExecHooks, TiledSegment, _AutocastState
 from wsitrain.sft.facts import GraphFacts
-from wsitrain.sft.fused_pool import PoolAccumulator
-from wsitrain.sft.ops import WINDOW
-from wsitrain.sft.ops_space import crop
+from wsitrain.sft.ops.barriers import BATCHNORM, SQUEEZE, Barrier, ancestors_in, segment_barriers
+from wsitrain.sft.ops.fused_pool import PoolAccumulator
+from wsitrain.sft.ops.registry import WINDOW
+from wsitrain.sft.ops.space import crop
 from wsitrain.sft.plan_types import SegmentPlan
 from wsitrain.sft.regions import AxisTile
-from wsitrain.sft.runner import NodeRunner
-from wsitrain.sft.staging import HostStager
-from wsitrain.sft.sweep_plan import multipass_regions, owned_interval
 
 
 def _wide_key(bn: int) -> int:

@@ -10,8 +10,8 @@ from typing import Any
 
 from torch import fx, nn
 
-from wsitrain.sft.ops_functions import function_spec, out_of_place_callable
-from wsitrain.sft.ops_types import (
+from wsitrain.sft.ops.functions import function_spec, out_of_place_callable
+from wsitrain.sft.ops.types import (
     CAT,
     CONCAT,
     CONST,

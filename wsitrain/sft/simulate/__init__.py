@@ -1,0 +1,1 @@
+"""The simulated device: one training step of the real executor on fake tensors, counting live storages."""
