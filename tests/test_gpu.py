@@ -173,28 +173,29 @@ def test_demo_fit_on_cuda(tmp_path: Path, record_property) -> None:
 @pytest.mark.parametrize(("name", "tile"), [("vgg_chain", 16), ("resnet_basic", 16)])
 def test_host_checkpoints_exact_on_cuda_with_side_streams(name: str, tile: int) -> None:
     """Checkpoints in host memory on the GPU: exact in float64, every tile copied on the stager's side streams."""
+    from wsitrain.sft.execution.runtime import CudaRuntime
     from wsitrain.sft.execution.staging import HostStager
-    from wsitrain.sft.execution.transfers import CopyEvent, CudaCopies
+    from wsitrain.sft.execution.transfers import CopyEvent, StreamCopies
     from wsitrain.sft.facts import annotate
     from wsitrain.sft.graph import ModelGraph
 
-    class CountingCopies(CudaCopies):
+    class CountingCopies(StreamCopies):
         """CUDA copies that also record which stream was current when each one was issued."""
 
         def __init__(self, device: torch.device) -> None:
-            super().__init__(device)
+            super().__init__(CudaRuntime(), device)
             self.calls = {"up": 0, "down": 0}
             self.compute: set[int] = set()
 
-        def down(self, dst: torch.Tensor, src: torch.Tensor) -> CopyEvent:
+        def down(self, dst: torch.Tensor, src: torch.Tensor, what: str = "") -> CopyEvent:
             self.calls["down"] += 1
             self.compute.add(torch.cuda.current_stream().cuda_stream)
-            return super().down(dst, src)
+            return super().down(dst, src, what)
 
-        def up(self, src: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, CopyEvent]:
+        def up(self, src: torch.Tensor, device: torch.device, what: str = "") -> tuple[torch.Tensor, CopyEvent]:
             self.calls["up"] += 1
             self.compute.add(torch.cuda.current_stream().cuda_stream)
-            return super().up(src, device)
+            return super().up(src, device, what)
 
     dev = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(0)

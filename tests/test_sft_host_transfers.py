@@ -56,10 +56,13 @@ class DeferredCopies:
         self.most[kind] = max(self.most[kind], self.pending[kind])
         return _Deferred(run, self, kind)
 
-    def down(self, dst: torch.Tensor, src: torch.Tensor) -> _Deferred:
+    def buffer(self, nbytes: int, what: str) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def down(self, dst: torch.Tensor, src: torch.Tensor, what: str = "") -> _Deferred:
         return self._issue(lambda: dst.copy_(src), "down")
 
-    def up(self, src: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, _Deferred]:
+    def up(self, src: torch.Tensor, device: torch.device, what: str = "") -> tuple[torch.Tensor, _Deferred]:
         out = torch.empty_like(src, device=device)
         out.fill_(float("nan") if out.is_floating_point() else 77)  # what a tile read too early holds
         return out, self._issue(lambda: out.copy_(src), "up")
@@ -195,13 +198,13 @@ def test_staging_buffer_reuse_waits_for_its_copy() -> None:
     fake = DeferredCopies()
     pair = _Pair()
     src = torch.arange(24, dtype=torch.float64).view(2, 3, 2, 2)
-    k0, b0 = pair.claim(src, pinned=False)
+    k0, b0 = pair.claim(src, fake, "input")
     b0.copy_(src)
     dev, e0 = fake.up(b0, torch.device("cpu"))
     pair.events[k0] = e0
-    k1, _ = pair.claim(src, pinned=False)
+    k1, _ = pair.claim(src, fake, "input")
     assert k1 != k0 and not e0.done
-    k2, b2 = pair.claim(src, pinned=False)  # buffer 0 again: its upload must be done first
+    k2, b2 = pair.claim(src, fake, "input")  # buffer 0 again: its upload must be done first
     assert k2 == k0 and e0.done
     b2.fill_(-1.0)
     torch.testing.assert_close(dev, src, rtol=0, atol=0)

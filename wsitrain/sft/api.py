@@ -14,6 +14,7 @@ from torch import nn
 from wsitrain.errors import PlanError
 from wsitrain.memory import DeviceMemory, PeakMeter, detect_budget
 from wsitrain.sft.execution.runner import NodeRunner
+from wsitrain.sft.execution.runtime import DeviceRuntime, runtime_for
 from wsitrain.sft.execution.segments import run_tiled, tiled_segment
 from wsitrain.sft.execution.staging import HostStager
 from wsitrain.sft.execution.stats import StatsRecorder, StepStats
@@ -171,7 +172,8 @@ class SFT(nn.Module):
     ``checkpoints`` forces the checkpoint layers. The input may be uint8 or float and may live on the
     host while the model is on the GPU: tiles are cut on the host. ``tile_peaks`` records each tile's
     peak memory in ``last_stats`` (it restarts the device's peak counter per tile, so leave it off
-    while measuring whole steps).
+    while measuring whole steps). ``runtime`` replaces the device's streams, events and page-locked buffers
+    (``wsitrain.sft.simulate`` passes its simulated CUDA runtime; by default the model's device decides).
     """
 
     def __init__(
@@ -185,6 +187,7 @@ class SFT(nn.Module):
         tile_peaks: bool = False,
         memory_probe: MemoryProbe | None = None,
         host_checkpoints: str = "auto",
+        runtime: DeviceRuntime | None = None,
     ) -> None:
         super().__init__()
         self.model = model
@@ -200,7 +203,8 @@ class SFT(nn.Module):
         self._graph = ModelGraph(model)
         self._runner = NodeRunner(self._graph)
         self._cache: OrderedDict[tuple[Any, ...], _Compiled] = OrderedDict()
-        self._stager = HostStager()
+        self._runtime = runtime
+        self._stager = HostStager(runtime=runtime)
         self._hooks = ExecHooks()
         self.last_stats = StepStats()
 
@@ -217,6 +221,10 @@ class SFT(nn.Module):
             return b.device
         return torch.device("cpu")
 
+    def _plan_device(self, device: torch.device) -> str:
+        """The device type plans are priced for: the runtime's (the simulated device plans as CUDA)."""
+        return (self._runtime or runtime_for(device)).plan_device
+
     def _act_dtype(self, device: torch.device) -> torch.dtype:
         try:
             autocast = torch.is_autocast_enabled(device.type)
@@ -230,7 +238,7 @@ class SFT(nn.Module):
     def budget_bytes(self) -> int:
         """The run's budget: given, or detected once on first use and then fixed."""
         if self._budget_bytes is None:
-            self._budget_bytes = resolve_budget_bytes(None, self._device().type, self._probe)
+            self._budget_bytes = resolve_budget_bytes(None, self._plan_device(self._device()), self._probe)
         return self._budget_bytes
 
     @property
@@ -270,7 +278,7 @@ class SFT(nn.Module):
             budget,
             act,
             in_dtype,
-            device.type,
+            self._plan_device(device),
             on_host,
             x_grad,
             tile_size=self.tile_size,

@@ -240,7 +240,7 @@ class MultiPassSegment(TiledSegment):
             sums: dict[int, torch.Tensor] = {}  # squeeze-excitation: (B, C, 1, 1) sums over owned positions
             dtypes: dict[int, torch.dtype] = {}  # the pooled map's dtype: its input's
             for r, c in self.tiles():
-                t0 = self._tick()
+                t0 = self._tick(r, c, f"statistics sweep {lv}")
                 rt, ct = reg.rows[r], reg.cols[c]
                 env = self._run_nodes(self.input_region(x, rt, ct), rt, ct, self.sweep_nodes[lv], stats, {}, sources)
                 for b in here:
@@ -296,7 +296,7 @@ class MultiPassSegment(TiledSegment):
             # sums over tiles in at least float32: bf16 leaves (SE exits under autocast) would round each add
             sums: list[torch.Tensor] = [torch.zeros_like(wide(t)) for t in flat]
             for r, c in self.tiles():
-                t0 = self._tick()
+                t0 = self._tick(r, c, f"statistics backward {lv}")
                 rt, ct = reg.rows[r], reg.cols[c]
                 with torch.enable_grad(), autocast.context():
                     env = self._run_nodes(
@@ -308,6 +308,7 @@ class MultiPassSegment(TiledSegment):
                     for k, g in enumerate(res):
                         if g is not None:
                             sums[k] += g
+                    res = g = None  # summed: not held into the next tile's recompute
                 del env, outs, gouts
                 self._tock(t0, r, c, "backward")
             k = 0
@@ -348,7 +349,7 @@ class MultiPassSegment(TiledSegment):
         grads: list[torch.Tensor | None] = [None] * len(self.params)
         sources = {b.source for b in self.barriers}
         for r, c in self.tiles():
-            t0 = self._tick()
+            t0 = self._tick(r, c, "backward")
             rt, ct = reg.rows[r], reg.cols[c]
             region = self.input_region(x, rt, ct).detach().requires_grad_(need_x)
             with torch.enable_grad(), autocast.context():
@@ -358,7 +359,8 @@ class MultiPassSegment(TiledSegment):
             if outs and targets:
                 res = torch.autograd.grad(outs, targets, gouts, allow_unused=True)
                 self.add_tile_grads(res, need_x, rt, ct, sink, grad_x, grads)
-            del env, outs, gouts
+                del res  # summed: not held into the next tile's recompute
+            del env, outs, gouts, region, targets
             self._tock(t0, r, c, "backward")
             if self.hooks.stats is not None:
                 self.hooks.stats.stats.recomputed_tiles += 1

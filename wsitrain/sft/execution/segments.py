@@ -9,7 +9,7 @@ import torch
 from wsitrain.sft.execution.multipass import MultiPassSegment
 from wsitrain.sft.execution.runner import NodeRunner
 from wsitrain.sft.execution.staging import HostStager
-from wsitrain.sft.execution.tiled import ExecHooks, TiledSegment, _AutocastState, run_segment
+from wsitrain.sft.execution.tiled import ExecHooks, TiledSegment, _AutocastState, abandon_on_error, run_segment
 from wsitrain.sft.facts import GraphFacts
 from wsitrain.sft.ops.barriers import segment_barriers
 from wsitrain.sft.plan_types import SegmentPlan
@@ -24,16 +24,17 @@ class MultiPassFunction(torch.autograd.Function):
         ctx.seg = seg
         ctx.autocast = _AutocastState.capture(seg.device.type)
         ctx.save_for_backward(x)
-        with torch.no_grad(), ctx.autocast.context():
+        with torch.no_grad(), ctx.autocast.context(), abandon_on_error(seg):
             out, ctx.stats, ctx.pool = seg.forward_sweeps(x, keep_graph=True)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         (x,) = ctx.saved_tensors
-        grad_x, grads = ctx.seg.backward_sweeps(
-            x, grad_out, ctx.stats, ctx.needs_input_grad[1], ctx.autocast, ctx.pool
-        )
+        with abandon_on_error(ctx.seg):
+            grad_x, grads = ctx.seg.backward_sweeps(
+                x, grad_out, ctx.stats, ctx.needs_input_grad[1], ctx.autocast, ctx.pool
+            )
         return (None, grad_x, *grads)
 
 
@@ -43,7 +44,7 @@ def run_tiled(seg: TiledSegment, x: torch.Tensor) -> torch.Tensor:
         return run_segment(seg, x)
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in seg.params)):
         return MultiPassFunction.apply(seg, x, *seg.params)
-    with torch.no_grad(), _AutocastState.capture(seg.device.type).context():
+    with torch.no_grad(), _AutocastState.capture(seg.device.type).context(), abandon_on_error(seg):
         return seg.forward_sweeps(x, keep_graph=False)[0]
 
 

@@ -28,7 +28,8 @@ from typing import Literal
 
 import torch
 
-from wsitrain.sft.execution.transfers import Copies, CopyEvent, copies_for
+from wsitrain.sft.execution.runtime import DeviceRuntime
+from wsitrain.sft.execution.transfers import Copies, CopyEvent, SyncCopies, copies_for
 
 Interval = tuple[int, int]
 Lane = Literal["input", "grad"]  # up lanes: tiles' input regions, tiles of the output's gradient
@@ -43,7 +44,7 @@ class _Pair:
         self.events: list[CopyEvent | None] = [None, None]
         self.turn = 0
 
-    def claim(self, like: torch.Tensor, pinned: bool) -> tuple[int, torch.Tensor]:
+    def claim(self, like: torch.Tensor, copies: Copies, name: str) -> tuple[int, torch.Tensor]:
         """The next buffer, shaped like ``like`` (contiguous), once its previous copy is done."""
         k = self.turn
         self.turn ^= 1
@@ -55,7 +56,7 @@ class _Pair:
         flat = self.flat[k]
         if flat is None or flat.numel() < nbytes:
             self.flat[k] = None  # free the smaller buffer before taking the larger one
-            flat = self.flat[k] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+            flat = self.flat[k] = copies.buffer(nbytes, f"{name} staging buffer {k}")
         return k, flat[:nbytes].view(like.dtype).view(like.shape)
 
 
@@ -88,12 +89,14 @@ class _Down:
 class HostStager:
     """Host <-> device staging for one ``SFT`` (see the module doc).
 
-    ``copies``: how copies are issued; by default chosen per device (side streams on CUDA, synchronous on
-    CPU). Tests inject a deferred implementation to check every read waits for its copy.
+    ``copies``: how copies are issued; by default chosen per device from ``runtime`` (side streams where the
+    runtime is asynchronous: CUDA, the simulated device; synchronous copies on CPU). Tests inject a deferred
+    implementation to check every read waits for its copy.
     """
 
-    def __init__(self, copies: Copies | None = None) -> None:
+    def __init__(self, copies: Copies | None = None, runtime: DeviceRuntime | None = None) -> None:
         self._fixed = copies
+        self._runtime = runtime
         self._copies: dict[torch.device, Copies] = {}
         self._up = {lane: _Pair() for lane in LANES}
         self._pending: dict[Lane, _Prefetch] = {}
@@ -105,7 +108,7 @@ class HostStager:
         if self._fixed is not None:
             return self._fixed
         if device not in self._copies:
-            self._copies[device] = copies_for(device)
+            self._copies[device] = copies_for(device, self._runtime)
         return self._copies[device]
 
     @property
@@ -121,10 +124,11 @@ class HostStager:
         return [*self._up.values(), self._down]
 
     # ---- up ------------------------------------------------------------------------------------
-    def pack(self, region: torch.Tensor, lane: Lane = "input", pinned: bool | None = None) -> tuple[int, torch.Tensor]:
+    def pack(
+        self, region: torch.Tensor, lane: Lane = "input", copies: Copies | None = None
+    ) -> tuple[int, torch.Tensor]:
         """Copy ``region`` into the lane's next buffer; returns (buffer index, packed view)."""
-        pin = torch.cuda.is_available() if pinned is None else pinned
-        k, buf = self._up[lane].claim(region, pin)
+        k, buf = self._up[lane].claim(region, copies or SyncCopies(), lane)
         buf.copy_(region)
         return k, buf
 
@@ -132,8 +136,8 @@ class HostStager:
         self, lane: Lane, src: torch.Tensor, rows: Interval, cols: Interval, device: torch.device
     ) -> tuple[torch.Tensor, CopyEvent]:
         copies = self.copies(device)
-        k, buf = self.pack(src[:, :, rows[0] : rows[1], cols[0] : cols[1]], lane, copies.pinned)
-        tensor, event = copies.up(buf, device)
+        k, buf = self.pack(src[:, :, rows[0] : rows[1], cols[0] : cols[1]], lane, copies)
+        tensor, event = copies.up(buf, device, f"{lane} tile rows {rows[0]}:{rows[1]} cols {cols[0]}:{cols[1]}")
         self._up[lane].events[k] = event  # the buffer is repacked only after this upload is done
         return tensor, event
 
@@ -163,22 +167,23 @@ class HostStager:
         return self.copies(device).ready(tensor, event)
 
     # ---- down ----------------------------------------------------------------------------------
-    def store(self, dst: torch.Tensor, tile: torch.Tensor) -> None:
+    def store(self, dst: torch.Tensor, tile: torch.Tensor, what: str = "output tile") -> None:
         """``dst[...] = tile`` (dst a view of a host tensor, tile on the device), applied by a later wait."""
-        self._start_down(dst, tile, add=False)
+        self._start_down(dst, tile, False, what)
 
-    def accumulate(self, dst: torch.Tensor, tile: torch.Tensor) -> None:
+    def accumulate(self, dst: torch.Tensor, tile: torch.Tensor, what: str = "input-gradient tile") -> None:
         """``dst += tile``, applied after the previous tiles' adds (in order), by a later wait."""
-        self._start_down(dst, tile, add=True)
+        self._start_down(dst, tile, True, what)
 
-    def _start_down(self, dst: torch.Tensor, tile: torch.Tensor, add: bool) -> None:
+    def _start_down(self, dst: torch.Tensor, tile: torch.Tensor, add: bool, what: str) -> None:
         assert dst.shape == tile.shape, (dst.shape, tile.shape)
         if len(self._queue) == 2:  # double buffering: the oldest copy lands before its buffer is reused
             self._land_oldest()
         copies = self.copies(tile.device)
-        k, staged = self._down.claim(tile, copies.pinned)
-        assert all(d.k != k for d in self._queue), "a staging buffer is reused while its copy is in flight"
-        event = copies.down(staged, tile)
+        k, staged = self._down.claim(tile, copies, "down")
+        if any(d.k == k for d in self._queue):
+            raise RuntimeError(f"down staging buffer {k} is reused while its copy is in flight (a stager bug)")
+        event = copies.down(staged, tile, what)
         self._down.events[k] = event
         self._queue.append(_Down(event, k, staged, dst, add))
         self.max_in_flight = max(self.max_in_flight, len(self._queue))
@@ -194,6 +199,24 @@ class HostStager:
     @property
     def in_flight(self) -> int:
         return len(self._queue)
+
+    def abandon(self) -> None:
+        """After an error mid-segment: wait for every copy in flight, apply none, forget every prefetch.
+
+        The next step then starts clean: no download of the failed step lands in a host tensor later, no stale
+        prefetched tile is matched, and every staging buffer may be reused.
+        """
+        for d in self._queue:
+            d.event.synchronize()
+        self._queue.clear()
+        for p in self._pending.values():
+            p.event.synchronize()
+        self._pending.clear()
+        for pair in self._pairs():
+            for k, event in enumerate(pair.events):
+                if event is not None:
+                    event.synchronize()
+                    pair.events[k] = None
 
     def drain(self) -> None:
         """Wait for every device -> host copy and apply it, in the order issued; host tensors are then complete."""

@@ -11,7 +11,8 @@ The executor reads plans (``SegmentPlan`` with its ``regions``) and frozen facts
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,8 @@ class ExecHooks:
     trunk_observer: TileObserver | None = None  # tiles of the trunk's last feature map, in forward
     input_grad_sink: TileObserver | None = None  # tiles' shares of the image gradient, in backward
     stats: StatsRecorder | None = None
+    # fn(segment index, row, col, phase) as each tile starts: where a memory peak happens (the simulated device)
+    on_tile: Callable[[int, int, int, str], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -146,7 +149,7 @@ class TiledSegment:
         """``out[:, :, rows, cols] = y``; into host memory through the stager (complete after ``stager.drain()``)."""
         dst = out[:, :, rows[0] : rows[1], cols[0] : cols[1]]
         if self.out_on_host or out.device != y.device:
-            self.stager.store(dst, y)
+            self.stager.store(dst, y, f"output tile rows {rows[0]}:{rows[1]} cols {cols[0]}:{cols[1]}")
         else:
             dst.copy_(y)
 
@@ -224,7 +227,7 @@ class TiledSegment:
         acc = PoolAccumulator(self.fusion.kind, reg.rows_out[-1][1], reg.cols_out[-1][1]) if self.fusion else None
         out: torch.Tensor | None = None
         for r, c in self.tiles():
-            t0 = self._tick()
+            t0 = self._tick(r, c, "forward")
             y = produce(r, c)  # (B, C, th, tw)
             if acc is not None:
                 dtype = y.dtype
@@ -262,7 +265,7 @@ class TiledSegment:
         grad_x = torch.zeros_like(x) if need_x and sink is None else None
         grads: list[torch.Tensor | None] = [None] * len(self.params)
         for r, c in self.tiles():
-            t0 = self._tick()
+            t0 = self._tick(r, c, "backward")
             rt, ct = reg.rows[r], reg.cols[c]
             region = self.input_region(x, rt, ct).detach().requires_grad_(need_x)
             with torch.enable_grad(), autocast.context():
@@ -277,7 +280,8 @@ class TiledSegment:
             if y.requires_grad and targets:
                 res = torch.autograd.grad(y, targets, g, allow_unused=True)
                 self.add_tile_grads(res, need_x, rt, ct, sink, grad_x, grads)
-            del y
+                del res  # this tile's gradients are summed: holding them into the next tile's recompute costs a tile
+            del y, g, region, targets
             self._tock(t0, r, c, "backward")
             if self.hooks.stats is not None:
                 self.hooks.stats.stats.recomputed_tiles += 1
@@ -305,7 +309,9 @@ class TiledSegment:
                     assert grad_x is not None
                     dst = grad_x[:, :, rows[0] : rows[1], cols[0] : cols[1]]
                     if self.in_on_host or grad_x.device != gx.device:
-                        self.stager.accumulate(dst, gx)  # copied down on the side stream, added in tile order
+                        # copied down on the side stream, added in tile order
+                        what = f"input-gradient tile rows {rows[0]}:{rows[1]} cols {cols[0]}:{cols[1]}"
+                        self.stager.accumulate(dst, gx, what)
                     else:
                         dst += gx
             res = res[1:]
@@ -315,12 +321,24 @@ class TiledSegment:
                 # tile (seen as NaNs in bf16 weight gradients); summing into it in place corrupted it
                 grads[k] = gp.clone() if grads[k] is None else grads[k].add_(gp)
 
-    def _tick(self) -> float:
+    def _tick(self, r: int, c: int, phase: str) -> float:
+        if self.hooks.on_tile is not None:
+            self.hooks.on_tile(self.seg.index, r, c, phase)
         return self.hooks.stats.tick() if self.hooks.stats is not None else 0.0
 
     def _tock(self, t0: float, r: int, c: int, phase: str) -> None:
         if self.hooks.stats is not None:
             self.hooks.stats.tock(t0, self.seg.index, r, c, phase)
+
+
+@contextlib.contextmanager
+def abandon_on_error(seg: TiledSegment) -> Iterator[None]:
+    """An error inside a segment leaves no copy in flight or prefetched tile behind for the next step."""
+    try:
+        yield
+    except BaseException:
+        seg.stager.abandon()
+        raise
 
 
 class TiledFunction(torch.autograd.Function):
@@ -332,14 +350,14 @@ class TiledFunction(torch.autograd.Function):
         ctx.autocast = _AutocastState.capture(seg.device.type)
         ctx.save_for_backward(x)
         ctx.masks = seg.runner.masks.current  # the recompute replays this step's drop masks
-        with torch.no_grad(), ctx.autocast.context():
+        with torch.no_grad(), ctx.autocast.context(), abandon_on_error(seg):
             out, ctx.pool = seg.forward_all(x)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         (x,) = ctx.saved_tensors
-        with ctx.seg.runner.masks.replaying(ctx.masks):
+        with ctx.seg.runner.masks.replaying(ctx.masks), abandon_on_error(ctx.seg):
             grad_x, grads = ctx.seg.backward_all(x, grad_out, ctx.needs_input_grad[1], ctx.autocast, ctx.pool)
         return (None, grad_x, *grads)
 
@@ -348,5 +366,5 @@ def run_segment(seg: TiledSegment, x: torch.Tensor) -> torch.Tensor:
     """Forward one tiled segment, through autograd when gradients are wanted."""
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in seg.params)):
         return TiledFunction.apply(seg, x, *seg.params)
-    with torch.no_grad(), _AutocastState.capture(seg.device.type).context():
+    with torch.no_grad(), _AutocastState.capture(seg.device.type).context(), abandon_on_error(seg):
         return seg.forward_all(x)[0]
