@@ -211,6 +211,9 @@ def plan(
     precision: str = typer.Option("fp32", "--precision", help="Activation precision: fp32, bf16 or fp16."),
     tile: int | None = typer.Option(None, "--tile", min=1, help="Force this tile edge in input pixels."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
+    simulate: bool = typer.Option(
+        False, "--simulate", help="Also run one training step of the real executor on a simulated GPU (fake tensors)."
+    ),
 ) -> None:
     """Show how the SFT engine would tile a model for an image size and memory budget (allocates nothing).
 
@@ -221,6 +224,8 @@ def plan(
       wsitrain plan --model vgg16 --size 20480 --gpu 2080ti
 
       wsitrain plan --model resnet50 --size 40000 --memory 80GiB --precision bf16 --json
+
+      wsitrain plan --model vgg16 --size 20480 --gpu 2080ti --simulate
     """
     run_plan = _entry("wsitrain.plan.command", "run_plan", "plan")
     code = run_plan(
@@ -233,6 +238,7 @@ def plan(
         tile=tile,
         as_json=as_json,
         console=_console(),
+        simulate=simulate,
     )
     if code:
         raise typer.Exit(int(code))

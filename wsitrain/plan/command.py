@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 from rich.console import Console
+from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
 
-from wsitrain.errors import WsiTrainError
+from wsitrain.errors import PlanError, WsiTrainError
 from wsitrain.gpus import Budget, gpu_preset, resolve_budget
 from wsitrain.models import build
 from wsitrain.models.registry import resolve_model_name
@@ -22,8 +23,11 @@ from wsitrain.precision import Precision, activation_dtype, check_precision
 from wsitrain.sft import Plan, max_square_size
 from wsitrain.sft import plan as plan_model
 from wsitrain.sft.api import MAX_SQUARE_LIMIT
+from wsitrain.sft.simulate import SimulatedStep, simulate_step, simulation_dict, simulation_text
+from wsitrain.sft.simulate.step import Progress
 
 PLAN_NUM_CLASSES = 2  # the head is tiny next to the trunk; any class count plans the same
+DEFAULT_OPTIMIZER = "adamw"  # what ``wsitrain fit`` trains with unless train.optimizer says otherwise
 
 
 @dataclass(frozen=True)
@@ -34,18 +38,24 @@ class PlanReport:
     budget: Budget
     precision: Precision
     max_size: int | None  # largest square edge that fits the budget; 0: none; None: not computed
+    simulated: SimulatedStep | None = None  # one step run on the simulated device (``--simulate``)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d = {
             "budget_source": self.budget.source,
             "gpu": self.budget.gpu,
             "precision": self.precision,
             "max_size": self.max_size,
             "plan": self.plan.to_dict(),
         }
+        if self.simulated is not None:
+            d["simulated"] = simulation_dict(self.simulated)
+        return d
 
     def __str__(self) -> str:
         lines = [str(self.plan), f"budget source: {self.budget.source}"]
+        if self.simulated is not None:
+            lines.append(simulation_text(self.simulated))
         if self.budget.gpu is not None:
             lines.append(f"gpu preset: {self.budget.gpu}")
         if self.budget.gpu is not None and self.plan.transfer_bytes:
@@ -104,8 +114,15 @@ def make_plan(
     tile: int | None = None,
     optimizer: str | None = None,
     with_max_size: bool = True,
+    simulate: bool = False,
+    progress: Progress | None = None,
 ) -> PlanReport:
-    """Validate the inputs, plan on the meta device, and return the plan with the command's envelope."""
+    """Validate the inputs, plan on the meta device, and return the plan with the command's envelope.
+
+    ``simulate``: also run one training step of the real executor on the simulated CUDA device
+    (``wsitrain.sft.simulate``); the plan shown is then the one that step ran (with ``optimizer``, default adamw,
+    as ``wsitrain fit`` trains). bf16/fp16 are planned but not simulated (the simulated device has no autocast).
+    """
     _check_model(model)
     prec = check_precision(precision)
     dtype = activation_dtype(prec)
@@ -117,6 +134,8 @@ def make_plan(
     with torch.device("meta"):  # shapes only: no parameter or activation is ever allocated
         net = build(model, PLAN_NUM_CLASSES)
     h, w = parse_size(size, net.stride, model)
+    if simulate:
+        return _simulated(net, (batch, 3, h, w), budget, prec, optimizer or DEFAULT_OPTIMIZER, tile, progress)
     p = plan_model(
         net, input_shape=(batch, 3, h, w), memory_budget=budget.bytes, dtype=dtype, tile_size=tile,
         optimizer=optimizer, device=budget.device,
@@ -127,6 +146,32 @@ def make_plan(
             max_square_size(net, budget.bytes, dtype=dtype, batch=batch, optimizer=optimizer, device=budget.device)
         )
     return PlanReport(p, budget, prec, max_size)
+
+
+def _simulated(
+    net: torch.nn.Module,
+    shape: tuple[int, int, int, int],
+    budget: Budget,
+    prec: Precision,
+    optimizer: str,
+    tile: int | None,
+    progress: Progress | None,
+) -> PlanReport:
+    if budget.device != "cuda":
+        raise WsiTrainError(
+            "--simulate runs the CUDA executor on a simulated GPU: it needs a GPU budget",
+            hint="give --gpu (e.g. --gpu 2080ti), or --memory with --gpu for a card's kind",
+        )
+    if activation_dtype(prec) != torch.float32:
+        raise WsiTrainError(
+            f"--simulate runs float32 steps only, not {prec}: the simulated device has no autocast",
+            hint="drop --precision, or plan bf16 without --simulate",
+        )
+    try:
+        sim = simulate_step(net, shape, budget.bytes, optimizer=optimizer, tile_size=tile, progress=progress)
+    except PlanError as e:  # does not fit: show the plan as the plain command would
+        raise WsiTrainError(str(e), hint=e.hint) from e
+    return PlanReport(sim.plan, budget, prec, None, sim)
 
 
 def run_plan(
@@ -141,6 +186,7 @@ def run_plan(
     as_json: bool,
     console: Console,
     optimizer: str | None = None,
+    simulate: bool = False,
 ) -> int:
     """``wsitrain plan``: print the plan (readable, or one JSON object); exit code 0 when it fits, 1 when not.
 
@@ -148,7 +194,7 @@ def run_plan(
     """
     report = make_plan(
         model=model, size=size, gpu=gpu, memory=memory, batch=batch, precision=precision, tile=tile,
-        optimizer=optimizer,
+        optimizer=optimizer, simulate=simulate, progress=_progress_bar(console) if simulate and not as_json else None,
     )  # fmt: skip
     if as_json:
         # Plain write, not console.print: rich would wrap and highlight the JSON.
@@ -157,4 +203,29 @@ def run_plan(
     else:
         # markup=False: the plan's "[conv1 .. pool4]" layer ranges are not rich markup tags.
         console.print(str(report), markup=False, highlight=False, soft_wrap=True)
+    if report.simulated is not None and not (report.simulated.within_budget and report.simulated.host_within_plan):
+        return 1
     return 0 if report.plan.fits else 1
+
+
+def _progress_bar(console: Console) -> Progress:
+    """A progress line for long simulations (100,000 px: minutes), on stderr so stdout stays the report."""
+    from rich.console import Console as _Console
+    from rich.progress import Progress as _Bar
+
+    bar = _Bar(
+        TextColumn("simulating"), BarColumn(), TextColumn("{task.completed}/{task.total} tiles"), TimeElapsedColumn(),
+        console=_Console(stderr=True), transient=True,
+    )  # fmt: skip
+    task = bar.add_task("simulate", total=None)
+    started = [False]
+
+    def update(done: int, total: int) -> None:
+        if not started[0]:
+            bar.start()
+            started[0] = True
+        bar.update(task, completed=done, total=total)
+        if done >= total:
+            bar.stop()
+
+    return update

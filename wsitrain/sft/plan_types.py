@@ -72,6 +72,9 @@ class Plan:
     limiting_part: str | None = None  # when it does not fit: the part of memory no tile size shrinks
     host_bytes: int = 0  # host memory the step needs beside the process: the image (and host checkpoints)
     transfer_bytes: int = 0  # bytes staged host -> device per step (tiles with halo, in forward and recompute)
+    staging_bytes: int = 0  # the stager's page-locked host buffers (in host_bytes)
+    replayed_peak_bytes: int = 0  # the replay's peak of tensor bytes (no runtime allowance, no slack): what a
+    # simulated step (wsitrain.sft.simulate) measures
     tiling: tuple[str, ...] = ()  # how much of the network can and does run tiled, and what ends tiling
     # the step in the planner's time model (FLOPs, memory traffic, per-call costs; costs.py), FLOP-equivalents
     time_plain: float = 0.0
@@ -118,6 +121,8 @@ class Plan:
             "host_bytes": self.host_bytes,
             "tiling": list(self.tiling),
             "transfer_bytes": self.transfer_bytes,
+            "staging_bytes": self.staging_bytes,
+            "replayed_peak_bytes": self.replayed_peak_bytes,
         }
 
     def __str__(self) -> str:
@@ -151,9 +156,11 @@ class Plan:
             )
         host_ck = [s for s in self.segments if s.start and s.checkpoint_location == "host"]
         if self.input_on_host or host_ck:
-            parts = (["the image, streamed from pinned host memory"] if self.input_on_host else []) + (
+            parts = (["the image"] if self.input_on_host else []) + (
                 [f"{len(host_ck)} checkpoint(s) and their gradient buffers"] if host_ck else []
             )
+            if self.staging_bytes:
+                parts.append(f"page-locked staging buffers {format_bytes(self.staging_bytes)}")
             lines.append(
                 f"  host memory: {format_bytes(self.host_bytes)} ({', '.join(parts)}); "
                 f"{format_bytes(self.transfer_bytes)} moved between host and device per step"

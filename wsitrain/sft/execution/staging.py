@@ -55,7 +55,9 @@ class _Pair:
         nbytes = like.numel() * like.element_size()
         flat = self.flat[k]
         if flat is None or flat.numel() < nbytes:
-            self.flat[k] = None  # free the smaller buffer before taking the larger one
+            # free the smaller buffer before taking the larger one (the local name too: the simulated device
+            # showed both alive at once, one region above the plan's host memory)
+            self.flat[k] = flat = None
             flat = self.flat[k] = copies.buffer(nbytes, f"{name} staging buffer {k}")
         return k, flat[:nbytes].view(like.dtype).view(like.shape)
 

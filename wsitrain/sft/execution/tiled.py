@@ -52,11 +52,16 @@ class _AutocastState:
 
     @staticmethod
     def capture(device_type: str) -> _AutocastState:
-        return _AutocastState(
-            device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
-        )
+        try:
+            return _AutocastState(
+                device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+            )
+        except RuntimeError:  # a device type without autocast (the simulated device runs on ``meta``)
+            return _AutocastState(device_type, False, torch.float32)
 
-    def context(self) -> torch.autocast:
+    def context(self) -> contextlib.AbstractContextManager[object]:
+        if not self.enabled:
+            return contextlib.nullcontext()
         # Autocast caches the low-precision copy of each weight for the whole outer autocast region.
         # A copy cast under no_grad (a tile's forward) has no path to the weight, and reusing it in the
         # recompute would lose that weight's gradient; tiles therefore never use or fill the cache.

@@ -90,6 +90,7 @@ class StreamCopies:
         # the side stream, whose allocations the compute stream's memory pool does not reuse
         src = src.contiguous()
         rt.describe(src, what)
+        rt.describe(dst, what)  # the staging buffer now holds this tile
         # the side stream waits for the work issued so far on the compute stream (the tile exists)
         rt.wait_stream(self.down_stream, compute)
         with rt.use_stream(self.down_stream):
@@ -103,6 +104,7 @@ class StreamCopies:
 
     def up(self, src: torch.Tensor, device: torch.device, what: str = "") -> tuple[torch.Tensor, CopyEvent]:
         rt = self.rt
+        rt.describe(src, what)  # the staging buffer holds this tile until the copy is done
         with rt.use_stream(self.up_stream):
             # allocated on the side stream, so the copy cannot write into memory the compute stream is still
             # using (a block freed on the compute stream is not reused by another stream before it is done)

@@ -144,6 +144,7 @@ def _method_spec(node: fx.Node) -> OpSpec:
             inplace=inplace,
             saves_input=si and not inplace,
             saves_output=so or inplace,
+            out_of_place_saves=(si, so) if inplace else None,
             flops_per_output=1.0,
             layout_rule=ELEMENTWISE,
         )

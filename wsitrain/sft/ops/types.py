@@ -9,7 +9,7 @@ methods, ops_space.py fits each spec to the layout of its input.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torch import fx
@@ -81,6 +81,10 @@ class OpSpec:
     tileable: bool = True
     why_not: str = ""  # when not tileable: the reason and the fix
     inplace: bool = False  # output aliases its input
+    # (saves input, saves output) of the out-of-place form, where it differs from the in-place one: tiles run every
+    # layer out of place (a tile cut from a checkpoint is a view of it), and out-of-place LeakyReLU, ReLU6, SiLU,
+    # GELU, Hardswish, Hardtanh keep their *input* for backward where the in-place form keeps the output
+    out_of_place_saves: tuple[bool, bool] | None = None
     alias: bool = False  # returns its input unchanged (Identity, eval Dropout)
     saves_input: bool = False  # autograd keeps the input for backward
     saves_output: bool = False  # autograd keeps the output for backward
@@ -95,6 +99,14 @@ class OpSpec:
     layout_rule: str = NCHW  # how the output layout follows from the input's (see the rules above)
 
 
+def out_of_place(spec: OpSpec) -> OpSpec:
+    """The operator as a tile runs it: never in place, saving what the out-of-place form saves."""
+    if not spec.inplace:
+        return spec
+    si, so = spec.out_of_place_saves or (spec.saves_input, spec.saves_output)
+    return replace(spec, inplace=False, saves_input=si, saves_output=so)
+
+
 def activation_spec(
     name: str, saves_input: bool, saves_output: bool, inplace: bool, has_params: bool = False
 ) -> OpSpec:
@@ -105,6 +117,7 @@ def activation_spec(
         inplace=inplace,
         saves_input=saves_input and not inplace,
         saves_output=saves_output or inplace,
+        out_of_place_saves=(saves_input, saves_output) if inplace else None,
         flops_per_output=1.0,
         has_params=has_params,
         layout_rule=ELEMENTWISE,

@@ -31,6 +31,12 @@ CALL_FLOPS = {"cpu": 8.4e5, "cuda": 2e8}
 TILE_CALL_FLOPS = {"cpu": 1.0e6, "cuda": 0.0}
 # Bytes of optimizer state per parameter byte (SGD with momentum: one buffer; Adam(W): two moments).
 OPTIMIZER_STATE = {"none": 0.0, "sgd": 1.0, "adam": 2.0, "adamw": 2.0}
+# Temporaries of the optimizer step, in parameter sizes, with the foreach implementation CUDA uses by default:
+# Adam's and AdamW's ``_foreach_sqrt(exp_avg_sq)`` builds every parameter's denominator at once (the simulated
+# step showed one parameter-sized list live at the step, above weights, gradients and state: ResNet-18, +42.6 MB);
+# SGD with momentum updates in place. Weight decay in Adam (not AdamW) adds one more list; wsitrain's default is
+# AdamW.
+OPTIMIZER_STEP_TEMPORARY = {"none": 0.0, "sgd": 0.0, "adam": 1.0, "adamw": 1.0}
 # Allocators hand out more than tensors need: glibc's heap fragments under PyTorch's CPU allocation
 # pattern (measured: DarkNet-19 plain training peaks 12% above the replayed tensors), and the CUDA
 # caching allocator rounds and splits blocks. Activation memory is planned with this much slack.
@@ -58,6 +64,7 @@ class MemoryTerms:
     model: int
     optimizer: int
     runtime: int
+    step: int = 0  # the optimizer step's peak above ``fixed``: every gradient plus the step's temporaries
     slack: float = ALLOCATOR_SLACK
     headroom: float = HEADROOM["cuda"]
 
@@ -83,8 +90,9 @@ def memory_terms(facts: GraphFacts, device: str, optimizer: str | None) -> Memor
         )
     runtime = RUNTIME_BASE[device_kind(device)] + 2 * facts.largest_param_bytes
     kind = device_kind(device)
+    step = int((1.0 + OPTIMIZER_STEP_TEMPORARY[key]) * facts.trainable_bytes) if key != "none" else 0
     return MemoryTerms(
-        facts.model_bytes, int(OPTIMIZER_STATE[key] * facts.trainable_bytes), runtime, headroom=HEADROOM[kind]
+        facts.model_bytes, int(OPTIMIZER_STATE[key] * facts.trainable_bytes), runtime, step, headroom=HEADROOM[kind]
     )
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from wsitrain.sft.ops.registry import SPATIAL_KINDS
 from wsitrain.sft.planning.memory_model import SimOp, SimResult, simulate
@@ -137,4 +137,9 @@ def path_ops(sess: PlanSession, path: tuple[SegOption, ...]) -> list[SimOp]:
 
 
 def replay_path(sess: PlanSession, path: tuple[SegOption, ...]) -> SimResult:
-    return simulate(path_ops(sess, path), {0: sess.device_bytes(0)}, fixed=sess.terms.fixed)
+    """The step's replay: forward and backward along the path, then the optimizer step (gradients, temporaries)."""
+    res = simulate(path_ops(sess, path), {0: sess.device_bytes(0)}, fixed=sess.terms.fixed)
+    step = sess.terms.fixed + sess.terms.step
+    if step > res.backward_peak and step > res.forward_peak:
+        return replace(res, backward_peak=step, peak_label="optimizer step")
+    return res

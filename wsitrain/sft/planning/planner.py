@@ -8,6 +8,8 @@ in order and records the result, including every tiled segment's regions.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from wsitrain.errors import PlanError
@@ -172,8 +174,10 @@ def _assemble(
     ck_peak, ck_segments = checkpoint_sequential_peak(sess)
     fused = bool(state.path) and state.path[-1].fused
     head_res, head_flops = sess.head_sim(fused)
-    peak = sess.terms.scale_peak(replay_path(sess, state.path).peak)
+    replayed = replay_path(sess, state.path).peak
+    peak = sess.terms.scale_peak(replayed)
     segments = _segment_plans(sess, state.path, base)
+    staging = staging_bytes(sess, segments)
     tiled = [s for s in segments if s.mode == TILED]
     breakdown = {
         "parameters": sess.terms.model,
@@ -209,7 +213,10 @@ def _assemble(
         feature_map_bytes=sum(n.nbytes for n in f.nodes if not (n.spec.inplace or n.spec.alias)),
         limiting_part=limiting,
         host_bytes=(sess.nbytes(0) if sess.input_on_host else 0)
-        + sum(2 * s.checkpoint_bytes for s in segments if s.start and s.checkpoint_location == "host"),
+        + sum(2 * s.checkpoint_bytes for s in segments if s.start and s.checkpoint_location == "host")
+        + staging,
+        staging_bytes=staging,
+        replayed_peak_bytes=int(replayed - sess.terms.runtime),
         tiling=_tiling(sess, segments),
         time_plain=plain_time(sess),
         time_sft=plan_time(sess, state),
@@ -217,6 +224,38 @@ def _assemble(
         + sum(5 * s.checkpoint_bytes for s in segments if s.start and s.checkpoint_location == "host"),
         notes=tuple(notes),
     )
+
+
+def staging_bytes(sess: PlanSession, segments: tuple[SegmentPlan, ...]) -> int:
+    """The stager's page-locked buffers (``execution/staging.py``): two per lane, each as large as its largest tile.
+
+    Lanes: "input" (input regions of segments whose input lives on the host), "grad" (output-gradient tiles of
+    segments whose output lives on the host), "down" (output tiles into a host checkpoint, input-gradient tiles of
+    a host checkpoint). Buffers grow to the largest tile and are kept across segments and steps.
+    """
+    f = sess.facts
+    lanes = {"input": 0, "grad": 0, "down": 0}
+
+    def elem(i: int) -> int:
+        return sess.nbytes(i) // max(1, math.prod(f.nodes[i].shape))
+
+    for s in segments:
+        if s.mode != TILED or s.regions is None:
+            continue
+        b, c_in = f.nodes[s.start].shape[:2]
+        c_out = f.nodes[s.end].shape[1]
+        region = b * c_in * s.tile_shape[0] * s.tile_shape[1]
+        out_h = max(hi - lo for lo, hi in s.regions.rows_out)
+        out_w = max(hi - lo for lo, hi in s.regions.cols_out)
+        out_tile = b * c_out * out_h * out_w * elem(s.end)
+        if s.checkpoint_location == "host":
+            lanes["input"] = max(lanes["input"], region * elem(s.start))
+            if f.nodes[s.start].requires_grad:
+                lanes["down"] = max(lanes["down"], region * elem(s.start))
+        if s.output_location == "host":
+            lanes["grad"] = max(lanes["grad"], out_tile)
+            lanes["down"] = max(lanes["down"], out_tile)
+    return 2 * sum(lanes.values())
 
 
 def _segment_plans(sess: PlanSession, path: tuple[SegOption, ...], base_peak: int) -> tuple[SegmentPlan, ...]:

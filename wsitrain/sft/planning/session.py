@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 
 from wsitrain.sft.facts import GraphFacts
 from wsitrain.sft.ops.registry import MERGE, WINDOW
+from wsitrain.sft.ops.types import out_of_place
 from wsitrain.sft.planning.costs import MemoryTerms, Work, forward_work, node_work
 from wsitrain.sft.planning.memory_model import SimOp, SimResult, simulate
 
@@ -59,9 +60,10 @@ class PlanSession:
         return max(1, round(self.facts.input_shape[2] / max(1, self.facts.nodes[i].shape[2])))
 
     # ---- replay steps --------------------------------------------------------------------------
-    def sim_op(self, i: int, out_bytes: int, grad: bool = True) -> SimOp:
+    def sim_op(self, i: int, out_bytes: int, grad: bool = True, tiled: bool = False) -> SimOp:
+        """Node i's replay step; ``tiled``: as a tile runs it, out of place (``ops.types.out_of_place``)."""
         node = self.facts.nodes[i]
-        spec = node.spec
+        spec = out_of_place(node.spec) if tiled else node.spec
         ins = node.inputs
         rg = node.requires_grad and grad
         saved: list[int] = []
@@ -96,7 +98,7 @@ class PlanSession:
         key = (i, out_bytes, in_bytes, grad)
         op = self._tile_ops.get(key)
         if op is None:
-            op = self.sim_op(i, out_bytes, grad=grad)
+            op = self.sim_op(i, out_bytes, grad=grad, tiled=True)
             op = self._tile_ops[key] = self.with_cpu_reorder(op, in_bytes) if self.facts.nodes[i].inputs else op
         return op
 
