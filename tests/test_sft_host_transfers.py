@@ -236,3 +236,37 @@ def test_stale_prefetch_is_not_used() -> None:
     x.mul_(2.0)  # in place after the prefetch of (5:10, 5:10)
     got = stager.fetch("input", x, (5, 10), (5, 10), cpu)
     torch.testing.assert_close(got, x[:, :, 5:10, 5:10], rtol=0, atol=0)
+
+
+# ---- an error mid-step leaves nothing behind --------------------------------------------------------
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_an_error_mid_segment_leaves_no_copy_in_flight(phase: str) -> None:
+    """A failing tile (here: a hook that raises, as an out-of-memory error would) abandons the stager's copies and
+    prefetches; the next step is exact, so nothing of the failed step lands in it."""
+    torch.manual_seed(0)
+    model = MODELS["vgg_chain"]().double()
+    twin = copy.deepcopy(model)
+    x = torch.randn(2, 3, 45, 62, dtype=torch.float64)
+    ref = _step(model, model, x)
+    sft = SFT(twin, tile_size=16, memory_budget="1GiB", host_checkpoints="always",
+              checkpoints=_cuts(model, x.shape, None))  # fmt: skip
+    fake = DeferredCopies()
+    sft._stager = HostStager(fake)
+    seen: list[str] = []
+
+    def fail_midway(seg: int, r: int, c: int, ph: str) -> None:
+        seen.append(ph)
+        if ph == phase and seg > 0 and (r, c) == (0, 1):
+            raise RuntimeError("injected failure")
+
+    sft._hooks.on_tile = fail_midway
+    with pytest.raises(RuntimeError, match="injected failure"):
+        _step(sft, twin, x)
+    assert sft._stager.in_flight == 0 and not sft._stager._pending, "no download queued, no prefetch kept"
+    assert fake.pending == {"down": 0, "up": 0}, "every copy in flight was waited for"
+    sft._hooks.on_tile = None
+    got = _step(sft, twin, x)
+    torch.testing.assert_close(got[0], ref[0], **F64)
+    for a, b in zip(ref[1], got[1], strict=True):
+        torch.testing.assert_close(b, a, **F64)
+    torch.testing.assert_close(got[2], ref[2], **F64)
