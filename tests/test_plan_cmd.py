@@ -166,3 +166,26 @@ def test_run_budget_is_the_config_value_or_one_detection() -> None:
     given = run_budget("3GiB", cpu, probe=probe)
     assert given.bytes == 3 * GiB and given.source == "engine.memory_budget 3GiB" and calls == ["cpu"]
     assert "3.00 GiB" in given.describe()
+
+
+# ---- --simulate -----------------------------------------------------------------------------------
+def test_simulate_runs_one_step_and_reports_it_beside_the_plan() -> None:
+    code, out = _run(True, model="tiny", size="4096", memory="200MiB", simulate=True)
+    d = json.loads(out)
+    sim = d["simulated"]
+    assert code == 0 and d["plan"]["fits"]
+    assert 0 < sim["device_peak"]["bytes"] <= sim["budget_bytes"] == d["plan"]["budget_bytes"]
+    assert sim["replayed_peak_bytes"] == d["plan"]["replayed_peak_bytes"] > 0
+    assert abs(sim["over_replay"]) <= 0.03 and sim["within_budget"] and sim["host_within_plan"]
+    assert sim["stream_order"] == "checked" and sim["accesses_checked"] > 0
+    code, text = _run(False, model="tiny", size="4096", memory="200MiB", simulate=True)
+    assert code == 0 and "device peak, simulated:" in text and "not simulated:" in text
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [({"gpu": "cpu", "memory": "1GiB"}, "needs a GPU budget"), ({"precision": "bf16"}, "float32 steps only")],
+)
+def test_simulate_refuses_what_it_cannot_simulate(kw: dict, message: str) -> None:
+    with pytest.raises(WsiTrainError, match=message):
+        _run(False, model="tiny", size="1024", simulate=True, **kw)
