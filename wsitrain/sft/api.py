@@ -348,6 +348,8 @@ class SFT(nn.Module):
         env: dict[int, Any] = {0: x}
         for sp, seg in zip(c.plan.segments, c.segments, strict=True):
             if seg is None:
+                if self._hooks.on_tile is not None:  # where a peak happens: a plain segment has one "tile"
+                    self._hooks.on_tile(sp.index, 0, 0, "plain forward")
                 if sp.start == 0:
                     self._plain_input_sink(env)
                     if on_host:

@@ -78,7 +78,7 @@ class PlanSession:
             out_bytes=out_bytes,
             inputs=ins,
             saved=tuple(saved) if rg else (),
-            extra_saved=elem * spec.index_bytes if rg else 0,
+            extra_saved=(elem * spec.index_bytes + (out_bytes if spec.saves_input_clone else 0)) if rg else 0,
             alias_of=alias,
             requires_grad=rg,
             grad_inputs=tuple(self.facts.nodes[v].requires_grad and grad for v in ins),
