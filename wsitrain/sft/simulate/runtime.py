@@ -71,7 +71,9 @@ class _Access:
     """The last write to a storage and the reads since: (context, clock, what the operator was)."""
 
     write: tuple[str, int, str] | None = None
-    reads: list[tuple[str, int, str]] = field(default_factory=list)
+    # the latest read per context since the last write: a later read by the same context covers an earlier one
+    # (a context's work is ordered), so parameters read by every tile keep one entry, not one per tile
+    reads: dict[str, tuple[int, str]] = field(default_factory=dict)
     alloc: str = HOST
     used_on: dict[str, int] = field(default_factory=dict)  # foreign stream -> clock of its last use
     recorded: set[str] = field(default_factory=set)
@@ -173,10 +175,10 @@ class SimRuntime:
                 synchronous_host = True  # pageable memory, or a blocking copy: the host waits for the stream
             if id(t) in written:
                 self._check(ctx, k, acc, name, write=True)
-                acc.write, acc.reads = (ctx.name, at, name), []
+                acc.write, acc.reads = (ctx.name, at, name), {}
             else:
                 self._check(ctx, k, acc, name, write=False)
-                acc.reads.append((ctx.name, at, name))
+                acc.reads[ctx.name] = (at, name)
             if on_device and t.device.type == DEVICE_TYPE and ctx.name != acc.alloc:
                 acc.used_on[ctx.name] = at
         for t in outs:
@@ -192,7 +194,7 @@ class SimRuntime:
         self.checked += 1
         hazards = [acc.write] if acc.write is not None else []
         if write:
-            hazards += acc.reads
+            hazards += [(c, at, op_) for c, (at, op_) in acc.reads.items()]
         for other, at, other_op in hazards:
             if not ctx.has_seen(other, at):
                 raise StreamOrderError(self._message(ctx.name, k, op, write, other, other_op))

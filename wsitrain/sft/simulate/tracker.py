@@ -63,8 +63,14 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
 class LiveMemory(TorchDispatchMode):
     """Counts live storages per device type (``"meta"`` is the simulated device, ``"cpu"`` the host)."""
 
-    def __init__(self, devices: tuple[str, ...] = ("meta", "cpu"), observer: OpObserver | None = None) -> None:
+    def __init__(
+        self,
+        devices: tuple[str, ...] = ("meta", "cpu"),
+        observer: OpObserver | None = None,
+        fast: dict[Any, Callable[..., Any]] | None = None,
+    ) -> None:
         super().__init__()
+        self.fast = fast or {}  # shape-only stand-ins for slow fake implementations (``fast_ops.py``)
         self.live: dict[str, int] = dict.fromkeys(devices, 0)
         self.peaks: dict[str, Peak] = {d: Peak(0, "start", ()) for d in devices}
         self.where = "start"
@@ -80,7 +86,8 @@ class LiveMemory(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        fast = self.fast.get(func)
+        out = fast(*args, **kwargs) if fast is not None else func(*args, **kwargs)
         self.ops += 1
         ins = tensors_in((args, kwargs))
         outs = tensors_in(out)
