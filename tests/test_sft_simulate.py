@@ -114,16 +114,27 @@ def test_budget_driven_whole_slide_plan_holds_when_simulated(name: str, size: in
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("name", "size"),
-    [("darknet19", 8192), ("torchvision/efficientnet_b0", 2048), ("torchvision/convnext_tiny", 4096)],
+    ("name", "size", "budget"),
+    [
+        ("darknet19", 8192, None),  # the 2080 Ti preset
+        ("torchvision/efficientnet_b0", 1536, "1GiB"),  # squeeze-excitation: multi-pass segments
+        ("torchvision/convnext_tiny", 2048, "1.5GiB"),
+    ],
 )
-def test_2080ti_cases_fit_when_simulated(name: str, size: int) -> None:
-    """The 2080 Ti preset's cases that simulate in seconds (the 100,000 px ones: scripts/bench_simulated.py)."""
+def test_whole_slide_models_fit_when_simulated(name: str, size: int, budget: str | None) -> None:
+    """Cases that simulate in seconds; the 2080 Ti table at 8192-100,000 px: scripts/bench_simulated.py.
+
+    At these sizes the fixed parts weigh more and the replay is conservative (EfficientNet-B0 -5%, ConvNeXt-T -15%
+    measured: the head's backward replays buffers the real step frees earlier); at whole-slide sizes both are
+    within 2% (docs/bench_simulated.md). Never more than 3% above the replay, here or there.
+    """
     from wsitrain.gpus import gpu_preset
 
-    s = simulate_step(_meta(lambda: build(name, 2)), (1, 3, size, size), gpu_preset("2080ti").memory_bytes)
+    s = simulate_step(
+        _meta(lambda: build(name, 2)), (1, 3, size, size), budget or gpu_preset("2080ti").memory_bytes
+    )  # fmt: skip
     assert s.plan.tiled_segments
-    _check(s)
+    _check(s, (-0.20, 0.03) if budget else REPLAY_TOLERANCE)
 
 
 def test_simulation_needs_a_meta_model() -> None:
