@@ -138,12 +138,15 @@ def make_plan(
         return _simulated(net, (batch, 3, h, w), budget, prec, optimizer or DEFAULT_OPTIMIZER, tile, progress)
     p = plan_model(
         net, input_shape=(batch, 3, h, w), memory_budget=budget.bytes, dtype=dtype, tile_size=tile,
-        optimizer=optimizer, device=budget.device,
+        optimizer=optimizer, device=budget.device, target=budget.target,
     )  # fmt: skip
     max_size = None
     if with_max_size:
         max_size = int(
-            max_square_size(net, budget.bytes, dtype=dtype, batch=batch, optimizer=optimizer, device=budget.device)
+            max_square_size(
+                net, budget.bytes, dtype=dtype, batch=batch, optimizer=optimizer, device=budget.device,
+                target=budget.target,
+            )  # fmt: skip
         )
     return PlanReport(p, budget, prec, max_size)
 

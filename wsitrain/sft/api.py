@@ -24,6 +24,7 @@ from wsitrain.sft.graph import ModelGraph
 from wsitrain.sft.plan_types import Plan
 from wsitrain.sft.planning.planner import build_plan, new_session
 from wsitrain.sft.planning.search import fitting_plan, worth_running
+from wsitrain.sft.target import TargetDevice, target_for
 from wsitrain.units import format_bytes, parse_bytes
 
 MemoryProbe = Callable[[torch.device | str], DeviceMemory]
@@ -43,14 +44,15 @@ def _device_str(device: torch.device | str | None) -> str:
 
 
 def resolve_budget_bytes(
-    memory_budget: int | float | str | None, device: str, probe: MemoryProbe | None = None
+    memory_budget: int | float | str | None, device: str | torch.device, probe: MemoryProbe | None = None
 ) -> int:
-    """Bytes from an explicit budget, else detected from ``device`` (see ``wsitrain.memory.detect_budget``)."""
+    """Bytes from an explicit budget, else detected on ``device`` (see ``wsitrain.memory.detect_budget``): give
+    the model's device itself (``cuda:1``), not its type, or the current CUDA device is measured instead."""
     if memory_budget is not None:
         return parse_bytes(memory_budget, what="memory_budget")
     if probe is not None:
         return detect_budget(device, probe)
-    if device == "cuda" and not torch.cuda.is_available():
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise PlanError(
             "cannot detect the memory of a CUDA device on a machine without one",
             hint="pass memory_budget (e.g. '11GiB') or a GPU preset",
@@ -83,13 +85,15 @@ def plan(
     input_dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
     host_checkpoints: str = "auto",
+    target: TargetDevice | None = None,
 ) -> Plan:
     """Plan ``model`` on ``input_shape`` (B, C, H, W) within ``memory_budget``, on shapes only.
 
     ``dtype`` is the activation dtype (bf16/fp16 for autocast). For a CUDA device the image is
     assumed to stream from host memory as uint8 (``input_on_host``), as ``wsitrain fit`` does.
     Returns a plan with ``fits=False`` when nothing fits; raises PlanError for layers that cannot
-    be tiled where tiling is needed.
+    be tiled where tiling is needed. ``target`` names the device's planning facts (a GPU preset's
+    ``GpuPreset.target()``); by default they are detected on ``device`` where it is a GPU here.
     """
     dev = _device_str(device)
     dtype = dtype or _param_dtype(model)
@@ -109,6 +113,7 @@ def plan(
         checkpoints=checkpoints,
         optimizer=optimizer,
         host_checkpoints=host_checkpoints,
+        target=target,
     )
     return p
 
@@ -122,6 +127,7 @@ def max_square_size(
     optimizer: str | None = None,
     device: torch.device | str | None = None,
     limit: int = MAX_SQUARE_LIMIT,
+    target: TargetDevice | None = None,
 ) -> int:
     """Largest square edge (a multiple of the model's stride) whose plan fits; 0 if none."""
     graph = ModelGraph(model)
@@ -133,7 +139,8 @@ def max_square_size(
 
     def fits(edge: int) -> bool:
         try:
-            sess = new_session(graph, (batch, channels, edge, edge), dtype, in_dtype, dev, on_host, False, optimizer)
+            shape = (batch, channels, edge, edge)
+            sess = new_session(graph, shape, dtype, in_dtype, dev, on_host, False, optimizer, "auto", target)
         except PlanError:
             return False
         state = fitting_plan(sess, budget)
@@ -225,6 +232,11 @@ class SFT(nn.Module):
         """The device type plans are priced for: the runtime's (the simulated device plans as CUDA)."""
         return (self._runtime or runtime_for(device)).plan_device
 
+    def _budget_device(self, device: torch.device) -> torch.device | str:
+        """Where budgets and targets are detected: the model's device, or the device type its runtime plans as."""
+        plan_device = self._plan_device(device)
+        return device if device.type == plan_device else plan_device
+
     def _act_dtype(self, device: torch.device) -> torch.dtype:
         try:
             autocast = torch.is_autocast_enabled(device.type)
@@ -238,7 +250,8 @@ class SFT(nn.Module):
     def budget_bytes(self) -> int:
         """The run's budget: given, or detected once on first use and then fixed."""
         if self._budget_bytes is None:
-            self._budget_bytes = resolve_budget_bytes(None, self._plan_device(self._device()), self._probe)
+            # the model's own device (cuda:1), not the current one; the simulated device's runtime names its own
+            self._budget_bytes = resolve_budget_bytes(None, self._budget_device(self._device()), self._probe)
         return self._budget_bytes
 
     @property
@@ -285,6 +298,7 @@ class SFT(nn.Module):
             checkpoints=self.checkpoints,
             optimizer=self.optimizer,
             host_checkpoints=self.host_checkpoints,
+            target=target_for(self._budget_device(device)),
         )
         if not p.fits:
             why = "; ".join(p.notes) or f"the best plan needs {format_bytes(p.estimated_peak_bytes)}"

@@ -14,6 +14,7 @@ from wsitrain.sft.ops.registry import MERGE, WINDOW
 from wsitrain.sft.ops.types import out_of_place
 from wsitrain.sft.planning.costs import MemoryTerms, Work, forward_work, node_work
 from wsitrain.sft.planning.memory_model import SimOp, SimResult, simulate
+from wsitrain.sft.target import CPU_TARGET, TargetDevice
 
 
 @dataclass
@@ -25,6 +26,7 @@ class PlanSession:
     # checkpoints after the image in pinned host memory: "auto" lets the planner choose (CUDA only: on CPU host
     # memory is the same memory), "always" puts every eligible one there (tests run the host path on CPU), "never"
     host_checkpoints: str = "auto"
+    target: TargetDevice = CPU_TARGET  # the device's planning facts: workspaces, convolution limit, link price
     _plain: dict[tuple[int, int], tuple[SimResult, float]] = field(default_factory=dict, repr=False)
     _tiles: dict[tuple[int, ...], object] = field(default_factory=dict, repr=False)  # memo of tile_memory
     _sweeps: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)  # memo of multipass
