@@ -13,6 +13,7 @@ from torch import nn
 
 from wsitrain.errors import PlanError
 from wsitrain.memory import DeviceMemory, PeakMeter, detect_budget
+from wsitrain.sft.execution.host_register import upload_whole
 from wsitrain.sft.execution.runner import NodeRunner
 from wsitrain.sft.execution.runtime import DeviceRuntime, runtime_for
 from wsitrain.sft.execution.segments import run_tiled, tiled_segment
@@ -46,8 +47,7 @@ def _device_str(device: torch.device | str | None) -> str:
 def resolve_budget_bytes(
     memory_budget: int | float | str | None, device: str | torch.device, probe: MemoryProbe | None = None
 ) -> int:
-    """Bytes from an explicit budget, else detected on ``device`` (see ``wsitrain.memory.detect_budget``): give
-    the model's device itself (``cuda:1``), not its type, or the current CUDA device is measured instead."""
+    """Bytes from an explicit budget, else detected on ``device`` (the model's: cuda:1, not the current one)."""
     if memory_budget is not None:
         return parse_bytes(memory_budget, what="memory_budget")
     if probe is not None:
@@ -92,8 +92,7 @@ def plan(
     ``dtype`` is the activation dtype (bf16/fp16 for autocast). For a CUDA device the image is
     assumed to stream from host memory as uint8 (``input_on_host``), as ``wsitrain fit`` does.
     Returns a plan with ``fits=False`` when nothing fits; raises PlanError for layers that cannot
-    be tiled where tiling is needed. ``target`` names the device's planning facts (a GPU preset's
-    ``GpuPreset.target()``); by default they are detected on ``device`` where it is a GPU here.
+    be tiled where tiling is needed. ``target``: the device's planning facts (default: detected, ``target_for``).
     """
     dev = _device_str(device)
     dtype = dtype or _param_dtype(model)
@@ -233,7 +232,7 @@ class SFT(nn.Module):
         return (self._runtime or runtime_for(device)).plan_device
 
     def _budget_device(self, device: torch.device) -> torch.device | str:
-        """Where budgets and targets are detected: the model's device, or the device type its runtime plans as."""
+        """Where budgets and targets are detected: the model's own device, or the type its runtime plans as."""
         plan_device = self._plan_device(device)
         return device if device.type == plan_device else plan_device
 
@@ -250,7 +249,6 @@ class SFT(nn.Module):
     def budget_bytes(self) -> int:
         """The run's budget: given, or detected once on first use and then fixed."""
         if self._budget_bytes is None:
-            # the model's own device (cuda:1), not the current one; the simulated device's runtime names its own
             self._budget_bytes = resolve_budget_bytes(None, self._budget_device(self._device()), self._probe)
         return self._budget_bytes
 
@@ -366,8 +364,8 @@ class SFT(nn.Module):
                     self._hooks.on_tile(sp.index, 0, 0, "plain forward")
                 if sp.start == 0:
                     self._plain_input_sink(env)
-                    if on_host:
-                        env[0] = env[0].to(device, non_blocking=True)
+                    if on_host:  # the whole image at once: its pages registered for the copy (host_register.py)
+                        env[0] = upload_whole(env[0], device)
                 self._runner.run_plain(sp.start, sp.end, env)
             else:
                 env[sp.end] = run_tiled(seg, env[sp.start])
