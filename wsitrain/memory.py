@@ -136,7 +136,8 @@ def tune_cpu_allocator() -> bool:
 class PeakMeter:
     """The one peak-memory meter of fit, bench and the engine: peak bytes since ``start()``.
 
-    CUDA: ``max_memory_allocated``; ``start()`` resets the device's peak counter, and only the owner
+    CUDA: ``max_memory_allocated``, and ``peak_reserved()`` the caching allocator's reserved peak (blocks held
+    for side streams and fragmentation show only there; what the OS sees); ``start()`` resets both, and only the owner
     of a measurement (the training step, a bench worker) calls it: nothing else resets it behind the
     caller's back. CPU: the process's resident high-water mark (VmHWM), reset through
     /proc/self/clear_refs; where that is impossible it falls back to ``ru_maxrss``, which only grows
@@ -166,6 +167,13 @@ class PeakMeter:
             return int(torch.cuda.max_memory_allocated(self.device))
         assert self._cpu is not None
         return self._cpu.peak()
+
+    def peak_reserved(self) -> int:
+        """Peak bytes the process held since ``start()``: CUDA's reserved peak (allocated plus cached blocks,
+        e.g. those freed on a copy stream and not yet reusable); on CPU the resident peak, as ``peak()``."""
+        if self.cuda:
+            return int(torch.cuda.max_memory_reserved(self.device))
+        return self.peak()
 
     def current(self) -> int:
         if self.cuda:

@@ -30,7 +30,7 @@ from wsitrain.errors import PlanError, SlideError, WsiTrainError
 from wsitrain.gpus import run_budget
 from wsitrain.host_need import HostNeed, host_need, ranks_per_node
 from wsitrain.memory import available_host_bytes
-from wsitrain.precision import activation_dtype
+from wsitrain.precision import activation_dtype, check_device_precision
 from wsitrain.sft.plan_types import Plan
 from wsitrain.slides.buckets import bucket_shape
 from wsitrain.train.engine import resolve_device
@@ -153,10 +153,11 @@ def check_run(
 ) -> PreflightReport | None:
     """The preflight of ``wsitrain fit`` and ``validate``: the run's device (``engine.device`` when not given) and
     budget; None when the config names no slides yet (``data.labels`` unset, which fit reports by itself)."""
-    if cfg.data.labels is None and cfg.data.synthetic is None:
-        return None
     if device is None:
         device = resolve_device(cfg.engine.device)
+    check_device_precision(cfg.train.precision, torch.device(device))  # bf16 before Ampere: before anything else
+    if cfg.data.labels is None and cfg.data.synthetic is None:
+        return None
     if budget_bytes is None:  # validate: the budget fit would resolve at its start
         budget_bytes = run_budget(cfg.engine.memory_budget, torch.device(device)).bytes
     report = run_preflight(cfg, budget_bytes, device, shapes_only=shapes_only, progress=console)
