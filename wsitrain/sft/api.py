@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from wsitrain.errors import PlanError
-from wsitrain.memory import DeviceMemory, PeakMeter, detect_budget
+from wsitrain.memory import DeviceMemory, PeakMeter, detect_budget, tune_library_allocator
 from wsitrain.sft.execution.host_register import upload_whole
 from wsitrain.sft.execution.runner import NodeRunner
 from wsitrain.sft.execution.runtime import DeviceRuntime, runtime_for
@@ -25,7 +25,7 @@ from wsitrain.sft.graph import ModelGraph
 from wsitrain.sft.plan_types import Plan
 from wsitrain.sft.planning.planner import build_plan, new_session
 from wsitrain.sft.planning.search import fitting_plan, worth_running
-from wsitrain.sft.target import TargetDevice, target_for
+from wsitrain.sft.target import TargetDevice, detection_device, target_for
 from wsitrain.units import format_bytes, parse_bytes
 
 MemoryProbe = Callable[[torch.device | str], DeviceMemory]
@@ -231,11 +231,6 @@ class SFT(nn.Module):
         """The device type plans are priced for: the runtime's (the simulated device plans as CUDA)."""
         return (self._runtime or runtime_for(device)).plan_device
 
-    def _budget_device(self, device: torch.device) -> torch.device | str:
-        """Where budgets and targets are detected: the model's own device, or the type its runtime plans as."""
-        plan_device = self._plan_device(device)
-        return device if device.type == plan_device else plan_device
-
     def _act_dtype(self, device: torch.device) -> torch.dtype:
         try:
             autocast = torch.is_autocast_enabled(device.type)
@@ -249,7 +244,8 @@ class SFT(nn.Module):
     def budget_bytes(self) -> int:
         """The run's budget: given, or detected once on first use and then fixed."""
         if self._budget_bytes is None:
-            self._budget_bytes = resolve_budget_bytes(None, self._budget_device(self._device()), self._probe)
+            d = self._device()
+            self._budget_bytes = resolve_budget_bytes(None, detection_device(d, self._plan_device(d)), self._probe)
         return self._budget_bytes
 
     @property
@@ -282,6 +278,7 @@ class SFT(nn.Module):
             self._cache.move_to_end(key)
             return hit
         budget = self.budget_bytes
+        tune_library_allocator(device)  # CPU: the budget holds only with glibc's threshold fixed (said once)
         p, facts = build_plan(
             self._graph,
             _model_name(self.model),
@@ -296,7 +293,7 @@ class SFT(nn.Module):
             checkpoints=self.checkpoints,
             optimizer=self.optimizer,
             host_checkpoints=self.host_checkpoints,
-            target=target_for(self._budget_device(device)),
+            target=target_for(detection_device(device, self._plan_device(device))),
         )
         if not p.fits:
             why = "; ".join(p.notes) or f"the best plan needs {format_bytes(p.estimated_peak_bytes)}"

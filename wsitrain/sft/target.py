@@ -191,3 +191,9 @@ def target_for(device: torch.device | str) -> TargetDevice:
     if dev.type == "cuda":
         return detected_target(dev) if torch.cuda.is_available() else cuda_target_unknown()
     return CPU_TARGET
+
+
+def detection_device(device: torch.device, plan_device: str) -> torch.device | str:
+    """Where a budget and a target are detected for a model on ``device`` planned as ``plan_device``: the model's
+    own device (cuda:1, not the current one), or the device type a simulated runtime plans as."""
+    return device if device.type == plan_device else plan_device
