@@ -1,6 +1,9 @@
 # wsitrain with CUDA: docker build -t wsitrain . && docker run --gpus all -v $PWD/slides:/slides -v $PWD/runs:/runs wsitrain
-# The base image brings torch 2.5.1 + torchvision built for CUDA 12.4; pip keeps them (they satisfy pyproject.toml).
-FROM pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime
+# The base image brings torch 2.6.0 + torchvision built for CUDA 12.6 with cuDNN 9.5 (the cu126 wheels' cuDNN); pip
+# keeps them (they satisfy pyproject.toml). torch >= 2.6 with cuDNN >= 9.3 runs convolutions above 2^31 elements
+# per sample in cuDNN (older ones fall back to im2col, ~9x the input), so plans made in this image may use them.
+# CUDA 12.6, not 12.8: the cu128 builds drop Volta (sm 7.0), and the V100 presets are Volta.
+FROM pytorch/pytorch:2.6.0-cuda12.6-cudnn9-runtime
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \

@@ -98,7 +98,10 @@ def test_host_staged_uint8_image_is_exact() -> None:
     plan = sft.plan_for(tuple(x_host.shape), torch.float64, torch.uint8, input_on_host=True)
     first = plan.segments[0]
     assert plan.input_on_host and first.mode == "tiled" and first.checkpoint_location == "host"
-    assert first.checkpoint_bytes == 0  # the image is the first checkpoint and takes no device memory
+    # the image is the first checkpoint: its bytes are host memory (plan.host_bytes), none of the device's checkpoints
+    assert first.checkpoint_bytes == x_host.numel() and plan.host_bytes >= x_host.numel()
+    on_device = [s for s in plan.tiled_segments if s.checkpoint_location == "device"]
+    assert first not in on_device and plan.breakdown["checkpoints"] == sum(s.checkpoint_bytes for s in on_device)
 
 
 @pytest.mark.parametrize(("size", "budget_gib"), [(2048, 1.5), (4096, 2.0)])

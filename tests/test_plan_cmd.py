@@ -39,7 +39,9 @@ def test_vgg16_20480_fits_a_2080ti(vgg16_2080ti) -> None:
     assert set(out) == {"budget_source", "gpu", "precision", "max_size", "plan"}  # the command's envelope
     facts = out["plan"]
     assert facts["fits"] is True and ": fits" in text
-    assert facts["budget_bytes"] == 11 * GiB and out["gpu"] == "2080ti" and "2080 Ti" in out["budget_source"]
+    usable = GPU_PRESETS["2080ti"].usable_bytes  # 10.76 GiB the driver reports minus the CUDA context
+    assert facts["budget_bytes"] == usable and out["gpu"] == "2080ti" and "2080 Ti" in out["budget_source"]
+    assert "usable 10.47 GiB of nominal 11.00 GiB" in text and facts["target"]["generation"] == "volta-turing"
     assert facts["estimated_peak_bytes"] <= facts["budget_bytes"] < facts["baseline_peak_bytes"]
     for key in ("fits", "budget_bytes", "estimated_peak_bytes", "baseline_peak_bytes", "checkpoint_peak_bytes",
                 "feature_map_bytes", "overhead", "segments"):  # fmt: skip
@@ -138,8 +140,12 @@ def test_parse_size() -> None:
 
 
 def test_gpu_presets() -> None:
-    assert GPU_PRESETS["2080ti"].memory_bytes == 11 * GiB
-    assert GPU_PRESETS["h100"].memory_bytes == 80 * GiB
+    # budgets are usable memory: the driver's total minus the CUDA context of the card's generation
+    assert GPU_PRESETS["2080ti"].nominal_bytes == 11 * GiB and GPU_PRESETS["h100"].nominal_bytes == 80 * GiB
+    assert GPU_PRESETS["2080ti"].memory_bytes == int(10.76 * GiB) - 300 * 2**20
+    assert GPU_PRESETS["h100"].memory_bytes == 81559 * 2**20 - 500 * 2**20
+    for p in GPU_PRESETS.values():
+        assert 0.85 * p.nominal_bytes < p.usable_bytes < p.total_bytes <= p.nominal_bytes * 1.001
     assert {"2080ti", "t4", "v100-16", "v100-32", "a100-40", "a100-80", "rtx3090", "rtx4090", "a6000", "l40s",
             "h100", "h200"} == set(GPU_NAMES)  # fmt: skip
     assert gpu_preset("A100_80").name == "a100-80"

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import ctypes
+import logging
+import os
 import resource
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+_log = logging.getLogger("wsitrain")
 
 # Fraction of detected free memory the engine plans for: allocator fragmentation, CUDA context,
 # and the transient workspace of cuDNN are not in the model.
@@ -128,15 +132,59 @@ def tune_cpu_allocator() -> bool:
     """
     m_mmap_threshold = -3  # glibc's M_MMAP_THRESHOLD
     try:
-        return bool(ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, CPU_MMAP_THRESHOLD))
+        applied = bool(ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, CPU_MMAP_THRESHOLD))
     except (OSError, AttributeError):
+        applied = False
+    _ALLOCATOR.tuned = _ALLOCATOR.tuned or applied
+    return applied
+
+
+@dataclass
+class _AllocatorState:
+    """Whether this process's glibc threshold was set: a mirror of process-wide state (mallopt is per process),
+    so the library says it tuned the allocator once per process, not once per SFT."""
+
+    tuned: bool = False
+    said: bool = False
+
+
+_ALLOCATOR = _AllocatorState()
+# Used as a library (``SFT`` in a process wsitrain does not own), the engine tunes the allocator on first use
+# on CPU, as fit does: with glibc's default dynamic threshold VGG-16 at 1024 px under 35% of plain's peak
+# measured 45% of plain (scripts/bench_library_budget.py). Setting this variable to "default" leaves the
+# allocator alone; plans then do not hold on CPU with glibc.
+ALLOCATOR_ENV = "WSITRAIN_CPU_ALLOCATOR"
+
+
+def tune_library_allocator(device: torch.device, env: dict[str, str] | None = None) -> bool:
+    """On CPU, tune glibc's allocator for the engine's budget once per process, and say so once (a warning on
+    the ``wsitrain`` logger). Returns whether it is tuned now."""
+    if device.type != "cpu" or _ALLOCATOR.tuned:
+        return _ALLOCATOR.tuned
+    if (os.environ if env is None else env).get(ALLOCATOR_ENV, "") == "default":
+        if not _ALLOCATOR.said:
+            _ALLOCATOR.said = True
+            _log.warning(
+                "%s=default: glibc's allocator is left as it is; CPU memory budgets may be exceeded by heap "
+                "fragmentation (measured up to +35%% of the step's tensors)", ALLOCATOR_ENV
+            )
         return False
+    applied = tune_cpu_allocator()
+    if applied and not _ALLOCATOR.said:
+        _ALLOCATOR.said = True
+        _log.warning(
+            "wsitrain set glibc's mmap threshold to %d KiB for this process (mallopt M_MMAP_THRESHOLD) so that CPU "
+            "memory follows the engine's budget; set %s=default before the first step to keep the default",
+            CPU_MMAP_THRESHOLD // 1024, ALLOCATOR_ENV,
+        )  # fmt: skip
+    return applied
 
 
 class PeakMeter:
     """The one peak-memory meter of fit, bench and the engine: peak bytes since ``start()``.
 
-    CUDA: ``max_memory_allocated``; ``start()`` resets the device's peak counter, and only the owner
+    CUDA: ``max_memory_allocated``, and ``peak_reserved()`` the caching allocator's reserved peak (blocks held
+    for side streams and fragmentation show only there; what the OS sees); ``start()`` resets both, and only the owner
     of a measurement (the training step, a bench worker) calls it: nothing else resets it behind the
     caller's back. CPU: the process's resident high-water mark (VmHWM), reset through
     /proc/self/clear_refs; where that is impossible it falls back to ``ru_maxrss``, which only grows
@@ -166,6 +214,13 @@ class PeakMeter:
             return int(torch.cuda.max_memory_allocated(self.device))
         assert self._cpu is not None
         return self._cpu.peak()
+
+    def peak_reserved(self) -> int:
+        """Peak bytes the process held since ``start()``: CUDA's reserved peak (allocated plus cached blocks,
+        e.g. those freed on a copy stream and not yet reusable); on CPU the resident peak, as ``peak()``."""
+        if self.cuda:
+            return int(torch.cuda.max_memory_reserved(self.device))
+        return self.peak()
 
     def current(self) -> int:
         if self.cuda:

@@ -6,6 +6,7 @@ config can use them without importing torch; the dtype functions import torch wh
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal, get_args
 
 from wsitrain.errors import WsiTrainError
@@ -35,3 +36,30 @@ def activation_dtype(name: str) -> torch.dtype:
 def autocast_dtype(name: str) -> torch.dtype | None:
     """The dtype for ``torch.autocast``; None for fp32, which runs without autocast."""
     return None if check_precision(name) == "fp32" else activation_dtype(name)
+
+
+def _cuda_has_bf16(device: torch.device) -> bool:
+    import torch
+
+    with torch.cuda.device(device):
+        try:  # torch >= 2.4 reports emulated bf16 (slow, pre-Ampere) as supported unless told not to
+            return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+        except TypeError:
+            return bool(torch.cuda.is_bf16_supported())
+
+
+def check_device_precision(
+    name: str,
+    device: torch.device,
+    what: str = "train.precision",
+    has_bf16: Callable[[torch.device], bool] | None = None,
+) -> None:
+    """WsiTrainError when ``device`` cannot run precision ``name``: bf16 needs an Ampere or newer GPU
+    (compute capability >= 8.0); before it, bf16 kernels are emulated or missing. ``has_bf16`` is injectable."""
+    if name != "bf16" or device.type != "cuda":
+        return
+    if not (has_bf16 or _cuda_has_bf16)(device):
+        raise WsiTrainError(
+            f"{what}: bf16 needs an Ampere or newer GPU (compute capability 8.0 or more); {device} is older",
+            hint="set the precision to fp16 (with gradient scaling) or fp32",
+        )

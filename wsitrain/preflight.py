@@ -28,8 +28,9 @@ from torch import nn
 from wsitrain.config import WsiTrainConfig
 from wsitrain.errors import PlanError, SlideError, WsiTrainError
 from wsitrain.gpus import run_budget
+from wsitrain.host_need import HostNeed, host_need, ranks_per_node
 from wsitrain.memory import available_host_bytes
-from wsitrain.precision import activation_dtype
+from wsitrain.precision import activation_dtype, check_device_precision
 from wsitrain.sft.plan_types import Plan
 from wsitrain.slides.buckets import bucket_shape
 from wsitrain.train.engine import resolve_device
@@ -152,10 +153,11 @@ def check_run(
 ) -> PreflightReport | None:
     """The preflight of ``wsitrain fit`` and ``validate``: the run's device (``engine.device`` when not given) and
     budget; None when the config names no slides yet (``data.labels`` unset, which fit reports by itself)."""
-    if cfg.data.labels is None and cfg.data.synthetic is None:
-        return None
     if device is None:
         device = resolve_device(cfg.engine.device)
+    check_device_precision(cfg.train.precision, torch.device(device))  # bf16 before Ampere: before anything else
+    if cfg.data.labels is None and cfg.data.synthetic is None:
+        return None
     if budget_bytes is None:  # validate: the budget fit would resolve at its start
         budget_bytes = run_budget(cfg.engine.memory_budget, torch.device(device)).bytes
     report = run_preflight(cfg, budget_bytes, device, shapes_only=shapes_only, progress=console)
@@ -358,39 +360,40 @@ def _plan_error_problem(cfg: WsiTrainConfig, err: PlanError, message: str, slide
 # --------------------------------------------------------------------------------------------------- host memory
 
 
-def host_bytes_needed(cfg: WsiTrainConfig, bucket: BucketPlan, dev: str) -> int:
-    """Host RAM the largest bucket takes while training: its uint8 images plus what the plan keeps on the host.
+def host_bytes_needed(cfg: WsiTrainConfig, bucket: BucketPlan, dev: str, ranks: int = 1) -> int:
+    """Host RAM the bucket takes while training on this node (``wsitrain.host_need``: slides, host checkpoints,
+    staging buffers and their pinned rounding on CUDA, the plan's peak on CPU; times the ranks on the node)."""
+    return _host_need(cfg, bucket, dev, ranks).total
 
-    Images: the slide being trained, the next one read ahead (``data.prefetch``), and a 90-degree turn of a
-    non-square slide, which fills a new buffer before the old one is freed. On CPU the plan's whole peak (which
-    includes the one image) is host memory; on CUDA only the image is staged there (pinned).
-    """
+
+def _host_need(cfg: WsiTrainConfig, bucket: BucketPlan, dev: str, ranks: int) -> HostNeed:
+    # images: the slide being trained, the next one read ahead (data.prefetch), and a 90-degree turn of a
+    # non-square slide, which fills a new buffer before the old one is freed
     h, w = bucket.bucket
-    image = 3 * h * w  # uint8 (3, H, W)
     images = 1 + int(cfg.data.prefetch) + int(cfg.data.augment.rot90 and h != w)
-    if dev == "cuda" or bucket.plan is None:
-        return images * image
-    return (images - 1) * image + bucket.plan.estimated_peak_bytes
+    return host_need(bucket.plan, 3 * h * w, images, dev, ranks)  # uint8 (3, H, W) images
 
 
 def _host_problems(cfg: WsiTrainConfig, report: PreflightReport, dev: str) -> list[Problem]:
     if not report.buckets:
         return []
-    need = {b.bucket: host_bytes_needed(cfg, b, dev) for b in report.buckets}
-    largest = max(report.buckets, key=lambda b: need[b.bucket])
-    report.host_needed_bytes = need[largest.bucket]
+    ranks = ranks_per_node()
+    need = {b.bucket: _host_need(cfg, b, dev, ranks) for b in report.buckets}
+    largest = max(report.buckets, key=lambda b: need[b.bucket].total)
+    report.host_needed_bytes = need[largest.bucket].total
     report.host_available_bytes = available_host_bytes()
     if report.host_needed_bytes <= report.host_available_bytes:
         return []
-    where = "host memory (pinned for the GPU)" if dev == "cuda" else "memory"
+    where = "host memory (slides, host checkpoints, page-locked staging)" if dev == "cuda" else "memory"
     return [
         Problem(
             _names(largest.slides),
             f"the largest region, {largest.bucket[0]} x {largest.bucket[1]} px, needs "
-            f"{format_bytes(report.host_needed_bytes)} of {where} while training; "
+            f"{need[largest.bucket].describe()} of {where} while training; "
             f"{format_bytes(report.host_available_bytes)} is available",
             hint="read at a coarser resolution (data.mpp or data.level), set data.prefetch: false, turn off "
-            "data.augment.rot90 for non-square slides, or train on a machine with more RAM",
+            "data.augment.rot90 for non-square slides, run fewer processes per node, or train on a machine with "
+            "more RAM",
         )
     ]
 

@@ -116,6 +116,8 @@ def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
                 continue
             result["times_ms"].append(ms)
             result["peaks_bytes"].append(peak)
+            if device.type == "cuda":  # allocated peak above; what the caching allocator held (side-stream blocks)
+                result.setdefault("reserved_peaks_bytes", []).append(meter.peak_reserved())
         if sft is not None:
             result["planned_peak_bytes"] = _planned_peak(sft, tuple(x.shape), dtype)
             result["sft_stats"] = json.loads(json.dumps(sft.last_stats.summary(), default=str))

@@ -36,7 +36,14 @@ class InputNormalization(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not x.is_floating_point():
             x = x.to(self.mean.dtype) / 255
-        return (x - self.mean[:, None, None]) / self.std[:, None, None]
+        y = (x - self.mean[:, None, None]) / self.std[:, None, None]
+        # Under autocast the next convolution casts this map to the autocast dtype anyway (same values): emit it in
+        # that dtype, so the map is the 2-byte activation the planner sizes, not a float32 one twice that size
+        # beside the convolution's own cast copy.
+        dev = y.device.type
+        if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
+            y = y.to(torch.get_autocast_dtype(dev))
+        return y
 
     def extra_repr(self) -> str:
         return f"channels={self.mean.numel()}"

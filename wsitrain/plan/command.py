@@ -127,6 +127,11 @@ def make_plan(
     prec = check_precision(precision)
     dtype = activation_dtype(prec)
     budget = resolve_budget(gpu, memory)
+    if prec == "bf16" and budget.target.generation == "volta-turing":
+        raise WsiTrainError(
+            f"--precision bf16: {budget.target.label} is older than Ampere and has no bf16 kernels",
+            hint="plan with --precision fp16 or fp32, or choose an Ampere or newer GPU",
+        )
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise WsiTrainError(f"--batch: {batch!r} must be a positive integer", hint="use --batch 1 (the default)")
     if tile is not None and tile <= 0:
@@ -138,12 +143,15 @@ def make_plan(
         return _simulated(net, (batch, 3, h, w), budget, prec, optimizer or DEFAULT_OPTIMIZER, tile, progress)
     p = plan_model(
         net, input_shape=(batch, 3, h, w), memory_budget=budget.bytes, dtype=dtype, tile_size=tile,
-        optimizer=optimizer, device=budget.device,
+        optimizer=optimizer, device=budget.device, target=budget.target,
     )  # fmt: skip
     max_size = None
     if with_max_size:
         max_size = int(
-            max_square_size(net, budget.bytes, dtype=dtype, batch=batch, optimizer=optimizer, device=budget.device)
+            max_square_size(
+                net, budget.bytes, dtype=dtype, batch=batch, optimizer=optimizer, device=budget.device,
+                target=budget.target,
+            )  # fmt: skip
         )
     return PlanReport(p, budget, prec, max_size)
 

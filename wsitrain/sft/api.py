@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from wsitrain.errors import PlanError
-from wsitrain.memory import DeviceMemory, PeakMeter, detect_budget
+from wsitrain.memory import DeviceMemory, PeakMeter, detect_budget, tune_library_allocator
+from wsitrain.sft.execution.host_register import upload_whole
 from wsitrain.sft.execution.runner import NodeRunner
 from wsitrain.sft.execution.runtime import DeviceRuntime, runtime_for
 from wsitrain.sft.execution.segments import run_tiled, tiled_segment
@@ -24,6 +25,7 @@ from wsitrain.sft.graph import ModelGraph
 from wsitrain.sft.plan_types import Plan
 from wsitrain.sft.planning.planner import build_plan, new_session
 from wsitrain.sft.planning.search import fitting_plan, worth_running
+from wsitrain.sft.target import TargetDevice, detection_device, target_for
 from wsitrain.units import format_bytes, parse_bytes
 
 MemoryProbe = Callable[[torch.device | str], DeviceMemory]
@@ -43,14 +45,14 @@ def _device_str(device: torch.device | str | None) -> str:
 
 
 def resolve_budget_bytes(
-    memory_budget: int | float | str | None, device: str, probe: MemoryProbe | None = None
+    memory_budget: int | float | str | None, device: str | torch.device, probe: MemoryProbe | None = None
 ) -> int:
-    """Bytes from an explicit budget, else detected from ``device`` (see ``wsitrain.memory.detect_budget``)."""
+    """Bytes from an explicit budget, else detected on ``device`` (the model's: cuda:1, not the current one)."""
     if memory_budget is not None:
         return parse_bytes(memory_budget, what="memory_budget")
     if probe is not None:
         return detect_budget(device, probe)
-    if device == "cuda" and not torch.cuda.is_available():
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise PlanError(
             "cannot detect the memory of a CUDA device on a machine without one",
             hint="pass memory_budget (e.g. '11GiB') or a GPU preset",
@@ -83,13 +85,14 @@ def plan(
     input_dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
     host_checkpoints: str = "auto",
+    target: TargetDevice | None = None,
 ) -> Plan:
     """Plan ``model`` on ``input_shape`` (B, C, H, W) within ``memory_budget``, on shapes only.
 
     ``dtype`` is the activation dtype (bf16/fp16 for autocast). For a CUDA device the image is
     assumed to stream from host memory as uint8 (``input_on_host``), as ``wsitrain fit`` does.
     Returns a plan with ``fits=False`` when nothing fits; raises PlanError for layers that cannot
-    be tiled where tiling is needed.
+    be tiled where tiling is needed. ``target``: the device's planning facts (default: detected, ``target_for``).
     """
     dev = _device_str(device)
     dtype = dtype or _param_dtype(model)
@@ -109,6 +112,7 @@ def plan(
         checkpoints=checkpoints,
         optimizer=optimizer,
         host_checkpoints=host_checkpoints,
+        target=target,
     )
     return p
 
@@ -122,6 +126,7 @@ def max_square_size(
     optimizer: str | None = None,
     device: torch.device | str | None = None,
     limit: int = MAX_SQUARE_LIMIT,
+    target: TargetDevice | None = None,
 ) -> int:
     """Largest square edge (a multiple of the model's stride) whose plan fits; 0 if none."""
     graph = ModelGraph(model)
@@ -133,7 +138,8 @@ def max_square_size(
 
     def fits(edge: int) -> bool:
         try:
-            sess = new_session(graph, (batch, channels, edge, edge), dtype, in_dtype, dev, on_host, False, optimizer)
+            shape = (batch, channels, edge, edge)
+            sess = new_session(graph, shape, dtype, in_dtype, dev, on_host, False, optimizer, "auto", target)
         except PlanError:
             return False
         state = fitting_plan(sess, budget)
@@ -238,7 +244,8 @@ class SFT(nn.Module):
     def budget_bytes(self) -> int:
         """The run's budget: given, or detected once on first use and then fixed."""
         if self._budget_bytes is None:
-            self._budget_bytes = resolve_budget_bytes(None, self._plan_device(self._device()), self._probe)
+            d = self._device()
+            self._budget_bytes = resolve_budget_bytes(None, detection_device(d, self._plan_device(d)), self._probe)
         return self._budget_bytes
 
     @property
@@ -271,6 +278,7 @@ class SFT(nn.Module):
             self._cache.move_to_end(key)
             return hit
         budget = self.budget_bytes
+        tune_library_allocator(device)  # CPU: the budget holds only with glibc's threshold fixed (said once)
         p, facts = build_plan(
             self._graph,
             _model_name(self.model),
@@ -285,6 +293,7 @@ class SFT(nn.Module):
             checkpoints=self.checkpoints,
             optimizer=self.optimizer,
             host_checkpoints=self.host_checkpoints,
+            target=target_for(detection_device(device, self._plan_device(device))),
         )
         if not p.fits:
             why = "; ".join(p.notes) or f"the best plan needs {format_bytes(p.estimated_peak_bytes)}"
@@ -352,8 +361,8 @@ class SFT(nn.Module):
                     self._hooks.on_tile(sp.index, 0, 0, "plain forward")
                 if sp.start == 0:
                     self._plain_input_sink(env)
-                    if on_host:
-                        env[0] = env[0].to(device, non_blocking=True)
+                    if on_host:  # the whole image at once: its pages registered for the copy (host_register.py)
+                        env[0] = upload_whole(env[0], device)
                 self._runner.run_plain(sp.start, sp.end, env)
             else:
                 env[sp.end] = run_tiled(seg, env[sp.start])

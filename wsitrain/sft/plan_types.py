@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from wsitrain.sft.regions import SegmentRegions
+from wsitrain.sft.target import CPU_TARGET, TargetDevice
 from wsitrain.units import format_bytes
 
 
@@ -79,6 +80,8 @@ class Plan:
     # the step in the planner's time model (FLOPs, memory traffic, per-call costs; costs.py), FLOP-equivalents
     time_plain: float = 0.0
     time_sft: float = 0.0
+    # the device's planning facts: generation, kernel workspaces, the convolution size limit, the link's price
+    target: TargetDevice = field(default=CPU_TARGET, compare=False)
 
     @property
     def overhead(self) -> float:
@@ -123,6 +126,7 @@ class Plan:
             "transfer_bytes": self.transfer_bytes,
             "staging_bytes": self.staging_bytes,
             "replayed_peak_bytes": self.replayed_peak_bytes,
+            "target": self.target.to_dict(),
         }
 
     def __str__(self) -> str:
@@ -166,6 +170,7 @@ class Plan:
                 f"{format_bytes(self.transfer_bytes)} moved between host and device per step"
             )
         lines.extend(f"  tiling: {t}" for t in self.tiling)
+        lines.extend(f"  {t}" for t in self.target.lines())
         parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.breakdown.items() if v)
         lines.append(f"  memory parts: {parts}")
         lines.extend(f"  note: {n}" for n in self.notes)

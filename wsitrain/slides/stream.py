@@ -1,4 +1,10 @@
-"""Stream a slide region, chunk by chunk, into one preallocated uint8 CHW tensor (pinned when CUDA is available).
+"""Stream a slide region, chunk by chunk, into one preallocated uint8 CHW tensor (pageable unless asked to pin).
+
+Slides are not pinned by default: PyTorch's pinned allocator rounds every request up to a power of two (a 9 GB
+slide pins 16 GB) and keeps freed blocks cached by size class, so pinning slide after slide piles up page-locked
+memory across an epoch. No transfer needs it either: a tiled first segment copies its tiles through the stager's
+own page-locked buffers, and a plain first segment's whole-image copy registers the slide's pages for the
+duration of that copy (``wsitrain.sft.execution.host_register``).
 
 No full-size intermediate ever exists: each chunk is read (and, off a pyramid level, resized with PIL's
 antialiased bilinear filter using absolute source coordinates, so chunks join without seams) and copied into
@@ -58,8 +64,8 @@ def _as_hw(size: int | tuple[int, int] | list[int], name: str) -> tuple[int, int
     return int(h), int(w)
 
 
-def _allocate(shape: tuple[int, int, int], pin_memory: bool | None) -> tuple[torch.Tensor, bool]:
-    pin = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+def _allocate(shape: tuple[int, int, int], pin_memory: bool) -> tuple[torch.Tensor, bool]:
+    pin = bool(pin_memory)
     if pin and not torch.cuda.is_available():
         pin = False  # pinning needs a CUDA driver; asking for it on a CPU machine is not an error
     if pin:
@@ -96,7 +102,7 @@ def read_slide_region(
     size: int | tuple[int, int] | None = None,
     background: Background = (255, 255, 255),
     pad_multiple: int = 1,
-    pin_memory: bool | None = None,
+    pin_memory: bool = False,
     chunk: int = 4096,
 ) -> ReadResult:
     """Read a slide region at the chosen resolution into a (3, H, W) uint8 tensor.

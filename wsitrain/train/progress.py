@@ -25,7 +25,7 @@ class LiveTilesColumn(ProgressColumn):
 
     def render(self, task: Task) -> Text:
         total = task.fields.get("tiles_total", 0)
-        done = len(self.engine.last_stats.tiles)
+        done = self.engine.last_stats.tile_count  # reads no CUDA timing mid-step
         return Text(f"tiles {min(done, total) if total else done}/{total}" if total else "tiles -")
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from wsitrain.errors import PlanError
 from wsitrain.sft.facts import GraphFacts
 from wsitrain.sft.ops.registry import WINDOW
+from wsitrain.sft.target import TargetDevice
 
 # The time model the planner minimizes and `Plan.slowdown` reports, in FLOP-equivalents: an operator call
 # costs its FLOPs, plus BYTE_FLOPS per byte it reads and writes (depthwise convolutions, BatchNorm and
@@ -48,9 +49,9 @@ ALLOCATOR_SLACK = 1.10
 # and 4096 px under 2 GiB peaked 1% under. CUDA: not measured yet; the round-1 figure.
 HEADROOM = {"cpu": 0.12, "cuda": 0.03}
 # Memory a training step's kernels hold besides tensors: oneDNN scratchpads and reordered weight
-# copies on CPU (measured: VGG-16 at 64 px, 30 MiB), cuDNN workspaces on CUDA. A base plus twice
-# the largest weight, since a conv's weight and its gradient are reordered at once.
-RUNTIME_BASE = {"cpu": 12 * 2**20, "cuda": 64 * 2**20}
+# copies on CPU (measured: VGG-16 at 64 px, 30 MiB), cuBLAS/cuDNN workspaces on CUDA (per GPU generation:
+# wsitrain.sft.target.GENERATIONS). A base (``TargetDevice.runtime_bytes``) plus twice the largest weight,
+# since a conv's weight and its gradient are reordered at once.
 
 
 def device_kind(device: str) -> str:
@@ -81,15 +82,15 @@ class MemoryTerms:
         return self.fixed + (1.0 - self.headroom) * (budget - self.fixed) / self.slack
 
 
-def memory_terms(facts: GraphFacts, device: str, optimizer: str | None) -> MemoryTerms:
+def memory_terms(facts: GraphFacts, target: TargetDevice, optimizer: str | None) -> MemoryTerms:
     key = "none" if optimizer is None else optimizer.lower()
     if key not in OPTIMIZER_STATE:
         raise PlanError(
             f"optimizer {optimizer!r} has no known state size",
             hint=f"use one of: {', '.join(OPTIMIZER_STATE)} (or None when planning without an optimizer)",
         )
-    runtime = RUNTIME_BASE[device_kind(device)] + 2 * facts.largest_param_bytes
-    kind = device_kind(device)
+    runtime = target.runtime_bytes + 2 * facts.largest_param_bytes
+    kind = target.kind
     step = int((1.0 + OPTIMIZER_STEP_TEMPORARY[key]) * facts.trainable_bytes) if key != "none" else 0
     return MemoryTerms(
         facts.model_bytes, int(OPTIMIZER_STATE[key] * facts.trainable_bytes), runtime, step, headroom=HEADROOM[kind]

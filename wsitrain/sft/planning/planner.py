@@ -18,7 +18,7 @@ from wsitrain.sft.graph import ModelGraph
 from wsitrain.sft.ops.report import fix_hint, tiling_report
 from wsitrain.sft.plan_types import Plan, SegmentPlan
 from wsitrain.sft.planning.baselines import baseline_peak, checkpoint_sequential_peak
-from wsitrain.sft.planning.costs import memory_terms
+from wsitrain.sft.planning.costs import device_kind, memory_terms
 from wsitrain.sft.planning.options import PLAIN, TILED, SegOption, replay_path, segment_blocker
 from wsitrain.sft.planning.search import (
     CHEAPEST,
@@ -34,6 +34,7 @@ from wsitrain.sft.planning.search import (
 )
 from wsitrain.sft.planning.session import PlanSession
 from wsitrain.sft.planning.tile_memory import segment_regions
+from wsitrain.sft.target import TargetDevice, target_for
 from wsitrain.units import format_bytes
 
 
@@ -47,11 +48,17 @@ def new_session(
     input_requires_grad: bool = False,
     optimizer: str | None = None,
     host_checkpoints: str = "auto",
+    target: TargetDevice | None = None,
 ) -> PlanSession:
+    """``target``: the device's planning facts (default: by ``device``'s kind, detected where it is a GPU here)."""
     if host_checkpoints not in ("auto", "always", "never"):
         raise PlanError(f"host_checkpoints {host_checkpoints!r}", hint="use 'auto', 'always' or 'never'")
+    tgt = target if target is not None else target_for(device)
+    if tgt.kind != device_kind(device):
+        raise PlanError(f"a {tgt.kind} target for a {device} plan", hint="plan for the target's own device kind")
     facts = annotate(graph, input_shape, act_dtype, input_dtype, input_requires_grad)
-    return PlanSession(facts, memory_terms(facts, device, optimizer), device, input_on_host, host_checkpoints)
+    terms = memory_terms(facts, tgt, optimizer)
+    return PlanSession(facts, terms, device, input_on_host, host_checkpoints, tgt)
 
 
 def build_plan(
@@ -68,13 +75,14 @@ def build_plan(
     checkpoints: list[str] | None = None,
     optimizer: str | None = None,
     host_checkpoints: str = "auto",
+    target: TargetDevice | None = None,
 ) -> tuple[Plan, GraphFacts]:
     """Plan ``graph`` on ``input_shape`` within ``budget`` bytes; also returns the facts it planned on."""
     if tile_size is not None and tile_size <= 0:
         raise PlanError(f"tile_size {tile_size} must be a positive number of pixels", hint="engine.tile_size")
     sess = new_session(
         graph, input_shape, act_dtype, input_dtype, device, input_on_host, input_requires_grad, optimizer,
-        host_checkpoints,
+        host_checkpoints, target,
     )
     forced_cuts = _resolve_checkpoints(sess.facts, checkpoints) if checkpoints is not None else None
     state = fitting_plan(sess, budget, tile_size, forced_cuts)
@@ -223,6 +231,7 @@ def _assemble(
         transfer_bytes=_staged_bytes(sess, segments)
         + sum(5 * s.checkpoint_bytes for s in segments if s.start and s.checkpoint_location == "host"),
         notes=tuple(notes),
+        target=sess.target,
     )
 
 

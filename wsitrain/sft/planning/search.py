@@ -12,6 +12,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from wsitrain.sft.planning.conv_limit import edges_within_limit, plain_breaks_limit
 from wsitrain.sft.planning.options import (
     TILED,
     SegOption,
@@ -101,8 +102,10 @@ def search(
         if not here:
             continue
         for b in cands[ai + 1 : ai + 2] if forced_cuts is not None else cands[ai + 1 :]:
-            plain = plain_option(sess, a, b) if forced_tile is None else None
+            # convolutions above 2^31 elements per sample where the target's cuDNN cannot run them (conv_limit.py)
+            plain = plain_option(sess, a, b) if forced_tile is None and not plain_breaks_limit(sess, a, b) else None
             edges = edge_candidates(sess, b, forced_tile) if can_tile(a, b) else []
+            edges = edges if forced_tile is not None else edges_within_limit(sess, a, b, edges)
             if objective.smallest_edge_only and edges:
                 # the smallest tile still worth running (not smaller than its halo), and not below a floor
                 ok = [e for e in edges if e * sess.image_stride(b) >= _MIN_TILE_IMAGE_PX] or edges[-1:]
@@ -226,7 +229,7 @@ def fitting_plan(
 
     Whether it is worth running is ``worth_running(sess, state, tile_size)``'s question."""
     limit = sess.terms.effective_budget(budget)
-    if tile_size is None and forced_cuts is None:
+    if tile_size is None and forced_cuts is None and not plain_breaks_limit(sess, 0, sess.facts.trunk_end):
         # plain PyTorch when it fits: one plain segment has no recompute and no tiles, so it is the cheapest
         # plan there is, and the search need not look at every segmentation of a large graph
         plain = plain_option(sess, 0, sess.facts.trunk_end)

@@ -14,6 +14,7 @@ from wsitrain.sft.ops.registry import MERGE, WINDOW
 from wsitrain.sft.ops.types import out_of_place
 from wsitrain.sft.planning.costs import MemoryTerms, Work, forward_work, node_work
 from wsitrain.sft.planning.memory_model import SimOp, SimResult, simulate
+from wsitrain.sft.target import CPU_TARGET, TargetDevice
 
 
 @dataclass
@@ -25,6 +26,7 @@ class PlanSession:
     # checkpoints after the image in pinned host memory: "auto" lets the planner choose (CUDA only: on CPU host
     # memory is the same memory), "always" puts every eligible one there (tests run the host path on CPU), "never"
     host_checkpoints: str = "auto"
+    target: TargetDevice = CPU_TARGET  # the device's planning facts: workspaces, convolution limit, link price
     _plain: dict[tuple[int, int], tuple[SimResult, float]] = field(default_factory=dict, repr=False)
     _tiles: dict[tuple[int, ...], object] = field(default_factory=dict, repr=False)  # memo of tile_memory
     _sweeps: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)  # memo of multipass
@@ -86,20 +88,22 @@ class PlanSession:
             label=node.name,
         )
 
-    def with_cpu_reorder(self, op: SimOp, tile_bytes: int) -> SimOp:
-        """oneDNN copies a conv's strided input crop into its blocked layout, in forward and backward."""
+    def with_layout_copy(self, op: SimOp, tile_bytes: int) -> SimOp:
+        """A conv copies its strided input crop into a layout its kernels take, in forward and backward: oneDNN
+        reorders it into its blocked layout on CPU, and cuDNN needs a dense tensor, so PyTorch makes the crop
+        contiguous on CUDA (a tile's input is a view cut out of a larger map)."""
         spec = self.facts.nodes[op.out].spec
-        if self.device != "cpu" or spec.kind != WINDOW or not spec.has_params:
+        if spec.kind != WINDOW or not spec.has_params:
             return op
         return replace(op, fwd_extra=op.fwd_extra + tile_bytes, bwd_extra=op.bwd_extra + tile_bytes)
 
     def tile_op(self, i: int, out_bytes: int, in_bytes: int, grad: bool) -> SimOp:
-        """Node i's replay step on a tile: ``sim_op`` plus oneDNN's reorder of its input crop on CPU (memoized)."""
+        """Node i's replay step on a tile: ``sim_op`` plus the copy of its input crop into a dense layout (memoized)."""
         key = (i, out_bytes, in_bytes, grad)
         op = self._tile_ops.get(key)
         if op is None:
             op = self.sim_op(i, out_bytes, grad=grad, tiled=True)
-            op = self._tile_ops[key] = self.with_cpu_reorder(op, in_bytes) if self.facts.nodes[i].inputs else op
+            op = self._tile_ops[key] = self.with_layout_copy(op, in_bytes) if self.facts.nodes[i].inputs else op
         return op
 
     def tile_node_work(self, i: int, numel_out: int, numel_in: int, calls: int) -> tuple[Work, Work]:

@@ -1,0 +1,98 @@
+"""Does the budget hold for a library user? ``SFT`` in a fresh process that wsitrain does not own, on CPU.
+
+A new user writes ``SFT(model, memory_budget=...)`` in their own script: nothing calls
+``wsitrain.memory.tune_cpu_allocator`` for them. Each configuration runs in a fresh Python process, as that
+user's would: plain PyTorch (the reference peak), then SFT with the budget at ``--share`` of plain's peak,
+once with glibc's allocator left alone (``WSITRAIN_CPU_ALLOCATOR=default``) and once as the library behaves by
+default (it tunes the allocator at first use and says so once). Two steps (a warm-up and a measured one).
+"peak" is what the user's process holds at its highest, over both steps: its peak resident memory minus the
+interpreter's with torch imported. "step" is the measured step alone: its resident high-water mark (VmHWM
+reset before it) above the memory before it, plus the model and the image (the budget covers them); heap the
+first step left resident is not in it.
+
+    python scripts/bench_library_budget.py                    # VGG-16, 1024 px, 35% of plain
+    python scripts/bench_library_budget.py --model tiny --size 2048 --share 0.35
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+WORKER = r"""
+import json, logging, sys, time, torch
+from wsitrain.memory import PeakMeter, current_rss_bytes, peak_rss_bytes
+from wsitrain.models import build
+from wsitrain.sft import SFT
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+rss0 = current_rss_bytes()  # the interpreter with torch imported: not the user's training
+torch.manual_seed(0)
+name, size, mode, budget = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+model = build(name, 2)
+x = torch.randn(1, 3, size, size)
+net = SFT(model, memory_budget=int(budget)) if mode == "sft" else model
+static = sum(p.numel() * p.element_size() for p in model.parameters()) + x.numel() * x.element_size()
+def step():
+    model.zero_grad(set_to_none=True)
+    net(x).float().pow(2).mean().backward()
+step()  # warm-up: thread pools, kernel caches, the plan
+meter = PeakMeter("cpu")
+model.zero_grad(set_to_none=True)
+base = meter.current()
+meter.start()
+t0 = time.perf_counter()
+net(x).float().pow(2).mean().backward()
+s = time.perf_counter() - t0
+planned = net.plan_for(tuple(x.shape)).estimated_peak_bytes if mode == "sft" else None
+step_peak = max(0, meter.peak() - base) + static
+print(json.dumps({"peak": peak_rss_bytes() - rss0, "step_peak": step_peak, "seconds": s, "planned": planned}))
+"""
+
+
+def run(model: str, size: int, mode: str, budget: int, allocator: str | None) -> dict[str, float]:
+    env = dict(os.environ)
+    env.pop("WSITRAIN_CPU_ALLOCATOR", None)
+    if allocator is not None:
+        env["WSITRAIN_CPU_ALLOCATOR"] = allocator
+    out = subprocess.run(
+        [sys.executable, "-c", WORKER, model, str(size), mode, str(budget)],
+        capture_output=True, text=True, env=env, check=True,
+    )  # fmt: skip
+    said = [line for line in out.stderr.splitlines() if "WARNING" in line]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result["said"] = said
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="vgg16")
+    ap.add_argument("--size", type=int, default=1024)
+    ap.add_argument("--share", type=float, default=0.35, help="budget as a share of plain PyTorch's measured peak")
+    args = ap.parse_args()
+    mib = 2**20
+    plain = run(args.model, args.size, "plain", 0, "default")
+    budget = int(args.share * plain["peak"])
+    print(f"{args.model} at {args.size} px, fresh processes, CPU, {os.cpu_count()} cores")
+    print(
+        f"plain PyTorch (default allocator): peak {plain['peak'] / mib:.0f} MiB (step {plain['step_peak'] / mib:.0f} "
+        f"MiB), {plain['seconds']:.1f} s"
+    )
+    print(f"budget: {args.share:.0%} of plain = {budget / mib:.0f} MiB")
+    for label, allocator in (("SFT, allocator left alone", "default"), ("SFT as a library (tunes at first use)", None)):
+        r = run(args.model, args.size, "sft", budget, allocator)
+        verdict = "holds" if r["peak"] <= budget else "EXCEEDED"
+        print(
+            f"{label}: peak {r['peak'] / mib:.0f} MiB = {r['peak'] / plain['peak']:.0%} of plain (step "
+            f"{r['step_peak'] / mib:.0f} MiB, planned {r['planned'] / mib:.0f} MiB), {r['seconds']:.1f} s; "
+            f"budget {verdict}"
+        )
+        for line in r["said"]:
+            print(f"    said: {line}")
+
+
+if __name__ == "__main__":
+    main()
