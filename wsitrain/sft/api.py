@@ -152,6 +152,15 @@ def max_square_size(
     return lo if lo > 0 or fits(stride) else 0
 
 
+def _on_host(x: torch.Tensor, device: torch.device) -> bool:
+    """Does the engine treat ``x`` as host memory, streamed per tile?
+
+    A uint8 slide is the loader's host memory, not the engine's working memory (on CPU as on CUDA): it is
+    converted per tile, reported as host memory, and checked against host RAM by preflight.
+    """
+    return x.device != device or (device.type == "cpu" and not x.dtype.is_floating_point)
+
+
 @dataclass(frozen=True)
 class _Compiled:
     """A cached plan with what executing it needs."""
@@ -236,6 +245,18 @@ class SFT(nn.Module):
     @property
     def cached_plans(self) -> int:
         return len(self._cache)
+
+    def replan(self, budget_bytes: int) -> None:
+        """Plan every shape again within ``budget_bytes`` (cached plans dropped): fit's answer to an out of memory."""
+        self._budget_bytes = parse_bytes(budget_bytes, "budget_bytes")
+        self.memory_budget = self._budget_bytes
+        self._cache.clear()
+
+    def plan_of(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> Plan:
+        """The plan ``forward(x)`` runs (x's shape, dtype, placement), with activations in ``dtype`` (autocast's)."""
+        dev = self._device()
+        act = dtype or self._act_dtype(dev)
+        return self._compiled(tuple(x.shape), act, x.dtype, _on_host(x, dev), x.requires_grad).plan
 
     @property
     def staging_buffers(self) -> int:
@@ -328,9 +349,7 @@ class SFT(nn.Module):
     # ---- execution -----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> Any:
         device = self._device()
-        # A uint8 slide is the loader's host memory, not the engine's working memory (on CPU as on CUDA): it is
-        # converted per tile, reported as host memory, and checked against host RAM by preflight.
-        on_host = x.device != device or (device.type == "cpu" and not x.dtype.is_floating_point)
+        on_host = _on_host(x, device)
         c = self._compiled(tuple(x.shape), self._act_dtype(device), x.dtype, on_host, x.requires_grad)
         self._runner.masks.new_step()  # per-sample drop masks: drawn once this step, replayed by every tile
         stats = StepStats()
