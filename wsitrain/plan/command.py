@@ -22,6 +22,8 @@ from wsitrain.precision import Precision, activation_dtype, check_precision
 from wsitrain.sft import Plan, max_square_size
 from wsitrain.sft import plan as plan_model
 from wsitrain.sft.api import MAX_SQUARE_LIMIT
+from wsitrain.sft.planning.calibration import cpu_name, time_model_for
+from wsitrain.sft.planning.costs import DEFAULT_TIME_MODEL
 
 PLAN_NUM_CLASSES = 2  # the head is tiny next to the trunk; any class count plans the same
 
@@ -34,6 +36,7 @@ class PlanReport:
     budget: Budget
     precision: Precision
     max_size: int | None  # largest square edge that fits the budget; 0: none; None: not computed
+    time_model: str = DEFAULT_TIME_MODEL  # where the time model's constants came from
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -41,11 +44,12 @@ class PlanReport:
             "gpu": self.budget.gpu,
             "precision": self.precision,
             "max_size": self.max_size,
+            "time_model": self.time_model,
             "plan": self.plan.to_dict(),
         }
 
     def __str__(self) -> str:
-        lines = [str(self.plan), f"budget source: {self.budget.source}"]
+        lines = [str(self.plan), f"budget source: {self.budget.source}", f"time model: {self.time_model}"]
         if self.budget.gpu is not None:
             lines.append(f"gpu preset: {self.budget.gpu}")
         if self.budget.gpu is not None and self.plan.transfer_bytes:
@@ -117,16 +121,29 @@ def make_plan(
     with torch.device("meta"):  # shapes only: no parameter or activation is ever allocated
         net = build(model, PLAN_NUM_CLASSES)
     h, w = parse_size(size, net.stride, model)
+    tm = time_model_for(budget.device, _device_name(budget))
     p = plan_model(
         net, input_shape=(batch, 3, h, w), memory_budget=budget.bytes, dtype=dtype, tile_size=tile,
-        optimizer=optimizer, device=budget.device,
+        optimizer=optimizer, device=budget.device, time_model=tm,
     )  # fmt: skip
     max_size = None
     if with_max_size:
-        max_size = int(
-            max_square_size(net, budget.bytes, dtype=dtype, batch=batch, optimizer=optimizer, device=budget.device)
-        )
-    return PlanReport(p, budget, prec, max_size)
+        max_size = int(max_square_size(net, budget.bytes, dtype=dtype, batch=batch, optimizer=optimizer,
+                                       device=budget.device, time_model=tm))  # fmt: skip
+    source = tm.source
+    if source == DEFAULT_TIME_MODEL:
+        source = (f"{DEFAULT_TIME_MODEL} for {budget.device} (no calibration of this device; `wsitrain doctor "
+                  "--calibrate` fits them on yours)")  # fmt: skip
+    return PlanReport(p, budget, prec, max_size, source)
+
+
+def _device_name(budget: Budget) -> str | None:
+    """The device whose calibration applies: the preset's card, the detected GPU, or this machine's CPU."""
+    if budget.gpu is not None:
+        return gpu_preset(budget.gpu).label  # used when a calibration carries exactly this name
+    if budget.device == "cuda":
+        return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return cpu_name()
 
 
 def run_plan(

@@ -21,6 +21,7 @@ from wsitrain.sft.execution.tiled import ExecHooks, TiledSegment, TileObserver
 from wsitrain.sft.facts import GraphFacts
 from wsitrain.sft.graph import ModelGraph
 from wsitrain.sft.plan_types import Plan
+from wsitrain.sft.planning.costs import TimeModel
 from wsitrain.sft.planning.planner import build_plan, new_session
 from wsitrain.sft.planning.search import fitting_plan, worth_running
 from wsitrain.units import format_bytes, parse_bytes
@@ -82,11 +83,12 @@ def plan(
     input_dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
     host_checkpoints: str = "auto",
+    time_model: TimeModel | None = None,
 ) -> Plan:
     """Plan ``model`` on ``input_shape`` (B, C, H, W) within ``memory_budget``, on shapes only.
 
-    ``dtype`` is the activation dtype (bf16/fp16 for autocast). For a CUDA device the image is
-    assumed to stream from host memory as uint8 (``input_on_host``), as ``wsitrain fit`` does.
+    ``dtype`` is the activation dtype (bf16/fp16 for autocast). For a CUDA device the image is assumed to stream
+    from host memory as uint8 (``input_on_host``), as ``wsitrain fit`` does. ``time_model``: default constants.
     Returns a plan with ``fits=False`` when nothing fits; raises PlanError for layers that cannot
     be tiled where tiling is needed.
     """
@@ -96,19 +98,10 @@ def plan(
     in_dtype = input_dtype or (torch.uint8 if on_host else dtype)
     budget = resolve_budget_bytes(memory_budget, dev)
     p, _ = build_plan(
-        ModelGraph(model),
-        _model_name(model),
-        tuple(input_shape),
-        budget,
-        dtype,
-        in_dtype,
-        dev,
-        on_host,
-        tile_size=tile_size,
-        checkpoints=checkpoints,
-        optimizer=optimizer,
-        host_checkpoints=host_checkpoints,
-    )
+        ModelGraph(model), _model_name(model), tuple(input_shape), budget, dtype, in_dtype, dev, on_host,
+        tile_size=tile_size, checkpoints=checkpoints, optimizer=optimizer, host_checkpoints=host_checkpoints,
+        time_model=time_model,
+    )  # fmt: skip
     return p
 
 
@@ -121,6 +114,7 @@ def max_square_size(
     optimizer: str | None = None,
     device: torch.device | str | None = None,
     limit: int = MAX_SQUARE_LIMIT,
+    time_model: TimeModel | None = None,
 ) -> int:
     """Largest square edge (a multiple of the model's stride) whose plan fits; 0 if none."""
     graph = ModelGraph(model)
@@ -132,7 +126,8 @@ def max_square_size(
 
     def fits(edge: int) -> bool:
         try:
-            sess = new_session(graph, (batch, channels, edge, edge), dtype, in_dtype, dev, on_host, False, optimizer)
+            shape = (batch, channels, edge, edge)
+            sess = new_session(graph, shape, dtype, in_dtype, dev, on_host, False, optimizer, time_model=time_model)
         except PlanError:
             return False
         state = fitting_plan(sess, budget)
@@ -153,11 +148,8 @@ def max_square_size(
 
 
 def _on_host(x: torch.Tensor, device: torch.device) -> bool:
-    """Does the engine treat ``x`` as host memory, streamed per tile?
-
-    A uint8 slide is the loader's host memory, not the engine's working memory (on CPU as on CUDA): it is
-    converted per tile, reported as host memory, and checked against host RAM by preflight.
-    """
+    """Is ``x`` host memory to the engine? A uint8 slide is the loader's memory, not the engine's (on CPU as on CUDA):
+    converted per tile, reported as host memory, and checked against host RAM by preflight."""
     return x.device != device or (device.type == "cpu" and not x.dtype.is_floating_point)
 
 
@@ -194,6 +186,7 @@ class SFT(nn.Module):
         tile_peaks: bool = False,
         memory_probe: MemoryProbe | None = None,
         host_checkpoints: str = "auto",
+        time_model: TimeModel | None = None,
     ) -> None:
         super().__init__()
         self.model = model
@@ -205,6 +198,7 @@ class SFT(nn.Module):
         self.tile_peaks = tile_peaks
         self.host_checkpoints = host_checkpoints  # "auto" (CUDA may use host memory), "always", "never"
         self._probe = memory_probe  # how the budget is detected when none is given (injectable for tests)
+        self.time_model = time_model  # None: the device's default constants; wsitrain fit passes a calibration
         self._budget_bytes: int | None = None if memory_budget is None else parse_bytes(memory_budget, "memory_budget")
         self._graph = ModelGraph(model)
         self._runner = NodeRunner(self._graph)
@@ -298,6 +292,7 @@ class SFT(nn.Module):
             checkpoints=self.checkpoints,
             optimizer=self.optimizer,
             host_checkpoints=self.host_checkpoints,
+            time_model=self.time_model,
         )
         if not p.fits:
             why = "; ".join(p.notes) or f"the best plan needs {format_bytes(p.estimated_peak_bytes)}"

@@ -16,7 +16,7 @@ from wsitrain.sft.graph import ModelGraph
 from wsitrain.sft.ops.report import fix_hint, tiling_report
 from wsitrain.sft.plan_types import Plan, SegmentPlan
 from wsitrain.sft.planning.baselines import baseline_peak, checkpoint_sequential_peak
-from wsitrain.sft.planning.costs import memory_terms
+from wsitrain.sft.planning.costs import TimeModel, memory_terms
 from wsitrain.sft.planning.options import PLAIN, TILED, SegOption, replay_path, segment_blocker
 from wsitrain.sft.planning.search import (
     CHEAPEST,
@@ -45,11 +45,13 @@ def new_session(
     input_requires_grad: bool = False,
     optimizer: str | None = None,
     host_checkpoints: str = "auto",
+    time_model: TimeModel | None = None,
 ) -> PlanSession:
     if host_checkpoints not in ("auto", "always", "never"):
         raise PlanError(f"host_checkpoints {host_checkpoints!r}", hint="use 'auto', 'always' or 'never'")
     facts = annotate(graph, input_shape, act_dtype, input_dtype, input_requires_grad)
-    return PlanSession(facts, memory_terms(facts, device, optimizer), device, input_on_host, host_checkpoints)
+    terms = memory_terms(facts, device, optimizer)
+    return PlanSession(facts, terms, device, input_on_host, host_checkpoints, time_model)
 
 
 def build_plan(
@@ -66,13 +68,14 @@ def build_plan(
     checkpoints: list[str] | None = None,
     optimizer: str | None = None,
     host_checkpoints: str = "auto",
+    time_model: TimeModel | None = None,
 ) -> tuple[Plan, GraphFacts]:
     """Plan ``graph`` on ``input_shape`` within ``budget`` bytes; also returns the facts it planned on."""
     if tile_size is not None and tile_size <= 0:
         raise PlanError(f"tile_size {tile_size} must be a positive number of pixels", hint="engine.tile_size")
     sess = new_session(
         graph, input_shape, act_dtype, input_dtype, device, input_on_host, input_requires_grad, optimizer,
-        host_checkpoints,
+        host_checkpoints, time_model,
     )
     forced_cuts = _resolve_checkpoints(sess.facts, checkpoints) if checkpoints is not None else None
     state = fitting_plan(sess, budget, tile_size, forced_cuts)
