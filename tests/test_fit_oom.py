@@ -156,3 +156,19 @@ def test_cpu_probe_reads_the_failed_request_only_and_the_report_says_so() -> Non
 
     text = describe(P(), 4 * GiB, mem)  # type: ignore[arg-type]
     assert "planned peak 3.00 GiB of a 4.00 GiB budget" in text and "allocated not known on this device" in text
+
+
+def test_oom_whose_lowered_budget_fits_nothing_says_both(synth_dir: Path, tmp_path: Path) -> None:
+    def huge(device: torch.device, message: str) -> MemoryAtOom:  # the step needed 60% more than the budget
+        return MemoryAtOom(allocated=int(0.8 * BUDGET), requested=int(0.8 * BUDGET))
+
+    with pytest.raises(PlanError, match="no smaller budget is left") as info:
+        run(cfg_for(synth_dir, tmp_path / "a"), OomAt({1}), probe=huge)
+    assert info.value.exit_code == 2
+
+    def large(device: torch.device, message: str) -> MemoryAtOom:
+        # lowered budget = the planned peak less 6 MiB (~8 MiB): below the tiny model's weights and workspaces
+        return MemoryAtOom(allocated=int((1 - OOM_MARGIN) * BUDGET) + 6 * 2**20, requested=0)
+
+    with pytest.raises(PlanError, match=r"out of device memory \(planned peak .*re-planned within .*does not fit"):
+        run(cfg_for(synth_dir, tmp_path / "b"), OomAt({1}), probe=large)

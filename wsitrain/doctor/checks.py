@@ -107,23 +107,12 @@ def peak_under_cap(device: torch.device, model_name: str, size: int, cap: int) -
     if device.type != "cuda":
         return not_run(name)
     t0 = time.perf_counter()
+    torch.cuda.empty_cache()  # earlier checks' cached blocks would count against the cap
     total = torch.cuda.get_device_properties(device).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
     figures: dict[str, Any] = {"cap_bytes": cap}
     try:
-        model = build(model_name, 2).to(device)
-        sft = SFT(model, memory_budget=cap, optimizer="adam")
-        image = torch.randint(0, 256, (1, 3, size, size), dtype=torch.uint8).pin_memory()
-        plan = sft.plan_of(image)
-        figures["planned_peak_bytes"] = plan.estimated_peak_bytes
-        opt = torch.optim.Adam(model.parameters())
-        meter = PeakMeter(device)
-        meter.start()
-        loss = nn.functional.cross_entropy(sft(image).float(), torch.zeros(1, dtype=torch.long, device=device))
-        loss.backward()
-        opt.step()
-        torch.cuda.synchronize(device)
-        figures["measured_peak_bytes"] = meter.peak()
+        _capped_step(device, model_name, size, cap, figures)
     except torch.OutOfMemoryError as e:
         figures["oom"] = str(e).splitlines()[0][:200]
     except Exception as e:
@@ -137,6 +126,22 @@ def peak_under_cap(device: torch.device, model_name: str, size: int, cap: int) -
         figures["simulated_peak_bytes"] = None
         figures["simulation_error"] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
     return _cap_verdict(name, figures, time.perf_counter() - t0)
+
+
+def _capped_step(device: torch.device, model_name: str, size: int, cap: int, figures: dict[str, Any]) -> None:
+    """The step itself, in its own frame: its tensors are gone when it returns or raises."""
+    model = build(model_name, 2).to(device)
+    sft = SFT(model, memory_budget=cap, optimizer="adam")
+    image = torch.randint(0, 256, (1, 3, size, size), dtype=torch.uint8).pin_memory()  # (B, C, H, W) on the host
+    figures["planned_peak_bytes"] = sft.plan_of(image).estimated_peak_bytes
+    opt = torch.optim.Adam(model.parameters())
+    meter = PeakMeter(device)
+    meter.start()
+    loss = nn.functional.cross_entropy(sft(image).float(), torch.zeros(1, dtype=torch.long, device=device))
+    loss.backward()
+    opt.step()
+    torch.cuda.synchronize(device)
+    figures["measured_peak_bytes"] = meter.peak()
 
 
 def _cap_verdict(name: str, f: dict[str, Any], seconds: float) -> Check:

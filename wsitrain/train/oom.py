@@ -151,6 +151,8 @@ class OomRetry:
             return self.trainer.train_slide(image, label, scale)
         except torch.OutOfMemoryError as err:
             second = self._failure(image, str(err))
+        except PlanError as err:  # nothing fits the lowered budget
+            raise PlanError(f"{what}; re-planned within {format_bytes(new_budget)}: {err.message}", hint=_HINT) from err
         plan, budget, mem = second
         raise PlanError(
             f"out of device memory again after re-planning within {format_bytes(budget)} "
