@@ -49,3 +49,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False on this machine)")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _no_user_calibration(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No test plans with (or writes) the user's time-model calibrations (~/.cache/wsitrain/calibration)."""
+    monkeypatch.setenv("WSITRAIN_CALIBRATION_DIR", str(tmp_path_factory.getbasetemp() / "no-calibration"))

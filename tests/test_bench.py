@@ -135,3 +135,33 @@ def test_best_rows_prefers_fastest_ok_and_keeps_oom() -> None:
     by = {b["series"]: b for b in best}
     assert by["checkpoint"]["variant"] == "s=4" and by["base"]["status"] == "oom"
     assert by["sft"]["variant"] == "tile=32" and by["sft-planner"]["variant"] == "planner"
+
+
+def test_bench_reports_the_plan_the_worker_ran() -> None:
+    """The worker measures a uint8 image; its reported plan is planned for that image, not a float32 one.
+
+    (Before: VGG-16 at 2048 px ran a 1.10 GiB plan and reported a 1.38 GiB one with other segments.)
+    """
+    from wsitrain.models import build
+    from wsitrain.sft import SFT
+
+    cfg = {"model": "tiny", "size": 256, "strategy": "sft", "device": "cpu", "precision": "fp32", "runs": 1,
+           "budget_bytes": 14 * 2**20, "tile": None}  # fmt: skip
+    result = run_config(cfg)
+    # ran (its CPU peak may exceed the emulated 14 MiB card: then marked oom, with the plan still reported)
+    assert result["status"] in ("ok", "oom") and result["times_ms"], result.get("note")
+    ran = result["plan"]
+    assert ran["input_dtype"] == "uint8" and ran["input_on_host"] is True  # CPU: uint8 streams per tile
+    assert result["planned_peak_bytes"] == ran["estimated_peak_bytes"]
+    # the same plan an SFT gets for the worker's input, and not the one for a float32 image of that shape
+    engine = SFT(build("tiny", 2), memory_budget=14 * 2**20)
+    x = torch.zeros(1, 3, 256, 256, dtype=torch.uint8)
+    assert engine.plan_of(x).to_dict() == ran
+    as_float = engine.plan_for((1, 3, 256, 256), torch.float32)
+    assert [sg.mode for sg in as_float.segments] != [sg["mode"] for sg in ran["segments"]]  # other segments here
+    # the runner's prediction (shapes only) plans that same input
+    predicted = runner.Predictor("tiny", 14 * 2**20, "cpu", "fp32")._plan(256, None)
+    assert predicted.to_dict() == ran
+    row = runner.result_row(bench_configs.BenchConfig(size=256, strategy="sft", model="tiny", device="cpu",
+                                                      budget_bytes=14 * 2**20), result, 1)  # fmt: skip
+    assert row["planned_peak_bytes"] == ran["estimated_peak_bytes"] and row["plan"] == ran

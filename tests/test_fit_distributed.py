@@ -82,3 +82,52 @@ def _last_val(path: Path) -> dict[str, Any]:
     import json
 
     return [json.loads(x) for x in path.read_text().splitlines() if '"val"' in x][-1]
+
+
+def test_collective_timeout_from_the_config_reaches_init_process_group(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """distributed.collective_timeout_minutes -> run_fit -> init_distributed -> a real gloo group's init call."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from wsitrain.train import distributed as D
+    from wsitrain.train import fit as fit_module
+
+    seen: dict[str, Any] = {}
+    real_init = dist.init_process_group
+
+    def recording_init(**kwargs: Any) -> None:
+        seen.update(kwargs)
+        # one real gloo process: the timeout must be accepted by torch itself, not only recorded
+        real_init(backend=kwargs["backend"], rank=0, world_size=1, timeout=kwargs["timeout"], store=dist.HashStore())
+
+    class Stop(Exception):
+        pass
+
+    real_join = D.init_distributed
+
+    def stop_after_init(*args: Any) -> D.DistInfo:
+        info = real_join(*args)
+        try:
+            t = torch.ones(2)
+            dist.all_reduce(t)  # the group works
+            assert torch.equal(t, torch.ones(2))
+        finally:
+            dist.destroy_process_group()
+        raise Stop(info)
+
+    monkeypatch.setattr(D.dist, "init_process_group", recording_init)
+    monkeypatch.setattr(fit_module.D, "init_distributed", stop_after_init)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    cfg = WsiTrainConfig.model_validate({"distributed": {"backend": "gloo", "collective_timeout_minutes": 7.5},
+                                         "log": {"dir": str(tmp_path)}})  # fmt: skip
+    with pytest.raises(Stop):
+        run_fit(cfg, console=Console(file=io.StringIO()), quiet=True)
+    assert seen["backend"] == "gloo" and seen["timeout"] == timedelta(minutes=7.5)
+    assert WsiTrainConfig().distributed.collective_timeout_minutes == 60.0
+    with pytest.raises(ValueError, match="collective_timeout_minutes"):
+        WsiTrainConfig.model_validate({"distributed": {"collective_timeout_minutes": 0}})

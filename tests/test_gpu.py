@@ -1,7 +1,7 @@
 """Checks that need a CUDA GPU: exactness on the device, the host-staged image, the budget under a memory cap, and
 the demo fit. Every test here is marked ``gpu`` and skipped, with the reason, where CUDA is absent.
 
-Run them on a GPU machine with ``pytest -m gpu tests/test_gpu.py`` (``scripts/gpu_check.py`` does, and adds the
+Run them on a GPU machine with ``pytest -m gpu tests/test_gpu.py`` (``wsitrain doctor`` does, and adds the
 SFT paper's Figure 8 benchmark to its report). Memory figures are recorded as junit properties
 (``--junitxml``), so the report can show measured against planned peaks.
 """

@@ -9,10 +9,11 @@ from torch import nn
 from wsitrain.sft import SFT
 from wsitrain.sft.facts import annotate
 from wsitrain.sft.graph import ModelGraph
-from wsitrain.sft.planning.costs import BYTE_FLOPS, CALL_FLOPS, TILE_CALL_FLOPS, node_terms
+from wsitrain.sft.planning.costs import BYTE_FLOPS, CALL_FLOPS, TILE_CALL_FLOPS, default_time_model, node_terms
 from wsitrain.sft.planning.search import CHEAPEST, State, prune
 
 SHAPE = (1, 3, 64, 80)
+CPU = default_time_model("cpu")
 
 
 def test_plain_fit_predicts_plain_time() -> None:
@@ -44,9 +45,9 @@ def test_traffic_bound_layers_cost_more_than_their_flops() -> None:
     dense, depthwise = (node_terms(facts, i, 32 * 64 * 64, 32 * 64 * 64, 1) for i in (1, 2))
     assert dense.traffic == depthwise.traffic
     assert depthwise.flops * 16 < dense.flops * 1.01
-    share = BYTE_FLOPS["cpu"] * depthwise.traffic / depthwise.time("cpu")
+    share = BYTE_FLOPS["cpu"] * depthwise.traffic / depthwise.time(CPU)
     assert share > 0.3, share
-    assert dense.time("cpu") - dense.flops < dense.flops  # the dense one is FLOP-bound
+    assert dense.time(CPU) - dense.flops < dense.flops  # the dense one is FLOP-bound
 
 
 def test_executor_calls_cost_more_than_plain_calls() -> None:
@@ -54,9 +55,9 @@ def test_executor_calls_cost_more_than_plain_calls() -> None:
     facts = annotate(ModelGraph(model), (1, 3, 8, 8), torch.float32, torch.float32, False)
     plain = node_terms(facts, 1, 4 * 64, 3 * 64, 10)
     tiled = node_terms(facts, 1, 4 * 64, 3 * 64, 10, tiled=True)
-    extra = tiled.time("cpu") - plain.time("cpu")
+    extra = tiled.time(CPU) - plain.time(CPU)
     assert extra == TILE_CALL_FLOPS["cpu"] * plain.calls > 0
-    assert plain.time("cpu") >= CALL_FLOPS["cpu"] * plain.calls
+    assert plain.time(CPU) >= CALL_FLOPS["cpu"] * plain.calls
 
 
 def test_plan_reports_its_predicted_time() -> None:

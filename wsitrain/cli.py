@@ -291,6 +291,37 @@ def bench(
 
 @app.command()
 @_handled
+def doctor(
+    out: Path | None = typer.Option(None, "--out", help="Folder for doctor.md and doctor.json [doctor-out/TIME]."),
+    fast: bool = typer.Option(False, "--fast", help="Small models and sizes: a few seconds to a minute."),
+    calibrate: bool | None = typer.Option(
+        None, "--calibrate/--no-calibrate", help="Fit the time model on this device [default: on a GPU only]."
+    ),
+    figure8: bool = typer.Option(False, "--figure8", help="Also run the SFT paper's Figure 8 benchmark (long)."),
+    cap: str | None = typer.Option(None, "--cap", help="Memory cap of the peak checks [11GiB; 1GiB with --fast]."),
+    cpu: bool = typer.Option(False, "--cpu", help="Check the CPU path even where a GPU is present."),
+) -> None:
+    """Check wsitrain on this machine's GPU and write one report to paste into an issue.
+
+    Runs exactness on the device, a training step's peak under a memory cap against its plan, the cuBLAS/cuDNN
+    workspaces, and calibrates the planner's time model for this GPU (used by plan and fit from then on).
+    Without a GPU it runs the CPU checks and says which GPU checks it could not run. Exits 1 when a check fails.
+
+    Examples:
+
+      wsitrain doctor
+
+      wsitrain doctor --fast --out doctor-report
+    """
+    run_doctor = _entry("wsitrain.doctor", "run_doctor", "doctor")
+    code = run_doctor(out=out, fast=fast, calibrate_time=calibrate, figure8=figure8, cap=cap, cpu=cpu,
+                      console=_console())  # fmt: skip
+    if code:
+        raise typer.Exit(int(code))
+
+
+@app.command()
+@_handled
 def synth(
     out_dir: Path = typer.Argument(..., metavar="OUT_DIR", help="Folder to write the slides and labels.csv into."),
     n: int = typer.Option(8, "--n", min=1, help="Number of slides."),

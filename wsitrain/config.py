@@ -214,9 +214,17 @@ class LogConfig(Section):
         return "off" if value is False else value
 
 
+# How long a collective waits for the slowest rank before the job is killed. NCCL's default is 10 minutes, but
+# ranks train whole slides of different sizes (steps can differ by minutes), a validation pass waits on the rank
+# with the largest slides, and rank 0 writes checkpoints and figures while the others wait: 60 minutes covers that
+# and still ends a truly hung job within the hour.
+COLLECTIVE_TIMEOUT_MINUTES = 60.0
+
+
 class DistributedConfig(Section):
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     bucket_mb: float = Field(25.0, gt=0)
+    collective_timeout_minutes: float = Field(COLLECTIVE_TIMEOUT_MINUTES, gt=0)
 
 
 class WsiTrainConfig(Section):

@@ -39,6 +39,7 @@ def result_row(cfg: BenchConfig, result: dict[str, Any], planned: int | None) ->
         "within_budget": None if peak is None or not cfg.budget_bytes else peak <= cfg.budget_bytes,
         "note": result.get("note", ""),
         "sft_stats": result.get("sft_stats"),
+        "plan": result.get("plan"),  # the plan the worker ran (SFT only), whose peak is planned_peak_bytes
         "traceback": result.get("traceback"),
     }
 

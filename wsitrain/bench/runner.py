@@ -25,7 +25,7 @@ from wsitrain.bench.configs import (
     parse_strategies,
 )
 from wsitrain.bench.report import result_row, write_outputs
-from wsitrain.bench.worker import child_main
+from wsitrain.bench.worker import INPUT_DTYPE, child_main
 from wsitrain.errors import WsiTrainError
 from wsitrain.gpus import resolve_budget
 from wsitrain.memory import SAFETY_MARGIN, available_host_bytes
@@ -55,9 +55,12 @@ class Predictor:
 
                 with torch.device("meta"):
                     net = build(self.model, 2)
+                # The worker's input: uint8 created on the device. On CPU the engine treats a uint8 image as
+                # host memory (streamed per tile; SFT.forward), on CUDA it is device memory.
                 self._cache[key] = plan(
                     net, input_shape=(1, 3, size, size), memory_budget=self.budget_bytes,
                     dtype=activation_dtype(self.precision), tile_size=tile, device=self.device,
+                    input_dtype=INPUT_DTYPE, input_on_host=self.device == "cpu",
                 )  # fmt: skip
             except Exception:  # no engine or no plan for this shape: no prediction, the run decides
                 self._cache[key] = None

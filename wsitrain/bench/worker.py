@@ -32,6 +32,8 @@ from wsitrain.precision import activation_dtype
 from wsitrain.sft import SFT
 
 RESULT_PREFIX = "WSITRAIN_BENCH_RESULT "
+# The image of every step: uint8 on the measured device, as a slide's pixels are (the runner plans the same input).
+INPUT_DTYPE = torch.uint8
 NUM_CLASSES = 2
 _OOM_TEXT = ("out of memory", "can't allocate memory", "cannot allocate memory")
 
@@ -63,9 +65,10 @@ def _forward_fn(model: nn.Module, cfg: dict[str, Any]) -> tuple[Callable[[torch.
     raise ValueError(f"unknown strategy {strategy!r}")
 
 
-def _planned_peak(sft: SFT, shape: tuple[int, ...], dtype: torch.dtype) -> int | None:
+def _plan_that_ran(sft: SFT, x: torch.Tensor, dtype: torch.dtype) -> dict[str, Any] | None:
+    """The plan the engine ran on ``x`` (a uint8 image on the device; on CPU the engine streams it from the host)."""
     try:
-        return int(sft.plan_for(shape, dtype).estimated_peak_bytes)
+        return sft.plan_of(x, dtype).to_dict()
     except Exception:  # the plan is extra information; a failure here must not hide the measurement
         return None
 
@@ -87,7 +90,7 @@ def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
     try:
         model = build(cfg["model"], NUM_CLASSES).to(device)
         size = int(cfg["size"])
-        x = torch.randint(0, 256, (1, 3, size, size), dtype=torch.uint8, device=device)
+        x = torch.randint(0, 256, (1, 3, size, size), dtype=INPUT_DTYPE, device=device)
         target = torch.zeros(1, NUM_CLASSES, device=device)
         forward, sft = _forward_fn(model, cfg)
         autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
@@ -119,7 +122,9 @@ def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
             if device.type == "cuda":  # allocated peak above; what the caching allocator held (side-stream blocks)
                 result.setdefault("reserved_peaks_bytes", []).append(meter.peak_reserved())
         if sft is not None:
-            result["planned_peak_bytes"] = _planned_peak(sft, tuple(x.shape), dtype)
+            plan = _plan_that_ran(sft, x, dtype)
+            result["plan"] = plan
+            result["planned_peak_bytes"] = None if plan is None else plan["estimated_peak_bytes"]
             result["sft_stats"] = json.loads(json.dumps(sft.last_stats.summary(), default=str))
     except Exception as e:
         if isinstance(e, PlanError) and "does not fit" in str(e):

@@ -23,6 +23,8 @@ from wsitrain.precision import Precision, activation_dtype, check_precision
 from wsitrain.sft import Plan, max_square_size
 from wsitrain.sft import plan as plan_model
 from wsitrain.sft.api import MAX_SQUARE_LIMIT
+from wsitrain.sft.planning.calibration import cpu_name, time_model_for
+from wsitrain.sft.planning.costs import DEFAULT_TIME_MODEL
 from wsitrain.sft.simulate import SimulatedStep, simulate_step, simulation_dict, simulation_text
 from wsitrain.sft.simulate.step import Progress
 
@@ -38,6 +40,7 @@ class PlanReport:
     budget: Budget
     precision: Precision
     max_size: int | None  # largest square edge that fits the budget; 0: none; None: not computed
+    time_model: str = DEFAULT_TIME_MODEL  # where the time model's constants came from
     simulated: SimulatedStep | None = None  # one step run on the simulated device (``--simulate``)
 
     def to_dict(self) -> dict[str, Any]:
@@ -46,6 +49,7 @@ class PlanReport:
             "gpu": self.budget.gpu,
             "precision": self.precision,
             "max_size": self.max_size,
+            "time_model": self.time_model,
             "plan": self.plan.to_dict(),
         }
         if self.simulated is not None:
@@ -53,7 +57,7 @@ class PlanReport:
         return d
 
     def __str__(self) -> str:
-        lines = [str(self.plan), f"budget source: {self.budget.source}"]
+        lines = [str(self.plan), f"budget source: {self.budget.source}", f"time model: {self.time_model}"]
         if self.simulated is not None:
             lines.append(simulation_text(self.simulated))
         if self.budget.gpu is not None:
@@ -141,19 +145,33 @@ def make_plan(
     h, w = parse_size(size, net.stride, model)
     if simulate:
         return _simulated(net, (batch, 3, h, w), budget, prec, optimizer or DEFAULT_OPTIMIZER, tile, progress)
+    tm = time_model_for(budget.device, _device_name(budget))
     p = plan_model(
         net, input_shape=(batch, 3, h, w), memory_budget=budget.bytes, dtype=dtype, tile_size=tile,
-        optimizer=optimizer, device=budget.device, target=budget.target,
+        optimizer=optimizer, device=budget.device, target=budget.target, time_model=tm,
     )  # fmt: skip
     max_size = None
     if with_max_size:
         max_size = int(
             max_square_size(
                 net, budget.bytes, dtype=dtype, batch=batch, optimizer=optimizer, device=budget.device,
-                target=budget.target,
+                target=budget.target, time_model=tm,
             )  # fmt: skip
         )
-    return PlanReport(p, budget, prec, max_size)
+    source = tm.source
+    if source == DEFAULT_TIME_MODEL:
+        source = (f"{DEFAULT_TIME_MODEL} for {budget.device} (no calibration of this device; `wsitrain doctor "
+                  "--calibrate` fits them on yours)")  # fmt: skip
+    return PlanReport(p, budget, prec, max_size, source)
+
+
+def _device_name(budget: Budget) -> str | None:
+    """The device whose calibration applies: the preset's card, the detected GPU, or this machine's CPU."""
+    if budget.gpu is not None:
+        return gpu_preset(budget.gpu).label  # used when a calibration carries exactly this name
+    if budget.device == "cuda":
+        return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return cpu_name()
 
 
 def _simulated(
@@ -179,7 +197,7 @@ def _simulated(
         sim = simulate_step(net, shape, budget.bytes, optimizer=optimizer, tile_size=tile, progress=progress)
     except PlanError as e:  # does not fit: show the plan as the plain command would
         raise WsiTrainError(str(e), hint=e.hint) from e
-    return PlanReport(sim.plan, budget, prec, None, sim)
+    return PlanReport(sim.plan, budget, prec, None, simulated=sim)
 
 
 def run_plan(

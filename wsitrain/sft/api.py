@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from wsitrain.errors import PlanError
-from wsitrain.memory import DeviceMemory, PeakMeter, detect_budget, tune_library_allocator
+from wsitrain.memory import PeakMeter, tune_library_allocator
+from wsitrain.sft.budget import MemoryProbe, _device_str, _model_name, _param_dtype, resolve_budget_bytes
 from wsitrain.sft.execution.host_register import upload_whole
 from wsitrain.sft.execution.runner import NodeRunner
 from wsitrain.sft.execution.runtime import DeviceRuntime, runtime_for
@@ -23,12 +24,11 @@ from wsitrain.sft.execution.tiled import ExecHooks, TiledSegment, TileObserver
 from wsitrain.sft.facts import GraphFacts
 from wsitrain.sft.graph import ModelGraph
 from wsitrain.sft.plan_types import Plan
+from wsitrain.sft.planning.costs import TimeModel
 from wsitrain.sft.planning.planner import build_plan, new_session
 from wsitrain.sft.planning.search import fitting_plan, worth_running
 from wsitrain.sft.target import TargetDevice, detection_device, target_for
 from wsitrain.units import format_bytes, parse_bytes
-
-MemoryProbe = Callable[[torch.device | str], DeviceMemory]
 
 # max_square_size searches up to this edge: 1M px is ten whole slides at 20x side by side.
 MAX_SQUARE_LIMIT = 1 << 20
@@ -36,40 +36,6 @@ MAX_SQUARE_LIMIT = 1 << 20
 # Plans kept per SFT, least recently used evicted. A run with data.region: tissue sees one shape per
 # slide; shape buckets keep that to a few, and a plan is rebuilt in well under a second when evicted.
 PLAN_CACHE_SIZE = 4
-
-
-def _device_str(device: torch.device | str | None) -> str:
-    if device is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(device).type
-
-
-def resolve_budget_bytes(
-    memory_budget: int | float | str | None, device: str | torch.device, probe: MemoryProbe | None = None
-) -> int:
-    """Bytes from an explicit budget, else detected on ``device`` (the model's: cuda:1, not the current one)."""
-    if memory_budget is not None:
-        return parse_bytes(memory_budget, what="memory_budget")
-    if probe is not None:
-        return detect_budget(device, probe)
-    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
-        raise PlanError(
-            "cannot detect the memory of a CUDA device on a machine without one",
-            hint="pass memory_budget (e.g. '11GiB') or a GPU preset",
-        )
-    return detect_budget(device)
-
-
-def _param_dtype(model: nn.Module) -> torch.dtype:
-    for p in model.parameters():
-        if p.is_floating_point():
-            return p.dtype
-    return torch.float32
-
-
-def _model_name(model: nn.Module) -> str:
-    name = getattr(model, "name", None)
-    return name if isinstance(name, str) else type(model).__name__
 
 
 def plan(
@@ -86,11 +52,12 @@ def plan(
     device: torch.device | str | None = None,
     host_checkpoints: str = "auto",
     target: TargetDevice | None = None,
+    time_model: TimeModel | None = None,
 ) -> Plan:
     """Plan ``model`` on ``input_shape`` (B, C, H, W) within ``memory_budget``, on shapes only.
 
-    ``dtype`` is the activation dtype (bf16/fp16 for autocast). For a CUDA device the image is
-    assumed to stream from host memory as uint8 (``input_on_host``), as ``wsitrain fit`` does.
+    ``dtype`` is the activation dtype (bf16/fp16 for autocast). For a CUDA device the image is assumed to stream
+    from host memory as uint8 (``input_on_host``), as ``wsitrain fit`` does. ``time_model``: default constants.
     Returns a plan with ``fits=False`` when nothing fits; raises PlanError for layers that cannot
     be tiled where tiling is needed. ``target``: the device's planning facts (default: detected, ``target_for``).
     """
@@ -113,6 +80,7 @@ def plan(
         optimizer=optimizer,
         host_checkpoints=host_checkpoints,
         target=target,
+        time_model=time_model,
     )
     return p
 
@@ -127,6 +95,7 @@ def max_square_size(
     device: torch.device | str | None = None,
     limit: int = MAX_SQUARE_LIMIT,
     target: TargetDevice | None = None,
+    time_model: TimeModel | None = None,
 ) -> int:
     """Largest square edge (a multiple of the model's stride) whose plan fits; 0 if none."""
     graph = ModelGraph(model)
@@ -139,7 +108,9 @@ def max_square_size(
     def fits(edge: int) -> bool:
         try:
             shape = (batch, channels, edge, edge)
-            sess = new_session(graph, shape, dtype, in_dtype, dev, on_host, False, optimizer, "auto", target)
+            sess = new_session(
+                graph, shape, dtype, in_dtype, dev, on_host, False, optimizer, "auto", target, time_model
+            )
         except PlanError:
             return False
         state = fitting_plan(sess, budget)
@@ -157,6 +128,12 @@ def max_square_size(
             break
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo if lo > 0 or fits(stride) else 0
+
+
+def _on_host(x: torch.Tensor, device: torch.device) -> bool:
+    """Is ``x`` host memory to the engine? A uint8 slide is the loader's memory, not the engine's (on CPU as on CUDA):
+    converted per tile, reported as host memory, and checked against host RAM by preflight."""
+    return x.device != device or (device.type == "cpu" and not x.dtype.is_floating_point)
 
 
 @dataclass(frozen=True)
@@ -194,6 +171,7 @@ class SFT(nn.Module):
         memory_probe: MemoryProbe | None = None,
         host_checkpoints: str = "auto",
         runtime: DeviceRuntime | None = None,
+        time_model: TimeModel | None = None,
     ) -> None:
         super().__init__()
         self.model = model
@@ -205,6 +183,7 @@ class SFT(nn.Module):
         self.tile_peaks = tile_peaks
         self.host_checkpoints = host_checkpoints  # "auto" (CUDA may use host memory), "always", "never"
         self._probe = memory_probe  # how the budget is detected when none is given (injectable for tests)
+        self.time_model = time_model  # None: the device's default constants; wsitrain fit passes a calibration
         self._budget_bytes: int | None = None if memory_budget is None else parse_bytes(memory_budget, "memory_budget")
         self._graph = ModelGraph(model)
         self._runner = NodeRunner(self._graph)
@@ -252,6 +231,18 @@ class SFT(nn.Module):
     def cached_plans(self) -> int:
         return len(self._cache)
 
+    def replan(self, budget_bytes: int) -> None:
+        """Plan every shape again within ``budget_bytes`` (cached plans dropped): fit's answer to an out of memory."""
+        self._budget_bytes = parse_bytes(budget_bytes, "budget_bytes")
+        self.memory_budget = self._budget_bytes
+        self._cache.clear()
+
+    def plan_of(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> Plan:
+        """The plan ``forward(x)`` runs (x's shape, dtype, placement), with activations in ``dtype`` (autocast's)."""
+        dev = self._device()
+        act = dtype or self._act_dtype(dev)
+        return self._compiled(tuple(x.shape), act, x.dtype, _on_host(x, dev), x.requires_grad).plan
+
     @property
     def staging_buffers(self) -> int:
         return self._stager.buffers
@@ -294,6 +285,7 @@ class SFT(nn.Module):
             optimizer=self.optimizer,
             host_checkpoints=self.host_checkpoints,
             target=target_for(detection_device(device, self._plan_device(device))),
+            time_model=self.time_model,
         )
         if not p.fits:
             why = "; ".join(p.notes) or f"the best plan needs {format_bytes(p.estimated_peak_bytes)}"
@@ -345,9 +337,7 @@ class SFT(nn.Module):
     # ---- execution -----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> Any:
         device = self._device()
-        # A uint8 slide is the loader's host memory, not the engine's working memory (on CPU as on CUDA): it is
-        # converted per tile, reported as host memory, and checked against host RAM by preflight.
-        on_host = x.device != device or (device.type == "cpu" and not x.dtype.is_floating_point)
+        on_host = _on_host(x, device)
         c = self._compiled(tuple(x.shape), self._act_dtype(device), x.dtype, on_host, x.requires_grad)
         self._runner.masks.new_step()  # per-sample drop masks: drawn once this step, replayed by every tile
         stats = StepStats()

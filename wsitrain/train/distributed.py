@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from wsitrain.config import COLLECTIVE_TIMEOUT_MINUTES
 
 
 @dataclass(frozen=True)
@@ -32,8 +35,13 @@ class DistInfo:
         return self.world_size > 1
 
 
-def init_distributed(backend: str | None = "auto", device_type: str = "cpu") -> DistInfo:
-    """Join the process group torchrun describes through WORLD_SIZE/RANK/LOCAL_RANK; single process otherwise."""
+def init_distributed(
+    backend: str | None = "auto", device_type: str = "cpu", timeout_minutes: float = COLLECTIVE_TIMEOUT_MINUTES
+) -> DistInfo:
+    """Join the process group torchrun describes through WORLD_SIZE/RANK/LOCAL_RANK; single process otherwise.
+
+    ``timeout_minutes`` (distributed.collective_timeout_minutes) bounds how long a collective waits for a rank.
+    """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return DistInfo()
@@ -44,7 +52,8 @@ def init_distributed(backend: str | None = "auto", device_type: str = "cpu") -> 
     if not dist.is_initialized():
         if backend in (None, "auto"):
             backend = "nccl" if device_type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, rank=rank, world_size=world)
+        timeout = timedelta(minutes=timeout_minutes)
+        dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout)
     return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank)
 
 

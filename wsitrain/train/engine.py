@@ -13,6 +13,7 @@ from wsitrain.config import EngineConfig, ModelConfig
 from wsitrain.errors import ConfigError
 from wsitrain.models import build
 from wsitrain.sft import SFT
+from wsitrain.sft.planning.calibration import cpu_name, time_model_for
 from wsitrain.train.distributed import DistInfo
 
 
@@ -64,12 +65,15 @@ def wrap_engine(
 ) -> SFT:
     """The SFT engine around ``model`` (moved to ``device``), planning every input shape within the run's one budget.
 
-    ``budget_bytes`` is resolved once per run (``wsitrain.gpus.run_budget``), never re-detected per shape.
+    ``budget_bytes`` is resolved once per run (``wsitrain.gpus.run_budget``), never re-detected per shape. The
+    time model is the device's calibration (``wsitrain doctor --calibrate``) when there is one.
     """
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     return SFT(
         model.to(device),
         memory_budget=budget_bytes,
         tile_size=engine.tile_size,
         checkpoints=engine.checkpoints,
         optimizer=optimizer,
+        time_model=time_model_for(device.type, name),
     )

@@ -29,7 +29,8 @@ def run_fit(
 ) -> Path:
     """Train as ``cfg`` says; return the run folder. Input errors are raised before anything is trained or written."""
     console = console or Console()
-    info = D.init_distributed(cfg.distributed.backend, "cuda" if _wants_cuda(cfg) else "cpu")
+    dc = cfg.distributed
+    info = D.init_distributed(dc.backend, "cuda" if _wants_cuda(cfg) else "cpu", dc.collective_timeout_minutes)
     try:
         t_start = time.perf_counter()
         recipe = FitRecipe(cfg, console=console, quiet=quiet, dist=info, callbacks=callbacks, shapes_only=shapes_only)

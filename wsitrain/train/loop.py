@@ -36,7 +36,7 @@ class SlideStep:
     stats: StepStats  # the engine's per-tile timings of this step
 
 
-def _as_batch(image: torch.Tensor) -> torch.Tensor:
+def as_batch(image: torch.Tensor) -> torch.Tensor:
     return image.unsqueeze(0) if image.dim() == 3 else image  # (3, H, W) -> (1, 3, H, W)
 
 
@@ -52,6 +52,11 @@ class Evaluator:
         self.meter = PeakMeter(device)
         self._autocast_dtype = autocast_dtype(precision)
 
+    @property
+    def activation_dtype(self) -> torch.dtype | None:
+        """The autocast dtype of the run's precision; None in fp32 (activations in the parameters' dtype)."""
+        return self._autocast_dtype
+
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self._autocast_dtype is not None:
             return torch.autocast(self.device.type, dtype=self._autocast_dtype)
@@ -65,7 +70,7 @@ class Evaluator:
     def eval_slide(self, image: torch.Tensor, label: int | None) -> SlideStep:
         """Forward only (no graph kept): loss against ``label`` when given, and class probabilities."""
         self.model.eval()
-        x = _as_batch(image)
+        x = as_batch(image)
         self.meter.start()
         t0 = time.perf_counter()
         with self.autocast():
@@ -109,7 +114,7 @@ class Trainer(Evaluator):
     def train_slide(self, image: torch.Tensor, label: int, scale: float) -> SlideStep:
         """Forward + backward of one slide; gradients accumulate into .grad (scaled by ``scale``)."""
         self.model.train()
-        x = _as_batch(image)
+        x = as_batch(image)
         target = torch.tensor([label], dtype=torch.long, device=self.device)
         self.meter.start()
         t0 = time.perf_counter()

@@ -35,6 +35,7 @@ from wsitrain.train.data import FitData, augment_settings, epoch_order, load_fit
 from wsitrain.train.engine import batchnorm_note, build_model, resolve_device, seed_everything, wrap_engine
 from wsitrain.train.loop import Trainer
 from wsitrain.train.metrics import classification_metrics
+from wsitrain.train.oom import OomRetry
 from wsitrain.train.optim import build_optimizer, build_scheduler
 from wsitrain.train.progress import FitProgress
 from wsitrain.train.recorder import RunRecorder
@@ -127,6 +128,7 @@ class FitRecipe:
         self._print_setup()
         self.recorder = RunRecorder(self.run_dir if self.dist.is_main else None, cfg.log, t.precision, self.engine,
                                     self.out)  # fmt: skip
+        self.oom = OomRetry(self.trainer, self.engine, self._log_replan, self.recorder.metrics.write)
         if ckpt is not None:
             # Rows after this marker redo the steps a killed run had logged past its last checkpoint.
             self.recorder.metrics.write({"kind": "resume", "epoch": self.state.epoch + 1,
@@ -183,7 +185,8 @@ class FitRecipe:
             with self._plan_errors_named(record.slide_id):
                 self.recorder.plan_if_new(image, record.slide_id)
                 progress.start_slide(record.slide_id, self.recorder.tiles_total(image))
-                step = trainer.train_slide(image, label, 1.0 / window)
+                step = self.oom.train_slide(image, label, 1.0 / window, record.slide_id)
+                self.recorder.plan_if_new(image, record.slide_id)  # logs the new plan after an out-of-memory re-plan
             losses.append(step.loss)
             lr = trainer.lr
             closes = j + 1 - window_start == window
@@ -223,6 +226,10 @@ class FitRecipe:
         if improved:
             self.save("best.pt", epoch + 1, 0)
         D.barrier(self.dist)
+
+    def _log_replan(self, text: str) -> None:
+        self.out.print(f"[yellow]{escape(text)}[/yellow]")
+        self.recorder.forget_plans()  # every shape is planned again within the lowered budget
 
     @contextlib.contextmanager
     def _plan_errors_named(self, slide: str) -> Iterator[None]:

@@ -42,10 +42,15 @@ class RunRecorder:
 
     # ---- plans
     def plan_for(self, image: torch.Tensor) -> Plan:
+        """The plan the engine runs for this slide: its shape, its dtype (uint8) and where it lives (the host)."""
         shape = (1, *image.shape[-3:])
         if shape not in self._plans:
-            self._plans[shape] = self.engine.plan_for(shape, self.dtype)
+            self._plans[shape] = self.engine.plan_of(image.reshape(shape), self.dtype)
         return self._plans[shape]
+
+    def forget_plans(self) -> None:
+        """The engine re-planned (a lowered budget): each shape's new plan is logged when it next appears."""
+        self._plans.clear()
 
     def plan_if_new(self, image: torch.Tensor, slide: str) -> None:
         """Print and log the engine's plan the first time a slide shape appears (each shape has its own plan)."""

@@ -58,6 +58,24 @@ def device_kind(device: str) -> str:
     return "cuda" if device.startswith("cuda") else "cpu"
 
 
+DEFAULT_TIME_MODEL = "default constants"
+
+
+@dataclass(frozen=True)
+class TimeModel:
+    """The time model's constants for one device (FLOP-equivalents), and where they came from."""
+
+    byte_flops: float
+    call_flops: float
+    tile_call_flops: float
+    source: str = DEFAULT_TIME_MODEL  # or "calibrated on <GPU> on <date>" (wsitrain doctor --calibrate)
+
+
+def default_time_model(device: str) -> TimeModel:
+    kind = device_kind(device)
+    return TimeModel(BYTE_FLOPS[kind], CALL_FLOPS[kind], TILE_CALL_FLOPS[kind])
+
+
 @dataclass(frozen=True)
 class MemoryTerms:
     """Bytes that exist for the whole step whatever the plan: weights, optimizer state, kernel workspaces."""
@@ -129,10 +147,9 @@ class WorkTerms:
     calls: float
     tiled: bool = False  # calls made by the tile executor (each pays TILE_CALL_FLOPS more)
 
-    def time(self, device: str) -> float:
-        kind = device_kind(device)
-        per_call = CALL_FLOPS[kind] + (TILE_CALL_FLOPS[kind] if self.tiled else 0.0)
-        return self.flops + BYTE_FLOPS[kind] * self.traffic + per_call * self.calls
+    def time(self, tm: TimeModel) -> float:
+        per_call = tm.call_flops + (tm.tile_call_flops if self.tiled else 0.0)
+        return self.flops + tm.byte_flops * self.traffic + per_call * self.calls
 
 
 def node_terms(
@@ -149,17 +166,17 @@ def node_terms(
 
 
 def node_work(
-    facts: GraphFacts, i: int, numel_out: float, numel_in: float, calls: int, device: str, tiled: bool = False
+    facts: GraphFacts, i: int, numel_out: float, numel_in: float, calls: int, tm: TimeModel, tiled: bool = False
 ) -> Work:
     """Forward and backward of node i (see ``node_terms``) as FLOPs and modelled time."""
     t = node_terms(facts, i, numel_out, numel_in, calls, tiled=tiled)
-    return Work(t.flops, t.time(device))
+    return Work(t.flops, t.time(tm))
 
 
-def forward_work(facts: GraphFacts, i: int, numel_out: float, numel_in: float, calls: int, device: str) -> Work:
+def forward_work(facts: GraphFacts, i: int, numel_out: float, numel_in: float, calls: int, tm: TimeModel) -> Work:
     """A forward alone by the tile executor (the recompute of a tiled segment)."""
     t = node_terms(facts, i, numel_out, numel_in, calls, backward=False, tiled=True)
-    return Work(t.flops, t.time(device))
+    return Work(t.flops, t.time(tm))
 
 
 def _elem_bytes(facts: GraphFacts, i: int) -> float:

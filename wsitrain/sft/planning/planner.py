@@ -18,7 +18,7 @@ from wsitrain.sft.graph import ModelGraph
 from wsitrain.sft.ops.report import fix_hint, tiling_report
 from wsitrain.sft.plan_types import Plan, SegmentPlan
 from wsitrain.sft.planning.baselines import baseline_peak, checkpoint_sequential_peak
-from wsitrain.sft.planning.costs import device_kind, memory_terms
+from wsitrain.sft.planning.costs import TimeModel, device_kind, memory_terms
 from wsitrain.sft.planning.options import PLAIN, TILED, SegOption, replay_path, segment_blocker
 from wsitrain.sft.planning.search import (
     CHEAPEST,
@@ -49,6 +49,7 @@ def new_session(
     optimizer: str | None = None,
     host_checkpoints: str = "auto",
     target: TargetDevice | None = None,
+    time_model: TimeModel | None = None,
 ) -> PlanSession:
     """``target``: the device's planning facts (default: by ``device``'s kind, detected where it is a GPU here)."""
     if host_checkpoints not in ("auto", "always", "never"):
@@ -58,7 +59,7 @@ def new_session(
         raise PlanError(f"a {tgt.kind} target for a {device} plan", hint="plan for the target's own device kind")
     facts = annotate(graph, input_shape, act_dtype, input_dtype, input_requires_grad)
     terms = memory_terms(facts, tgt, optimizer)
-    return PlanSession(facts, terms, device, input_on_host, host_checkpoints, tgt)
+    return PlanSession(facts, terms, device, input_on_host, host_checkpoints, tgt, time_model)
 
 
 def build_plan(
@@ -76,13 +77,14 @@ def build_plan(
     optimizer: str | None = None,
     host_checkpoints: str = "auto",
     target: TargetDevice | None = None,
+    time_model: TimeModel | None = None,
 ) -> tuple[Plan, GraphFacts]:
     """Plan ``graph`` on ``input_shape`` within ``budget`` bytes; also returns the facts it planned on."""
     if tile_size is not None and tile_size <= 0:
         raise PlanError(f"tile_size {tile_size} must be a positive number of pixels", hint="engine.tile_size")
     sess = new_session(
         graph, input_shape, act_dtype, input_dtype, device, input_on_host, input_requires_grad, optimizer,
-        host_checkpoints, target,
+        host_checkpoints, target, time_model,
     )
     forced_cuts = _resolve_checkpoints(sess.facts, checkpoints) if checkpoints is not None else None
     state = fitting_plan(sess, budget, tile_size, forced_cuts)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from wsitrain.sft.facts import GraphFacts
 from wsitrain.sft.ops.registry import MERGE, WINDOW
 from wsitrain.sft.ops.types import out_of_place
-from wsitrain.sft.planning.costs import MemoryTerms, Work, forward_work, node_work
+from wsitrain.sft.planning.costs import MemoryTerms, TimeModel, Work, default_time_model, forward_work, node_work
 from wsitrain.sft.planning.memory_model import SimOp, SimResult, simulate
 from wsitrain.sft.target import CPU_TARGET, TargetDevice
 
@@ -27,6 +27,7 @@ class PlanSession:
     # memory is the same memory), "always" puts every eligible one there (tests run the host path on CPU), "never"
     host_checkpoints: str = "auto"
     target: TargetDevice = CPU_TARGET  # the device's planning facts: workspaces, convolution limit, link price
+    time_model: TimeModel | None = None  # None: the device's default constants (costs.default_time_model)
     _plain: dict[tuple[int, int], tuple[SimResult, float]] = field(default_factory=dict, repr=False)
     _tiles: dict[tuple[int, ...], object] = field(default_factory=dict, repr=False)  # memo of tile_memory
     _sweeps: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)  # memo of multipass
@@ -38,6 +39,7 @@ class PlanSession:
     _node_work: dict[tuple[int, int, int, int], tuple[Work, Work]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
+        self.tm = self.time_model or default_time_model(self.device)
         f = self.facts
         # parameter gradients that exist once backward has passed node i (suffix sums)
         after = [0] * (f.n + 1)
@@ -111,8 +113,8 @@ class PlanSession:
         key = (i, numel_out, numel_in, calls)
         w = self._node_work.get(key)
         if w is None:
-            both = node_work(self.facts, i, numel_out, numel_in, calls, self.device, tiled=True)
-            w = self._node_work[key] = (both, forward_work(self.facts, i, numel_out, numel_in, calls, self.device))
+            both = node_work(self.facts, i, numel_out, numel_in, calls, self.tm, tiled=True)
+            w = self._node_work[key] = (both, forward_work(self.facts, i, numel_out, numel_in, calls, self.tm))
         return w
 
     def plain_sim(self, start: int, end: int) -> tuple[SimResult, float]:
@@ -135,7 +137,7 @@ class PlanSession:
             total = Work()
             for i in range(start + 1, end + 1):
                 ins = sum(self.numel(v) for v in self.facts.nodes[i].inputs)
-                total = total + node_work(self.facts, i, self.numel(i), ins, 1, self.device)
+                total = total + node_work(self.facts, i, self.numel(i), ins, 1, self.tm)
             self._work[key] = total
         return self._work[key]
 

@@ -1,0 +1,119 @@
+"""Time-model calibrations: one JSON file per device, written by ``wsitrain doctor --calibrate``, read by the planner.
+
+A file lives in the calibration folder (``$WSITRAIN_CALIBRATION_DIR``, else ``$XDG_CACHE_HOME/wsitrain/calibration``,
+else ``~/.cache/wsitrain/calibration``) as ``<device-slug>.json``, and holds the device's name as torch reports it
+(``torch.cuda.get_device_name``; for a CPU, ``cpu: <model name>``). ``time_model_for`` returns the calibrated
+constants when the file's name matches the device planned for, and the defaults (``costs.default_time_model``)
+otherwise; a file that exists but cannot be read is an error naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from wsitrain.errors import WsiTrainError
+from wsitrain.sft.planning.costs import TimeModel, default_time_model, device_kind
+
+CALIBRATION_ENV = "WSITRAIN_CALIBRATION_DIR"
+CALIBRATION_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A device's fitted time-model constants (FLOP-equivalents) and the run that fitted them."""
+
+    device_name: str  # torch's name of the GPU, or "cpu: <model name>"
+    device: str  # "cuda" or "cpu"
+    date: str  # YYYY-MM-DD
+    byte_flops: float
+    call_flops: float
+    tile_call_flops: float  # not fitted (plain steps make no executor calls): the device's default, recorded
+    flops_per_second: float
+    torch: str = ""
+    threads: int = 0
+    format: int = CALIBRATION_FORMAT
+
+    def time_model(self) -> TimeModel:
+        return TimeModel(self.byte_flops, self.call_flops, self.tile_call_flops,
+                         f"calibrated on {self.device_name} on {self.date}")  # fmt: skip
+
+
+def calibration_dir() -> Path:
+    env = os.environ.get(CALIBRATION_ENV)
+    if env:
+        return Path(env).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME")
+    return (Path(cache).expanduser() if cache else Path.home() / ".cache") / "wsitrain" / "calibration"
+
+
+def device_slug(name: str) -> str:
+    """``NVIDIA H100 80GB HBM3`` -> ``nvidia-h100-80gb-hbm3``: the file name of a device's calibration."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "device"
+
+
+def calibration_path(device_name: str, folder: Path | None = None) -> Path:
+    return (folder or calibration_dir()) / f"{device_slug(device_name)}.json"
+
+
+def write_calibration(cal: Calibration, folder: Path | None = None) -> Path:
+    path = calibration_path(cal.device_name, folder)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(asdict(cal), indent=2) + "\n")
+    return path
+
+
+def read_calibration(path: Path) -> Calibration:
+    """The calibration in ``path``; WsiTrainError naming the file when it is not one."""
+    fix = f"run `wsitrain doctor --calibrate` again on that device, or delete {path}"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise WsiTrainError(f"calibration file {path} cannot be read: {e}", hint=fix) from e
+    fields = Calibration.__dataclass_fields__
+    if not isinstance(raw, dict) or raw.get("format") != CALIBRATION_FORMAT:
+        raise WsiTrainError(f"calibration file {path} is not a wsitrain calibration (format {CALIBRATION_FORMAT})",
+                            hint=fix)  # fmt: skip
+    missing = [k for k in ("device_name", "device", "date", "byte_flops", "call_flops", "tile_call_flops",
+                           "flops_per_second") if k not in raw]  # fmt: skip
+    if missing:
+        raise WsiTrainError(f"calibration file {path} lacks {', '.join(missing)}", hint=fix)
+    for key in ("byte_flops", "call_flops", "tile_call_flops", "flops_per_second"):
+        v = raw[key]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise WsiTrainError(f"calibration file {path}: {key} is {v!r}, not a finite number >= 0", hint=fix)
+    return Calibration(**{k: v for k, v in raw.items() if k in fields})
+
+
+def time_model_for(device: str, device_name: str | None, folder: Path | None = None) -> TimeModel:
+    """The calibrated time model of ``device_name`` when its file exists and names it; else the defaults."""
+    if device_name is None:
+        return default_time_model(device)
+    path = calibration_path(device_name, folder)
+    if not path.is_file():
+        return default_time_model(device)
+    cal = read_calibration(path)
+    if cal.device_name != device_name or device_kind(cal.device) != device_kind(device):
+        return default_time_model(device)  # another device whose name has the same slug
+    return cal.time_model()
+
+
+def cpu_name() -> str:
+    """This machine's CPU as a calibration names it: ``cpu: <model name>`` (from /proc/cpuinfo where there is one)."""
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    if not model:
+        import platform
+
+        model = platform.processor() or platform.machine() or "unknown"
+    return f"cpu: {model}"
