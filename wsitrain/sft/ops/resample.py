@@ -10,6 +10,9 @@
   reads input ``o // s``, an ``Upscale`` of nearest kind.
 - ``nn.PixelUnshuffle`` / ``F.pixel_unshuffle`` and timm's ``SpaceToDepth`` (TResNet's stem): output ``o``
   reads inputs ``[s * o, s * o + s)``, a ``Window`` of kernel and stride ``s``; crops start on the block grid.
+- timm's ``BlurPool2d`` (anti-aliased downsampling in TResNet, ResNet-D variants): symmetric reflect / constant
+  padding and a fixed depthwise blur with a stride, i.e. a ``Window`` like a conv with ``padding_mode="reflect"``:
+  crops start at 0 only at the true image border, where the module's own padding is the image's.
 
 Not tiled (with the reason): ``align_corners=True`` (the source grid is stretched by ``(in - 1) / (out - 1)``,
 which depends on the whole extent, so no crop reproduces it), explicit output sizes (a crop would be resized
@@ -32,6 +35,7 @@ BILINEAR = "bilinear"
 # timm's regroupings, known by class name (timm is optional); ``bs`` is their block size
 SPACE_TO_DEPTH_NAMES = ("SpaceToDepth",)
 DEPTH_TO_SPACE_NAMES = ("DepthToSpace",)
+BLUR_POOL_NAMES = ("BlurPool2d",)  # timm.layers.BlurPool2d: F.pad(padding, pad_mode) then a strided depthwise blur
 # FLOPs per output: a nearest copy moves one value; bilinear weighs four inputs (4 multiplies, 3 adds)
 _FLOPS = {NEAREST: 1.0, BILINEAR: 7.0}
 
@@ -122,9 +126,25 @@ def pixel_unshuffle_spec(type_name: str, factor: int) -> OpSpec:
 def is_resample_module(m: nn.Module) -> bool:
     """Modules this file describes (kept whole by the tracer)."""
     name = type(m).__name__
-    return isinstance(m, (nn.Upsample, nn.PixelShuffle, nn.PixelUnshuffle)) or (
-        name in SPACE_TO_DEPTH_NAMES + DEPTH_TO_SPACE_NAMES and isinstance(getattr(m, "bs", None), int)
+    return (
+        isinstance(m, (nn.Upsample, nn.PixelShuffle, nn.PixelUnshuffle))
+        or (name in SPACE_TO_DEPTH_NAMES + DEPTH_TO_SPACE_NAMES and isinstance(getattr(m, "bs", None), int))
+        or (name in BLUR_POOL_NAMES and isinstance(getattr(m, "filt_size", None), int))
     )
+
+
+def blur_pool_spec(m: nn.Module) -> OpSpec:
+    """timm's BlurPool2d: a strided ``filt_size`` window after symmetric padding (reflect, constant, replicate)."""
+    name = type(m).__name__
+    pads = list(getattr(m, "padding", []))
+    mode = str(getattr(m, "pad_mode", ""))
+    if len(pads) != 4 or len(set(pads)) != 1 or mode not in ("reflect", "constant", "replicate"):
+        why = f"padding {pads} with mode {mode!r}: only symmetric reflect, constant or replicate padding tiles"
+        return not_tileable(name, OPAQUE, f"{name} with {why}")
+    k, stride = int(m.filt_size), int(m.stride)
+    w = Window(k, stride, int(pads[0]), 1)
+    # the depthwise conv keeps its padded input for backward; 2 FLOPs per tap
+    return OpSpec(WINDOW, name, windows=(w, w), saves_input=True, flops_per_output=2.0 * k * k)
 
 
 def resample_module_spec(m: nn.Module) -> OpSpec | None:
@@ -140,6 +160,8 @@ def resample_module_spec(m: nn.Module) -> OpSpec | None:
         return pixel_unshuffle_spec(name, m.bs)
     if name in DEPTH_TO_SPACE_NAMES and isinstance(getattr(m, "bs", None), int):
         return pixel_shuffle_spec(name, m.bs)
+    if name in BLUR_POOL_NAMES and isinstance(getattr(m, "filt_size", None), int):
+        return blur_pool_spec(m)
     return None
 
 
