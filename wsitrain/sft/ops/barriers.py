@@ -31,10 +31,12 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from wsitrain.sft.graph import ModelGraph
 from wsitrain.sft.ops.fused_pool import AVG, pool_kind
+from wsitrain.sft.ops.grn import grn_spatial_dims, is_grn_module
 from wsitrain.sft.ops.registry import MERGE, POINTWISE, SHAPE, OpSpec
 
 BATCHNORM = "batchnorm"  # per-channel mean and biased variance over (B, H, W)
 SQUEEZE = "squeeze"  # per-(sample, channel) mean over (H, W), fed through a chain back into a multiply
+GRN = "grn"  # ConvNeXt V2's global response normalization: per-(sample, channel) sum of squares (ops/grn.py)
 
 
 def is_batch_stat_bn(m: nn.Module) -> bool:
@@ -81,6 +83,10 @@ def mark_barriers(graph: ModelGraph, specs: list[OpSpec], shapes: Sequence[tuple
                 flops_per_output=4.0,
                 has_params=m.affine,
             )
+        elif m is not None and is_grn_module(m) and g.index not in in_chain:
+            dims = specs[g.index].spatial_dims
+            if dims is not None and dims == grn_spatial_dims(m, len(shapes[g.index])):
+                out[g.index] = replace(_barrier_spec(specs[g.index], {"barrier": GRN}), spatial_dims=dims)
     return out
 
 
