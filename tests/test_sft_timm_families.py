@@ -72,6 +72,7 @@ def budget_45(name: str, shape: tuple[int, ...]) -> int:
     return int(fixed + 0.45 * (probe.baseline_peak_bytes - fixed))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "shape", "tile"),
     [("timm/hrnet_w18_small", (1, 3, 96, 128), 48), ("timm/tresnet_m", (2, 3, 64, 96), 32)],
@@ -82,6 +83,7 @@ def test_family_tiles_exact(name: str, shape: tuple[int, ...], tile: int) -> Non
     assert any(s.mode == "tiled" and s.n_tiles > 1 for s in p.segments), f"the test must really tile:\n{p}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "shape"), [("timm/hrnet_w18_small", (1, 3, 1024, 1024)), ("timm/tresnet_m", (2, 3, 320, 384))]
 )
@@ -90,3 +92,19 @@ def test_family_plans_at_45_percent(name: str, shape: tuple[int, ...]) -> None:
     p = SFT(_model(name), memory_budget=budget).plan_for(shape)
     assert p.fits and p.estimated_peak_bytes <= budget
     assert any(s.mode == "tiled" for s in p.segments), f"the budget must force tiling:\n{p}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "train_bn"), [("timm/convnextv2_atto", False), ("timm/resnest14d", True)])
+def test_whole_map_statistics_at_45_percent_exact(name: str, train_bn: bool) -> None:
+    """ConvNeXt V2 (GRN) and ResNeSt (split attention) at 2 x 3 x 160 x 192 within 45% of plain's activation
+    memory: tiled segments hold the barriers, and the step is exact (train-mode BatchNorm: buffers too)."""
+    shape = (2, 3, 160, 192)
+    budget = budget_45(name, shape)
+    engine = run_exact(name, shape, train_bn=train_bn, memory_budget=budget)
+    compiled = next(iter(engine._cache.values()))
+    p = compiled.plan
+    assert p.fits and p.estimated_peak_bytes <= budget
+    kind = "grn" if "convnextv2" in name else "squeeze"
+    held = [b.kind for s in compiled.segments for b in getattr(s, "barriers", [])]
+    assert kind in held, f"{kind} barriers must run in tiled segments:\n{p}"
