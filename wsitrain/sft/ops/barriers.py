@@ -1,13 +1,17 @@
 """Barrier nodes: operators inside the trunk whose output needs a statistic of their WHOLE input.
 
-Two kinds, both spatially pointwise once the statistic is known:
+Three kinds, all spatially pointwise once the statistic is known:
 - train-mode BatchNorm normalizes with the batch's per-channel mean and variance over (B, H, W);
 - squeeze-excitation: a global average pool (B, C, 1, 1) or (B, C) whose result goes through a *chain*
   of layers on per-(sample, channel) values (1x1 convs or ``nn.Linear`` on (B, C), activations, sigmoid,
   and the ``view`` / ``flatten`` / ``unsqueeze`` / ``[:, :, None, None]`` between them) and comes back into
   the spatial graph only through broadcast multiplies (``x * s``, or ``x * s.expand_as(x)``). Its *exits*
-  are the (B, C', 1, 1) chain nodes those multiplies (or ``expand_as``) read. The chain may read shapes
-  (``b, c, _, _ = x.size()``): it recomputes them on the untiled map, as plain PyTorch sees it.
+  are the (B, C', 1, 1) chain nodes those multiplies (or ``expand_as``) read. ResNeSt's split attention is one:
+  its chain holds the radix softmax's (B, card, radix, C'') values and its exit (B, radix, C, 1, 1) scales the
+  5-D radix map (B, radix, C, H, W). The chain may read shapes (``b, c, _, _ = x.size()``): it recomputes
+  them on the untiled map, as plain PyTorch sees it;
+- ConvNeXt V2's global response normalization (GRN, ``wsitrain.sft.ops.grn``): a per-(sample, channel) sum of
+  squares over the map.
 No tile sees the statistic, so a tiled segment holding a barrier runs in sweeps
 (``wsitrain.sft.execution.multipass``): first the statistic over all tiles, then the layers after it with the
 statistic (BatchNorm) or the chain's result (squeeze-excitation) as a constant. This module finds
