@@ -81,7 +81,7 @@ def axis_tile(
             assert spec.windows is not None
             w = spec.windows[axis]
             lo, hi = req[(u, inputs[u][0])]
-            n_out = (hi - lo + 2 * w.padding - w.dilation * (w.kernel - 1) - 1) // w.stride + 1
+            n_out = w.output_count(lo, hi)
             g0 = w.first_output(lo)
             computed[u] = (g0, g0 + max(n_out, b - g0))
         else:

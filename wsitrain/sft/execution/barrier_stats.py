@@ -4,6 +4,8 @@ BatchNorm: per-channel (count, mean, M2) combined tile by tile with Chan's paral
 normalization the layer applies and the running-statistics update ``F.batch_norm`` does.
 Squeeze-excitation: the pooled map and its chain's results, run once per step outside the tiles, and the
 gradient back through that chain (see ``wsitrain.sft.execution.multipass``).
+Global response normalization (``wsitrain.sft.ops.grn``): per-(sample, channel) sums of squares, the
+normalizer computed once from them, and the gradient back to the sums.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch import nn
 
 from wsitrain.sft.execution.runner import NodeRunner
 from wsitrain.sft.ops.barriers import Barrier
+from wsitrain.sft.ops.grn import grn_normalizer
 
 C_SHAPE = (1, -1, 1, 1)  # per-channel vector to (1, C, 1, 1)
 
@@ -37,6 +40,27 @@ class SEStat:
     pooled: torch.Tensor  # (B, C, 1, 1) or (B, C) as the pool gives it; a leaf, requiring grad when the graph is kept
     exits: dict[int, torch.Tensor]  # exit node -> (B, C', 1, 1) computed from ``pooled``
     count: int  # H * W positions averaged
+
+
+@dataclass(frozen=True)
+class GRNStat:
+    """A GRN's sums of squares over the image axes (keepdim) and the normalizer ``n`` computed from them."""
+
+    sq: torch.Tensor  # (B, 1, 1, C) channels-last or (B, C, 1, 1), in at least float32
+    x_n: torch.Tensor  # same shape
+    dims: tuple[int, int]  # the image axes of the GRN's input
+
+    @staticmethod
+    def of(m: nn.Module, sq: torch.Tensor, dims: tuple[int, int]) -> GRNStat:
+        with torch.no_grad():
+            return GRNStat(sq, grn_normalizer(m, sq), dims)
+
+    def sq_grad(self, m: nn.Module, g_n: torch.Tensor) -> torch.Tensor:
+        """G_s from the gradient of ``n`` summed over all tiles (through the tiny per-channel formula again)."""
+        with torch.enable_grad():
+            leaf = self.sq.detach().requires_grad_()
+            (g,) = torch.autograd.grad(grn_normalizer(m, leaf), leaf, g_n.to(leaf.dtype))
+        return g
 
 
 def wide(t: torch.Tensor) -> torch.Tensor:
@@ -92,12 +116,17 @@ def bn_apply(m: nn.BatchNorm2d, mean: torch.Tensor, inv: torch.Tensor, x: torch.
     return y.to(x.dtype)
 
 
-def correction(st: BNStat | SEStat, total: tuple[torch.Tensor, ...], x: torch.Tensor) -> torch.Tensor:
+def correction(st: BNStat | SEStat | GRNStat, total: tuple[torch.Tensor, ...], x: torch.Tensor) -> torch.Tensor:
     """The statistic's part of the gradient at input positions ``x`` (B, C, h, w), detached.
+
+    GRN (s = sum of x^2 over the map): 2 x G_s, G_s broadcast over the image axes of ``x`` (its own layout).
 
     BatchNorm (biased variance over N positions): G_m / N - G_inv * inv^3 * (x - m) / N.
     Squeeze-excitation: every averaged position gets its 1 / (H * W) share of G_P ((B, C, 1, 1) or (B, C)).
     """
+    if isinstance(st, GRNStat):
+        (g_s,) = total
+        return (2.0 * wide(x) * g_s).to(x.dtype)
     if isinstance(st, BNStat):
         g_m, g_inv = total
         corr = g_m.view(C_SHAPE) / st.count - (g_inv * st.inv**3).view(C_SHAPE) * (x - st.mean.view(C_SHAPE)) / st.count
@@ -107,10 +136,10 @@ def correction(st: BNStat | SEStat, total: tuple[torch.Tensor, ...], x: torch.Te
     return corr.to(x.dtype)
 
 
-Stats = dict[int, BNStat | SEStat]  # barrier node -> its statistic
-# barrier node -> the tensors a sweep differentiates: (mean, inv) of a BatchNorm, the exits of an SE
+Stats = dict[int, BNStat | SEStat | GRNStat]  # barrier node -> its statistic
+# barrier node -> the tensors a sweep differentiates: (mean, inv) of a BatchNorm, the exits of an SE, n of a GRN
 Leaves = dict[int, list[torch.Tensor]]
-# barrier node -> gradients summed over tiles: (G_m, G_inv) of a BatchNorm, (G_P,) of an SE
+# barrier node -> gradients summed over tiles: (G_m, G_inv) of a BatchNorm, (G_P,) of an SE, (G_s,) of a GRN
 Totals = dict[int, tuple[torch.Tensor, ...]]
 
 

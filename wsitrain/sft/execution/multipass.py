@@ -42,6 +42,7 @@ from torch import nn
 
 from wsitrain.sft.execution.barrier_stats import (
     BNStat,
+    GRNStat,
     Leaves,
     Moments,
     SEStat,
@@ -58,10 +59,11 @@ from wsitrain.sft.execution.runner import NodeRunner
 from wsitrain.sft.execution.staging import HostStager
 from wsitrain.sft.execution.tiled import ExecHooks, TiledSegment, _AutocastState
 from wsitrain.sft.facts import GraphFacts
-from wsitrain.sft.ops.barriers import BATCHNORM, SQUEEZE, Barrier, ancestors_in, segment_barriers
+from wsitrain.sft.ops.barriers import BATCHNORM, GRN, SQUEEZE, Barrier, ancestors_in, segment_barriers
 from wsitrain.sft.ops.fused_pool import PoolAccumulator
+from wsitrain.sft.ops.grn import grn_apply
 from wsitrain.sft.ops.registry import WINDOW
-from wsitrain.sft.ops.space import crop
+from wsitrain.sft.ops.space import crop, spatial_extent
 from wsitrain.sft.plan_types import SegmentPlan
 from wsitrain.sft.regions import AxisTile
 
@@ -88,11 +90,15 @@ class MultiPassSegment(TiledSegment):
         assert self.barriers, "a multi-pass segment holds at least one barrier"
         self.levels = sorted({b.level for b in self.barriers})
         self.bn: dict[int, nn.BatchNorm2d] = {}
+        self.grn: dict[int, nn.Module] = {}  # global response normalizations (ops/grn.py)
         for b in self.barriers:
             m = runner.graph.module(b.node)
             if b.kind == BATCHNORM:
                 assert isinstance(m, nn.BatchNorm2d)
                 self.bn[b.node] = m
+            elif b.kind == GRN:
+                assert m is not None
+                self.grn[b.node] = m
         # squeeze-excitation chains run once per step, outside the tiles; tiles read their exits
         self.chain = {i for b in self.barriers for i in b.chain} | {b.node for b in self.barriers if b.kind == SQUEEZE}
         self.tile_nodes = [i for i in self.nodes if i not in self.chain]
@@ -105,7 +111,9 @@ class MultiPassSegment(TiledSegment):
             for lv in self.levels
         }
         shapes = {v: facts.nodes[v].shape for v in [self.start, *self.nodes]}
-        self.sizes = {v: (s[2], s[3]) for v, s in shapes.items() if len(s) == 4}  # (H, W) of the feature maps
+        # (H, W) of the feature maps, wherever their layout holds them (GRN may read a channels-last map)
+        self.sizes = {v: (spatial_extent(self.specs[v], s, 0), spatial_extent(self.specs[v], s, 1))
+                      for v, s in shapes.items()}  # fmt: skip
         self.se = {b.node: SqueezeChain(runner, b, shapes) for b in self.barriers if b.kind == SQUEEZE}
 
     def at(self, level: int) -> list[Barrier]:
@@ -150,6 +158,10 @@ class MultiPassSegment(TiledSegment):
                 nr, nc = rt.need[v][0], ct.need[v][0]
                 x_in = env[_wide_key(u)][:, :, rl - nr : rh - nr, cl - nc : ch - nc]
                 out = bn_apply(self.bn[u], mean, inv, x_in).to(env[v].dtype)
+            elif u in self.grn:
+                st = stats[u]
+                assert isinstance(st, GRNStat)
+                out = grn_apply(self.grn[u], fetch(self.inputs[u][0]), leaves[u][0] if u in leaves else st.x_n)
             else:
                 out = self.runner.run(u, env, out_of_place=True, fetch=fetch)
             spec = self.specs[u]
@@ -179,14 +191,14 @@ class MultiPassSegment(TiledSegment):
         return out
 
     def _owned(self, value: torch.Tensor, v: int, r: int, c: int) -> torch.Tensor:
-        """The part of node v's tile value that tile (r, c) owns. (B, C, oh, ow), a view."""
+        """The part of node v's tile value that tile (r, c) owns. (B, C, oh, ow) in v's layout, a view."""
         reg = self.regions
         rt, ct = reg.rows[r], reg.cols[c]
         h, w = self.sizes[v]
         r0, r1 = owned_interval(reg.rows_out[r], self.sizes[self.end][0], h)
         c0, c1 = owned_interval(reg.cols_out[c], self.sizes[self.end][1], w)
         nr, nc = rt.need[v][0], ct.need[v][0]
-        return value[:, :, r0 - nr : r1 - nr, c0 - nc : c1 - nc]
+        return crop(value, self.specs[v].spatial_dims, (r0 - nr, r1 - nr), (c0 - nc, c1 - nc))
 
     def _outputs(
         self,
@@ -250,6 +262,10 @@ class MultiPassSegment(TiledSegment):
                     if b.kind == BATCHNORM:
                         mom = Moments.of(part)
                         moments[b.node] = moments[b.node].add(mom) if b.node in moments else mom
+                    elif b.kind == GRN:  # per-(sample, channel) sums of squares over the owned positions
+                        dims = self.specs[b.source].spatial_dims
+                        ps = wide(part).square().sum(dim=dims, keepdim=True)
+                        sums[b.node] = sums[b.node] + ps if b.node in sums else ps
                     else:
                         ps = wide(part).sum(dim=(2, 3), keepdim=True)
                         dtypes[b.node] = part.dtype
@@ -259,6 +275,10 @@ class MultiPassSegment(TiledSegment):
             for b in here:
                 if b.kind == BATCHNORM:
                     stats[b.node] = finish_batchnorm(self.bn[b.node], moments[b.node])
+                elif b.kind == GRN:
+                    dims = self.specs[b.source].spatial_dims
+                    assert dims is not None
+                    stats[b.node] = GRNStat.of(self.grn[b.node], sums[b.node], dims)
                 else:
                     stats[b.node] = self.se[b.node].run(sums[b.node], dtypes[b.node], keep_graph)
 
@@ -317,6 +337,8 @@ class MultiPassSegment(TiledSegment):
                 st = stats[b.node]
                 if isinstance(st, SEStat):
                     totals[b.node] = (self.se[b.node].backward(st, sums[k : k + n], chain_grads),)
+                elif isinstance(st, GRNStat):
+                    totals[b.node] = (st.sq_grad(self.grn[b.node], sums[k]),)
                 else:
                     totals[b.node] = tuple(sums[k : k + n])
                 k += n
@@ -327,10 +349,12 @@ class MultiPassSegment(TiledSegment):
                 grads[i] = g if grads[i] is None else grads[i] + g
         return grad_x, grads
 
-    def _leaves(self, b: Barrier, st: BNStat | SEStat) -> list[torch.Tensor]:
+    def _leaves(self, b: Barrier, st: BNStat | SEStat | GRNStat) -> list[torch.Tensor]:
         """Fresh leaves for a barrier's fixed values: a backward sweep collects their gradients."""
         if isinstance(st, BNStat):
             return [st.mean.detach().requires_grad_(), st.inv.detach().requires_grad_()]
+        if isinstance(st, GRNStat):
+            return [st.x_n.detach().requires_grad_()]
         return [wide(st.exits[e].detach()).requires_grad_() for e in b.exits]
 
     def _final_backward(

@@ -11,6 +11,8 @@ from typing import Any
 from torch import fx, nn
 
 from wsitrain.sft.ops.functions import function_spec, out_of_place_callable
+from wsitrain.sft.ops.grn import grn_spec, is_grn_module
+from wsitrain.sft.ops.resample import is_resample_module, resample_module_spec
 from wsitrain.sft.ops.types import (
     CAT,
     CONCAT,
@@ -151,6 +153,8 @@ def is_leaf_module(m: nn.Module) -> bool:
         or type(m) is nn.LayerNorm
         or is_pointwise_module(m)
         or is_sample_drop(m)
+        or is_resample_module(m)
+        or is_grn_module(m)
     )
 
 
@@ -204,6 +208,11 @@ def module_spec(m: nn.Module) -> OpSpec:
         return OpSpec(POINTWISE, name, flops_per_output=1.0, layout_rule=ELEMENTWISE)
     if isinstance(m, nn.Identity):
         return OpSpec(POINTWISE, name, alias=True, layout_rule=ELEMENTWISE)
+    resample = resample_module_spec(m)
+    if resample is not None:
+        return resample
+    if is_grn_module(m):
+        return grn_spec(m)
     for cls, (si, so) in _ACTIVATIONS.items():
         if isinstance(m, cls):
             return activation_spec(name, si, so, bool(getattr(m, "inplace", False)), any(True for _ in m.parameters()))

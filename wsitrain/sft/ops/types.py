@@ -10,7 +10,7 @@ methods, ops_space.py fits each spec to the layout of its input.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 from torch import fx
 
@@ -70,6 +70,20 @@ class Window:
         """Global index of the first output the layer produces on a crop starting at ``lo``."""
         return lo // self.stride
 
+    def output_count(self, lo: int, hi: int) -> int:
+        """Outputs the layer produces on the crop [lo, hi) (its own padding applied at both ends)."""
+        return (hi - lo + 2 * self.padding - self.dilation * (self.kernel - 1) - 1) // self.stride + 1
+
+
+class AxisMap(Protocol):
+    """What regions and executors ask of one axis of a WINDOW operator (``Window``, ``resample.Upscale``)."""
+
+    def input_interval(self, a: int, b: int, size_in: int) -> tuple[int, int]: ...
+
+    def first_output(self, lo: int) -> int: ...
+
+    def output_count(self, lo: int, hi: int) -> int: ...
+
 
 @dataclass(frozen=True)
 class OpSpec:
@@ -77,7 +91,7 @@ class OpSpec:
 
     kind: str
     type_name: str  # e.g. "Conv2d", "ReLU", "add"
-    windows: tuple[Window, Window] | None = None  # (H, W) for WINDOW ops
+    windows: tuple[AxisMap, AxisMap] | None = None  # (H, W) for WINDOW ops
     tileable: bool = True
     why_not: str = ""  # when not tileable: the reason and the fix
     inplace: bool = False  # output aliases its input

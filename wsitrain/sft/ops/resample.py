@@ -1,0 +1,188 @@
+"""Upsampling and space/depth regroupings: operators that change the image extents by an integer factor.
+
+- ``nn.Upsample`` / ``F.interpolate`` with an integer scale factor, nearest or bilinear with
+  ``align_corners=False``: output pixel ``o`` reads input ``o // s`` (nearest) or the two inputs around
+  ``(o + 0.5) / s - 0.5`` (bilinear, clamped at the image border). Both maps commute with a shift of
+  the input by whole pixels (the output moves by ``s`` pixels), so the original layer run on a crop
+  ``[lo, hi)`` produces global outputs ``[lo * s, hi * s)``, exact wherever its reads stay inside the crop.
+  This is a strided layer in reverse (``Upscale``).
+- ``nn.PixelShuffle`` / ``F.pixel_shuffle`` and timm's ``DepthToSpace`` (depth-to-space): output ``o``
+  reads input ``o // s``, an ``Upscale`` of nearest kind.
+- ``nn.PixelUnshuffle`` / ``F.pixel_unshuffle`` and timm's ``SpaceToDepth`` (TResNet's stem): output ``o``
+  reads inputs ``[s * o, s * o + s)``, a ``Window`` of kernel and stride ``s``; crops start on the block grid.
+- timm's ``BlurPool2d`` (anti-aliased downsampling in TResNet, ResNet-D variants): symmetric reflect / constant
+  padding and a fixed depthwise blur with a stride, i.e. a ``Window`` like a conv with ``padding_mode="reflect"``:
+  crops start at 0 only at the true image border, where the module's own padding is the image's.
+
+Not tiled (with the reason): ``align_corners=True`` (the source grid is stretched by ``(in - 1) / (out - 1)``,
+which depends on the whole extent, so no crop reproduces it), explicit output sizes (a crop would be resized
+to the whole image's size; write ``scale_factor=``), non-integer factors and the other modes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from wsitrain.sft.ops.types import OPAQUE, WINDOW, OpSpec, Window, call_arg, not_tileable
+
+NEAREST = "nearest"
+BILINEAR = "bilinear"
+# timm's regroupings, known by class name (timm is optional); ``bs`` is their block size
+SPACE_TO_DEPTH_NAMES = ("SpaceToDepth",)
+DEPTH_TO_SPACE_NAMES = ("DepthToSpace",)
+BLUR_POOL_NAMES = ("BlurPool2d",)  # timm.layers.BlurPool2d: F.pad(padding, pad_mode) then a strided depthwise blur
+# FLOPs per output: a nearest copy moves one value; bilinear weighs four inputs (4 multiplies, 3 adds)
+_FLOPS = {NEAREST: 1.0, BILINEAR: 7.0}
+
+
+@dataclass(frozen=True)
+class Upscale:
+    """One axis of an integer upscaling by ``factor``: the reverse of a strided window.
+
+    ``bilinear``: each output reads the two inputs around ``(o + 0.5) / factor - 0.5`` (PyTorch's
+    ``align_corners=False`` source index, clamped to 0); otherwise the input ``o // factor``.
+    """
+
+    factor: int
+    bilinear: bool
+
+    def input_interval(self, a: int, b: int, size_in: int) -> tuple[int, int]:
+        """Input crop [lo, hi) from which the layer yields exact outputs [a, b)."""
+        s = self.factor
+        if not self.bilinear:
+            return a // s, min(size_in, -(-b // s))
+        # floor of the source index (2o + 1 - s) / (2s), clamped to 0 as PyTorch does; the last output also
+        # reads the pixel after its floor
+        lo = max(0, (2 * a + 1 - s) // (2 * s))
+        hi = max(0, (2 * (b - 1) + 1 - s) // (2 * s)) + 2
+        return lo, min(size_in, hi)
+
+    def first_output(self, lo: int) -> int:
+        """Global index of the first output the layer produces on a crop starting at ``lo``."""
+        return lo * self.factor
+
+    def output_count(self, lo: int, hi: int) -> int:
+        """Outputs the layer produces on the crop [lo, hi)."""
+        return (hi - lo) * self.factor
+
+
+def _int_factor(v: Any) -> tuple[int, int] | None:
+    """(sh, sw) when ``v`` is a positive whole scale factor (or a pair of them), else None."""
+    pair = tuple(v) if isinstance(v, (tuple, list)) else (v, v)
+    if len(pair) != 2 or any(isinstance(p, (fx.Node, bool)) or not isinstance(p, (int, float)) for p in pair):
+        return None
+    if any(p < 1 or float(p) != int(p) for p in pair):
+        return None
+    return int(pair[0]), int(pair[1])
+
+
+def interpolate_spec(
+    type_name: str, size: Any, scale_factor: Any, mode: str, align_corners: bool | None, antialias: bool = False
+) -> OpSpec:
+    """Spec of an interpolation with these arguments (nn.Upsample's attributes or F.interpolate's)."""
+    if antialias:
+        return not_tileable(type_name, OPAQUE, f"{type_name} with antialias=True is not supported when tiled")
+    if size is not None:
+        why = "an explicit output size resizes every tile to the whole image's size; write scale_factor= instead"
+        return not_tileable(type_name, OPAQUE, f"{type_name} with {why}")
+    if mode not in (NEAREST, BILINEAR):
+        return not_tileable(type_name, OPAQUE, f"{type_name} mode {mode!r}: only 'nearest' and 'bilinear' tile")
+    if mode == BILINEAR and align_corners:
+        why = (
+            "bilinear upsampling with align_corners=True stretches its source grid by (in - 1) / (out - 1), "
+            "which depends on the whole image; use align_corners=False to tile it"
+        )
+        return not_tileable(type_name, OPAQUE, why)
+    factors = _int_factor(scale_factor)  # recompute_scale_factor gives the same 1 / s on a crop as on the image
+    if factors is None:
+        why = f"scale_factor={scale_factor!r}: only whole-number factors map tiles to tiles"
+        return not_tileable(type_name, OPAQUE, f"{type_name} with {why}")
+    bil = mode == BILINEAR
+    return OpSpec(
+        WINDOW,
+        type_name,
+        windows=(Upscale(factors[0], bil), Upscale(factors[1], bil)),
+        flops_per_output=_FLOPS[mode],  # autograd keeps nothing but sizes for either mode
+    )
+
+
+def pixel_shuffle_spec(type_name: str, factor: int) -> OpSpec:
+    """Depth-to-space by ``factor``: output pixel o reads input o // factor (no saved tensors)."""
+    up = Upscale(int(factor), False)
+    return OpSpec(WINDOW, type_name, windows=(up, up), flops_per_output=1.0)
+
+
+def pixel_unshuffle_spec(type_name: str, factor: int) -> OpSpec:
+    """Space-to-depth by ``factor``: output pixel o reads the block [s o, s o + s) (no saved tensors)."""
+    w = Window(int(factor), int(factor), 0, 1)
+    return OpSpec(WINDOW, type_name, windows=(w, w), flops_per_output=1.0)
+
+
+def is_resample_module(m: nn.Module) -> bool:
+    """Modules this file describes (kept whole by the tracer)."""
+    name = type(m).__name__
+    return (
+        isinstance(m, (nn.Upsample, nn.PixelShuffle, nn.PixelUnshuffle))
+        or (name in SPACE_TO_DEPTH_NAMES + DEPTH_TO_SPACE_NAMES and isinstance(getattr(m, "bs", None), int))
+        or (name in BLUR_POOL_NAMES and isinstance(getattr(m, "filt_size", None), int))
+    )
+
+
+def blur_pool_spec(m: nn.Module) -> OpSpec:
+    """timm's BlurPool2d: a strided ``filt_size`` window after symmetric padding (reflect, constant, replicate)."""
+    name = type(m).__name__
+    pads = list(getattr(m, "padding", []))
+    mode = str(getattr(m, "pad_mode", ""))
+    if len(pads) != 4 or len(set(pads)) != 1 or mode not in ("reflect", "constant", "replicate"):
+        why = f"padding {pads} with mode {mode!r}: only symmetric reflect, constant or replicate padding tiles"
+        return not_tileable(name, OPAQUE, f"{name} with {why}")
+    k, stride = int(m.filt_size), int(m.stride)
+    w = Window(k, stride, int(pads[0]), 1)
+    # the depthwise conv keeps its padded input for backward; 2 FLOPs per tap
+    return OpSpec(WINDOW, name, windows=(w, w), saves_input=True, flops_per_output=2.0 * k * k)
+
+
+def resample_module_spec(m: nn.Module) -> OpSpec | None:
+    """Spec of a resampling module, None for other modules."""
+    name = type(m).__name__
+    if isinstance(m, nn.Upsample):
+        return interpolate_spec(name, m.size, m.scale_factor, m.mode, m.align_corners)
+    if isinstance(m, nn.PixelShuffle):
+        return pixel_shuffle_spec(name, m.upscale_factor)
+    if isinstance(m, nn.PixelUnshuffle):
+        return pixel_unshuffle_spec(name, m.downscale_factor)
+    if name in SPACE_TO_DEPTH_NAMES and isinstance(getattr(m, "bs", None), int):
+        return pixel_unshuffle_spec(name, m.bs)
+    if name in DEPTH_TO_SPACE_NAMES and isinstance(getattr(m, "bs", None), int):
+        return pixel_shuffle_spec(name, m.bs)
+    if name in BLUR_POOL_NAMES and isinstance(getattr(m, "filt_size", None), int):
+        return blur_pool_spec(m)
+    return None
+
+
+RESAMPLE_FUNCS = (F.interpolate, F.upsample, torch.pixel_shuffle, torch.pixel_unshuffle)
+
+
+def resample_function_spec(node: fx.Node) -> OpSpec:
+    """Spec of F.interpolate / F.pixel_shuffle / F.pixel_unshuffle calls (``node.target`` in RESAMPLE_FUNCS)."""
+    tname = getattr(node.target, "__name__", str(node.target))
+    if node.target in (torch.pixel_shuffle, torch.pixel_unshuffle):
+        key = "upscale_factor" if node.target is torch.pixel_shuffle else "downscale_factor"
+        factor = call_arg(node, 1, key)
+        if not isinstance(factor, int):
+            return not_tileable(tname, OPAQUE, f"{tname} with a factor computed at run time is not supported")
+        make = pixel_shuffle_spec if node.target is torch.pixel_shuffle else pixel_unshuffle_spec
+        return make(tname, factor)
+    return interpolate_spec(
+        tname,
+        call_arg(node, 1, "size"),
+        call_arg(node, 2, "scale_factor"),
+        call_arg(node, 3, "mode", NEAREST),
+        call_arg(node, 4, "align_corners"),
+        bool(call_arg(node, 6, "antialias", False)),
+    )
