@@ -190,7 +190,10 @@ def test_simulate_runs_one_step_and_reports_it_beside_the_plan() -> None:
 
 @pytest.mark.parametrize(
     ("kw", "message"),
-    [({"gpu": "cpu", "memory": "1GiB"}, "needs a GPU budget"), ({"precision": "bf16", "gpu": "h100"}, "float32 steps only")],
+    [
+        ({"gpu": "cpu", "memory": "1GiB"}, "needs a GPU budget"),
+        ({"precision": "bf16", "gpu": "h100"}, "float32 steps only"),
+    ],
 )
 def test_simulate_refuses_what_it_cannot_simulate(kw: dict, message: str) -> None:
     with pytest.raises(WsiTrainError, match=message):
