@@ -95,7 +95,9 @@ def test_family_plans_at_45_percent(name: str, shape: tuple[int, ...]) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("name", "train_bn"), [("timm/convnextv2_atto", False), ("timm/resnest14d", True)])
+# ResNeSt's split attention as a barrier was reverted: with train-mode BatchNorm its budget-driven plan gave a
+# worst relative error of 4.9 (measured); ResNeSt is refused again until that is fixed (issue 19).
+@pytest.mark.parametrize(("name", "train_bn"), [("timm/convnextv2_atto", False)])
 def test_whole_map_statistics_at_45_percent_exact(name: str, train_bn: bool) -> None:
     """ConvNeXt V2 (GRN) and ResNeSt (split attention) at 2 x 3 x 160 x 192 within 45% of plain's activation
     memory: tiled segments hold the barriers, and the step is exact (train-mode BatchNorm: buffers too)."""
