@@ -137,6 +137,46 @@ def test_whole_slide_models_fit_when_simulated(name: str, size: int, budget: str
     _check(s, (-0.20, 0.03) if budget else REPLAY_TOLERANCE)
 
 
+# ---- representative tiles: the same peaks as visiting every tile ----------------------------------------------
+@pytest.mark.parametrize(
+    ("case", "make", "shape", "budget", "kw"),
+    [
+        ("budget-driven, host-staged uint8, fused pool", lambda: build("tiny", 2), (1, 3, 4096, 4096), "200MiB", {}),
+        ("host checkpoints, ragged grid, batch 2", MODELS["vgg_chain"], (2, 3, 180, 250), "1GiB",
+         {"input_dtype": torch.float32, "tile_size": 32, "host_checkpoints": "always"}),
+        ("squeeze-excitation multi-pass", lambda: se_form_net("selayer"), (1, 3, 288, 224), "1GiB",
+         {"input_dtype": torch.float32, "tile_size": 32}),
+        ("train-mode BatchNorm multi-pass", lambda: build("tiny", 2, freeze_bn=False).train(), (1, 3, 400, 336),
+         "1GiB", {"input_dtype": torch.float32, "tile_size": 48}),
+    ],
+)  # fmt: skip
+def test_representative_tiles_give_the_peaks_of_every_tile(
+    case: str, make: Callable[[], nn.Module], shape: tuple[int, ...], budget: str, kw: dict[str, object]
+) -> None:
+    """Reference vs variant: the default simulation (representative tiles) against one that visits every tile."""
+    every = simulate_step(_meta(make), shape, budget, every_tile=True, **kw)  # type: ignore[arg-type]
+    some = simulate_step(_meta(make), shape, budget, **kw)  # type: ignore[arg-type]
+    assert every.tiles_visited == every.tiles_in_step == some.tiles_in_step
+    assert some.tiles_visited < every.tiles_visited, f"{case}: the case must skip tiles to test anything"
+    assert some.device_peak.bytes == every.device_peak.bytes, f"{case}\n{simulation_text(some)}"
+    assert some.host_peak.bytes == every.host_peak.bytes, f"{case}\n{simulation_text(some)}"
+
+
+def test_representative_tiles_cover_every_kind_of_row() -> None:
+    from wsitrain.sft import SFT
+    from wsitrain.sft.simulate.representative import ENDS, _signature, representative_indices
+
+    model = MODELS["resnet_basic"]().double()
+    plan = SFT(model, memory_budget="1GiB", tile_size=16).plan_for((1, 3, 250, 322))
+    seg = next(s for s in plan.segments if s.mode == "tiled" and s.regions is not None)
+    assert seg.regions is not None
+    for axis in (seg.regions.rows, seg.regions.cols):
+        kept = representative_indices(axis)
+        assert len(kept) < len(axis)
+        assert set(range(ENDS)) | set(range(len(axis) - ENDS, len(axis))) <= set(kept)
+        assert {_signature(t) for t in axis} == {_signature(axis[i]) for i in kept}
+
+
 def test_simulation_needs_a_meta_model() -> None:
     with pytest.raises(PlanError, match="meta device"):
         simulate_step(MODELS["vgg_chain"](), (1, 3, 64, 64), "1GiB")

@@ -214,6 +214,9 @@ def plan(
     simulate: bool = typer.Option(
         False, "--simulate", help="Also run one training step of the real executor on a simulated GPU (fake tensors)."
     ),
+    every_tile: bool = typer.Option(
+        False, "--every-tile", help="With --simulate: visit every tile, not only one of each kind (same peaks, slower)."
+    ),
 ) -> None:
     """Show how the SFT engine would tile a model for an image size and memory budget (allocates nothing).
 
@@ -239,6 +242,7 @@ def plan(
         as_json=as_json,
         console=_console(),
         simulate=simulate,
+        every_tile=every_tile,
     )
     if code:
         raise typer.Exit(int(code))

@@ -120,12 +120,14 @@ def make_plan(
     with_max_size: bool = True,
     simulate: bool = False,
     progress: Progress | None = None,
+    every_tile: bool = False,
 ) -> PlanReport:
     """Validate the inputs, plan on the meta device, and return the plan with the command's envelope.
 
     ``simulate``: also run one training step of the real executor on the simulated CUDA device
     (``wsitrain.sft.simulate``); the plan shown is then the one that step ran (with ``optimizer``, default adamw,
-    as ``wsitrain fit`` trains). bf16/fp16 are planned but not simulated (the simulated device has no autocast).
+    as ``wsitrain fit`` trains), for the GPU preset's generation. bf16/fp16 are planned but not simulated (the
+    simulated device has no autocast). ``every_tile``: simulate every tile, not only the representative ones.
     """
     _check_model(model)
     prec = check_precision(precision)
@@ -144,7 +146,9 @@ def make_plan(
         net = build(model, PLAN_NUM_CLASSES)
     h, w = parse_size(size, net.stride, model)
     if simulate:
-        return _simulated(net, (batch, 3, h, w), budget, prec, optimizer or DEFAULT_OPTIMIZER, tile, progress)
+        return _simulated(
+            net, (batch, 3, h, w), budget, prec, optimizer or DEFAULT_OPTIMIZER, tile, progress, every_tile
+        )  # fmt: skip
     tm = time_model_for(budget.device, _device_name(budget))
     p = plan_model(
         net, input_shape=(batch, 3, h, w), memory_budget=budget.bytes, dtype=dtype, tile_size=tile,
@@ -182,6 +186,7 @@ def _simulated(
     optimizer: str,
     tile: int | None,
     progress: Progress | None,
+    every_tile: bool,
 ) -> PlanReport:
     if budget.device != "cuda":
         raise WsiTrainError(
@@ -194,7 +199,10 @@ def _simulated(
             hint="drop --precision, or plan bf16 without --simulate",
         )
     try:
-        sim = simulate_step(net, shape, budget.bytes, optimizer=optimizer, tile_size=tile, progress=progress)
+        sim = simulate_step(
+            net, shape, budget.bytes, optimizer=optimizer, tile_size=tile, progress=progress, target=budget.target,
+            every_tile=every_tile,
+        )  # fmt: skip
     except PlanError as e:  # does not fit: show the plan as the plain command would
         raise WsiTrainError(str(e), hint=e.hint) from e
     return PlanReport(sim.plan, budget, prec, None, simulated=sim)
@@ -213,6 +221,7 @@ def run_plan(
     console: Console,
     optimizer: str | None = None,
     simulate: bool = False,
+    every_tile: bool = False,
 ) -> int:
     """``wsitrain plan``: print the plan (readable, or one JSON object); exit code 0 when it fits, 1 when not.
 
@@ -221,6 +230,7 @@ def run_plan(
     report = make_plan(
         model=model, size=size, gpu=gpu, memory=memory, batch=batch, precision=precision, tile=tile,
         optimizer=optimizer, simulate=simulate, progress=_progress_bar(console) if simulate and not as_json else None,
+        every_tile=every_tile,
     )  # fmt: skip
     if as_json:
         # Plain write, not console.print: rich would wrap and highlight the JSON.

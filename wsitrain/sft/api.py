@@ -172,6 +172,7 @@ class SFT(nn.Module):
         host_checkpoints: str = "auto",
         runtime: DeviceRuntime | None = None,
         time_model: TimeModel | None = None,
+        target: TargetDevice | None = None,
     ) -> None:
         super().__init__()
         self.model = model
@@ -184,6 +185,7 @@ class SFT(nn.Module):
         self.host_checkpoints = host_checkpoints  # "auto" (CUDA may use host memory), "always", "never"
         self._probe = memory_probe  # how the budget is detected when none is given (injectable for tests)
         self.time_model = time_model  # None: the device's default constants; wsitrain fit passes a calibration
+        self.target = target  # the device's planning facts; None: detected (the simulated device: a preset's)
         self._budget_bytes: int | None = None if memory_budget is None else parse_bytes(memory_budget, "memory_budget")
         self._graph = ModelGraph(model)
         self._runner = NodeRunner(self._graph)
@@ -284,7 +286,7 @@ class SFT(nn.Module):
             checkpoints=self.checkpoints,
             optimizer=self.optimizer,
             host_checkpoints=self.host_checkpoints,
-            target=target_for(detection_device(device, self._plan_device(device))),
+            target=self.target or target_for(detection_device(device, self._plan_device(device))),
             time_model=self.time_model,
         )
         if not p.fits:

@@ -27,7 +27,7 @@ from wsitrain.sft.ops.fused_pool import PoolAccumulator, PoolFusion
 from wsitrain.sft.ops.registry import WINDOW
 from wsitrain.sft.ops.space import check_tile_extent, crop
 from wsitrain.sft.plan_types import SegmentPlan
-from wsitrain.sft.regions import AxisTile
+from wsitrain.sft.regions import AxisTile, SegmentRegions
 
 # fn(tile, rows, cols): a tile of a feature map, detached, with its interval along H and W
 TileObserver = Callable[[torch.Tensor, tuple[int, int], tuple[int, int]], None]
@@ -42,6 +42,9 @@ class ExecHooks:
     stats: StatsRecorder | None = None
     # fn(segment index, row, col, phase) as each tile starts: where a memory peak happens (the simulated device)
     on_tile: Callable[[int, int, int, str], None] | None = None
+    # fn(regions) -> the tiles to visit, in order; None visits every tile. Only the simulated device sets it (its
+    # representative tiles, simulate/representative.py): a real step that skipped tiles would be wrong.
+    visit: Callable[[SegmentRegions], list[tuple[int, int]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,9 @@ class TiledSegment:
         self._indexed: object = None  # the regions the tile index below was built for
         self._row_of: dict[int, int] = {}
         self._col_of: dict[int, int] = {}
+        self._order_key: tuple[object, object] = (None, None)  # the regions and visit hook the order is for
+        self._order: list[tuple[int, int]] = []
+        self._after: dict[tuple[int, int], tuple[int, int]] = {}
         self.nodes = list(range(seg.start + 1, seg.end + 1))
         self.specs = {i: facts.nodes[i].spec for i in [seg.start, *self.nodes]}
         self.inputs = {i: facts.nodes[i].inputs for i in self.nodes}
@@ -168,10 +174,8 @@ class TiledSegment:
 
     def _next_tile(self, r: int, c: int) -> tuple[int, int] | None:
         """The tile after (r, c) in ``tiles()`` order, None after the last."""
-        rows, cols = self.regions.grid
-        if c + 1 < cols:
-            return r, c + 1
-        return (r + 1, 0) if r + 1 < rows else None
+        self.tiles()
+        return self._after.get((r, c))
 
     def run_tile(self, region: torch.Tensor, rt: AxisTile, ct: AxisTile) -> torch.Tensor:
         """Run the segment's layers on one tile; returns the tile's exact output. (B, C, th, tw)."""
@@ -201,8 +205,14 @@ class TiledSegment:
         return env[self.end]
 
     def tiles(self) -> list[tuple[int, int]]:
-        rows, cols = self.regions.grid
-        return [(r, c) for r in range(rows) for c in range(cols)]
+        """The tiles every loop visits, in order: row by row, or the ``visit`` hook's (the simulated device)."""
+        visit = self.hooks.visit
+        if self._order_key[0] is not self.regions or self._order_key[1] is not visit:
+            rows, cols = self.regions.grid
+            self._order = [(r, c) for r in range(rows) for c in range(cols)] if visit is None else visit(self.regions)
+            self._after = dict(zip(self._order, self._order[1:], strict=False))
+            self._order_key = (self.regions, visit)
+        return self._order
 
     # ---- the whole segment ---------------------------------------------------------------------
     def forward_all(self, x: torch.Tensor) -> tuple[torch.Tensor, PoolAccumulator | None]:

@@ -37,6 +37,8 @@ def simulation_dict(s: SimulatedStep) -> dict[str, Any]:
         "stream_order": "checked",
         "accesses_checked": s.accesses_checked,
         "operators": s.operators,
+        "tiles_visited": s.tiles_visited,
+        "tiles_in_step": s.tiles_in_step,
         "seconds": s.seconds,
         "not_simulated": NOT_SIMULATED,
     }
@@ -57,6 +59,12 @@ def simulation_text(s: SimulatedStep) -> str:
         f"{format_bytes(p.host_bytes)}: " + ("within" if s.host_within_plan else "OVER the plan"),
         f"  stream ordering: {s.accesses_checked} data accesses checked, no violation "
         f"({s.operators} operators, {s.seconds:.1f} s to simulate)",
+        f"  tiles: {s.tiles_visited} of the step's {s.tiles_in_step} forward and recompute visits simulated"
+        + (
+            ""
+            if s.tiles_visited == s.tiles_in_step
+            else " (every kind of tile, twice in a row: the same peaks as every tile; --every-tile visits all)"
+        ),
         f"  not simulated: {NOT_SIMULATED}",
     ]
     return "\n".join(lines)

@@ -24,8 +24,10 @@ from wsitrain.sft.execution.staging import HostStager
 from wsitrain.sft.execution.transfers import Copies
 from wsitrain.sft.plan_types import Plan
 from wsitrain.sft.simulate.fast_ops import FAST_OPS
+from wsitrain.sft.simulate.representative import representative_tiles
 from wsitrain.sft.simulate.runtime import DEVICE_TYPE, SimRuntime
 from wsitrain.sft.simulate.tracker import LiveMemory, Peak
+from wsitrain.sft.target import TargetDevice
 
 # Host bytes outside the plan's host memory a step may hold: the optimizer's per-parameter step counters
 # (measured: 161 x 4 B for ResNet-50's Adam). 1 MiB leaves room for any model's.
@@ -52,6 +54,8 @@ class SimulatedStep:
     seconds: float  # wall time of the simulation (not of a GPU step)
     operators: int  # operators the executor ran
     accesses_checked: int  # data accesses the stream-ordering checker verified
+    tiles_visited: int  # forward and recompute visits simulated
+    tiles_in_step: int  # ... of those a real step makes (equal when every tile was simulated)
 
     @property
     def over_replay(self) -> float:
@@ -71,9 +75,13 @@ class SimulatedStep:
         return self.host_peak.bytes <= self.plan.host_bytes + HOST_BOOKKEEPING
 
 
-def _tiles_in_step(plan: Plan) -> int:
+def _tiles_in_step(plan: Plan, every_tile: bool) -> int:
     """Tiles the executor visits in one step: forward and recompute (sweeps of multi-pass segments not counted)."""
-    return sum(2 * s.n_tiles for s in plan.segments if s.mode == "tiled")
+    return sum(
+        2 * (s.n_tiles if every_tile or s.regions is None else len(representative_tiles(s.regions)))
+        for s in plan.segments
+        if s.mode == "tiled"
+    )
 
 
 def simulate_step(
@@ -89,6 +97,8 @@ def simulate_step(
     progress: Progress | None = None,
     copies: Callable[[SimRuntime], Copies] | None = None,
     fast_ops: bool = True,
+    every_tile: bool = False,
+    target: TargetDevice | None = None,
 ) -> SimulatedStep:
     """Run one training step of ``SFT(model)`` on the simulated CUDA device (see the module doc).
 
@@ -96,7 +106,10 @@ def simulate_step(
     receive fake gradients. Raises ``PlanError`` when the plan does not fit, ``StreamOrderError`` when the transfer
     code breaks an ordering rule. ``copies(runtime)``, when given, replaces the stager's stream copies (the tests'
     deliberately broken variants). ``fast_ops``: shape-only BatchNorm (``fast_ops.py``; the same bytes, 10-100x
-    faster than the fake implementation).
+    faster than the fake implementation). ``every_tile``: visit every tile; by default only the representative
+    tiles (``representative.py``: every kind of tile, twice in a row; the same peaks, tested), which makes a
+    100,000 px step seconds instead of hours. ``target``: the GPU the plan is for (a preset's generation and
+    allowances); None plans for a CUDA device not named.
     """
     if any(t.device.type != DEVICE_TYPE for t in [*model.parameters(), *model.buffers()]):
         raise PlanError(
@@ -108,13 +121,13 @@ def simulate_step(
     rt = SimRuntime()
     sft = SFT(
         model, memory_budget=memory_budget, tile_size=tile_size, checkpoints=checkpoints, optimizer=optimizer,
-        collect_stats=False, host_checkpoints=host_checkpoints, runtime=rt,
+        collect_stats=False, host_checkpoints=host_checkpoints, runtime=rt, target=target,
     )  # fmt: skip
     if copies is not None:
         sft._stager = HostStager(copies(rt))  # before the first plan: segments take the stager when compiled
     shape = tuple(input_shape)
     plan = sft.plan_for(shape, input_dtype=input_dtype, input_on_host=True)  # raises when it does not fit
-    total = max(1, _tiles_in_step(plan))
+    total = max(1, _tiles_in_step(plan, every_tile))
     memory = LiveMemory(observer=rt.observe, fast=FAST_OPS if fast_ops else None)
     memory.on_free = rt.on_free
     done = [0]
@@ -126,6 +139,7 @@ def simulate_step(
             progress(min(done[0], total), total)
 
     sft._hooks.on_tile = at_tile
+    sft._hooks.visit = None if every_tile else representative_tiles
     params = [p for p in model.parameters() if p.requires_grad]
     t0 = time.perf_counter()
     with FakeTensorMode(allow_non_fake_inputs=True), memory:
@@ -148,6 +162,7 @@ def simulate_step(
     for p in params:
         p.grad = None
     sft._hooks.on_tile = None
+    sft._hooks.visit = None
     return SimulatedStep(
         plan=plan,
         device_peak=memory.peaks[DEVICE_TYPE],
@@ -155,4 +170,6 @@ def simulate_step(
         seconds=time.perf_counter() - t0,
         operators=memory.ops,
         accesses_checked=rt.checked,
+        tiles_visited=_tiles_in_step(plan, every_tile),
+        tiles_in_step=_tiles_in_step(plan, True),
     )
