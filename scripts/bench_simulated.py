@@ -6,8 +6,8 @@ the simulated device peak and where it happens, the plan's replay and estimate, 
 peak against the plan's host memory, and the plan's extra compute. Results are appended one JSON line per case as
 each finishes (a long run keeps what it measured), then rendered as a markdown table.
 
-    python scripts/bench_simulated.py --out docs                  # every case (the 100,000 px ones take long)
-    python scripts/bench_simulated.py --out /tmp/s --quick        # the cases that run in seconds
+    python scripts/bench_simulated.py --out docs                  # every case, a few minutes
+    python scripts/bench_simulated.py --out /tmp/s --quick        # without the 100,000 px ones
     python scripts/bench_simulated.py --out docs --render-only    # redraw the table from the JSON lines
 
 Writes ``bench_simulated.jsonl`` and ``bench_simulated.md`` into ``--out``. Figures are *simulated*: live tensor
@@ -39,7 +39,7 @@ QUICK = [
 SLOW = [("darknet19", 100_000), ("resnet50", 100_000), ("vgg16", 100_000)]
 
 
-def run_case(name: str, size: int, gpu: str) -> dict[str, object]:
+def run_case(name: str, size: int, gpu: str, every_tile: bool) -> dict[str, object]:
     with torch.device("meta"):
         model = build(name, 2)
     last = [0.0]
@@ -50,8 +50,11 @@ def run_case(name: str, size: int, gpu: str) -> dict[str, object]:
             print(f"  {name} {size}: {done}/{total} tiles", file=sys.stderr, flush=True)
             last[0] = now
 
-    budget = gpu_preset(gpu).memory_bytes
-    s = simulate_step(model, (1, 3, size, size), budget, optimizer="adamw", progress=progress)
+    preset = gpu_preset(gpu)
+    s = simulate_step(
+        model, (1, 3, size, size), preset.memory_bytes, optimizer="adamw", progress=progress, target=preset.target(),
+        every_tile=every_tile,
+    )  # fmt: skip
     p = s.plan
     return {
         "model": name,
@@ -73,15 +76,18 @@ def run_case(name: str, size: int, gpu: str) -> dict[str, object]:
         "operators": s.operators,
         "accesses_checked": s.accesses_checked,
         "seconds_to_simulate": s.seconds,
+        "tiles_visited": s.tiles_visited,
+        "tiles_in_step": s.tiles_in_step,
     }
 
 
 def render(rows: list[dict[str, object]]) -> str:
     head = (
         "| model | size | device peak, simulated | plan's replay | simulated vs replay | plan's estimate | budget "
-        "| within budget | host peak, simulated | plan's host memory | extra compute (planned) | seconds to simulate |"
+        "| within budget | host peak, simulated | plan's host memory | extra compute (planned) | tile visits simulated "
+        "| seconds to simulate |"
     )
-    lines = [head, "|" + " --- |" * 12]
+    lines = [head, "|" + " --- |" * 13]
     for r in rows:
         lines.append(
             f"| {r['model']} | {r['size']} | {format_bytes(int(r['simulated_device_peak_bytes']))} "  # type: ignore[arg-type]
@@ -89,6 +95,7 @@ def render(rows: list[dict[str, object]]) -> str:
             f"| {format_bytes(int(r['estimated_peak_bytes']))} | {format_bytes(int(r['budget_bytes']))} "  # type: ignore[arg-type]
             f"| {'yes' if r['within_budget'] else 'NO'} | {format_bytes(int(r['simulated_host_peak_bytes']))} "  # type: ignore[arg-type]
             f"| {format_bytes(int(r['planned_host_bytes']))} | {float(r['extra_compute']):+.1%} "  # type: ignore[arg-type]
+            f"| {r.get('tiles_visited', '?')} of {r.get('tiles_in_step', '?')} "
             f"| {float(r['seconds_to_simulate']):.0f} |"  # type: ignore[arg-type]
         )
     return "\n".join(lines) + "\n"
@@ -98,8 +105,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--gpu", default="2080ti")
-    ap.add_argument("--quick", action="store_true", help="only the cases that simulate in seconds to a minute")
+    ap.add_argument("--quick", action="store_true", help="without the 100,000 px cases")
     ap.add_argument("--render-only", action="store_true")
+    ap.add_argument("--every-tile", action="store_true", help="visit every tile (same peaks; hours at 100,000 px)")
     ap.add_argument("--case", action="append", default=[], help="NAME:SIZE, repeatable (replaces the default list)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -108,7 +116,7 @@ def main() -> None:
         cases = [(c.split(":")[0], int(c.split(":")[1])) for c in args.case] or (QUICK if args.quick else QUICK + SLOW)
         for name, size in cases:
             print(f"simulating {name} at {size} px on the {args.gpu} preset", file=sys.stderr, flush=True)
-            row = run_case(name, size, args.gpu)
+            row = run_case(name, size, args.gpu, args.every_tile)
             with lines_path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
     rows = [json.loads(line) for line in lines_path.read_text().splitlines() if line.strip()]

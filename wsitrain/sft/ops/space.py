@@ -25,6 +25,7 @@ import torch
 from torch import fx
 
 from wsitrain.errors import PlanError
+from wsitrain.sft.ops.crop import crop as crop  # re-exported: the executor's tile cut
 from wsitrain.sft.ops.registry import (
     CAT,
     CONCAT,
@@ -346,21 +347,6 @@ def tile_numel(spec: OpSpec, shape: tuple[int, ...], h: int, w: int) -> int:
         return full
     hd, wd = spec.spatial_dims
     return full // max(1, shape[hd] * shape[wd]) * h * w
-
-
-def crop(value: Any, dims: Dims | None, rows: tuple[int, int], cols: tuple[int, int]) -> Any:
-    """``value`` cut to ``rows`` x ``cols`` (local offsets) on its image axes; tuples of tensors element-wise.
-
-    Values constant over the image plane (dims None: ints, constants) are returned whole.
-    """
-    if dims is None:
-        return value
-    if isinstance(value, (tuple, list)):
-        return type(value)(crop(v, dims, rows, cols) for v in value)
-    index: list[slice] = [slice(None)] * value.dim()
-    index[dims[0]] = slice(*rows)
-    index[dims[1]] = slice(*cols)
-    return value[tuple(index)]
 
 
 def check_tile_extent(value: Any, spec: OpSpec, rows: int, cols: int, name: str) -> None:

@@ -49,13 +49,19 @@ def simulate(
     fixed: int = 0,
     backward: bool = True,
     keep: tuple[int, ...] = (),
+    result_held: bool = False,
+    grad_bytes: dict[int, int] | None = None,
 ) -> SimResult:
     """Replay forward (and backward) and return the peak bytes above zero.
 
     ``initial``: values alive before the first op (value id -> bytes; 0 for an image on the host).
     ``fixed``: bytes alive throughout (parameters, optimizer state). ``keep``: values never freed
-    in forward (the step's output).
+    in forward (the step's output). ``result_held``: the caller holds the last op's output through backward
+    (a tile's output is the root of the executor's ``autograd.grad``). ``grad_bytes``: gradient bytes of values
+    whose gradient is larger than what they hold (a tile's input is a view of its checkpoint, 0 bytes, but its
+    gradient is a new tile-sized buffer).
     """
+    gsize = grad_bytes or {}
     root: dict[int, int] = {v: v for v in initial}
     size: dict[int, int] = dict(initial)
     for op in ops:
@@ -111,7 +117,8 @@ def simulate(
     for i in range(len(ops) - 1, -1, -1):
         op = ops[i]
         if op.requires_grad and op.out in grads:
-            new_in = sum(size[root[v]] for v, g in zip(op.inputs, op.grad_inputs, strict=False) if g and v not in grads)
+            ins = zip(op.inputs, op.grad_inputs, strict=False)
+            new_in = sum(gsize.get(v, size[root[v]]) for v, g in ins if g and v not in grads)
             cur = fixed + param_grads + op.param_grad_bytes + live_total + extras_left + grad_total
             cur += new_in + op.bwd_extra
             if cur > bpeak:
@@ -121,12 +128,13 @@ def simulate(
             grad_total -= gout
             for v, g in zip(op.inputs, op.grad_inputs, strict=False):
                 if g and v not in grads:
-                    grads[v] = size[root[v]] if op.alias_of is None else gout
+                    grads[v] = gsize.get(v, size[root[v]]) if op.alias_of is None else gout
                     grad_total += grads[v]
         if op.requires_grad:
             extras_left -= op.extra_saved
         for s in freed_at.get(i, ()):
-            live_total -= live.pop(s, 0)
-        if root[op.out] not in saved_first:
+            if not (result_held and s == root[last.out]):
+                live_total -= live.pop(s, 0)
+        if root[op.out] not in saved_first and not (result_held and root[op.out] == root[last.out]):
             live_total -= live.pop(root[op.out], 0)
     return SimResult(fpeak, bpeak, saved_bytes, flabel if fpeak >= bpeak else blabel)

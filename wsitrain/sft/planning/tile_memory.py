@@ -147,7 +147,7 @@ def tile_choice(sess: PlanSession, start: int, end: int, edge: int, staged: bool
         return [sess.tile_op(i, tb[i], tb[f.nodes[i].inputs[0]] if f.nodes[i].inputs else 0, grad) for i in nodes]
 
     fwd = simulate(ops(False), {start: crop}, backward=False).forward_peak
-    bres = simulate(ops(True), {start: crop})
+    bres = simulate(ops(True), {start: crop}, result_held=True, grad_bytes={start: tb[start]})
     bwd = max(bres.forward_peak, bres.backward_peak)
     # the stager (staging.py) uploads the next tile's region while this one computes, and keeps up to two
     # input-gradient tiles of a host checkpoint alive until their copies down are done
