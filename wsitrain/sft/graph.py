@@ -45,7 +45,34 @@ def trace(model: nn.Module) -> fx.GraphModule:
             hint="the model's forward must not branch on tensor values; wrap such code in a leaf module",
         ) from exc
     prune_unused_shape_reads(graph)  # `n, c, h, w = x.shape` with c unused: no tile region reaches it
+    prune_dead_nodes(graph, model)  # DLA's unused `project` shortcut: no tile region would reach it either
     return fx.GraphModule(model, graph)
+
+
+def _removable(n: fx.Node, root: nn.Module) -> bool:
+    """Can a node nobody reads be skipped without changing anything plain PyTorch does?
+
+    Only when running it has no effect: not in place, not random, and not a module with buffers (a
+    train-mode BatchNorm updates its running statistics even when its output is unused).
+    """
+    if n.op == "call_module":
+        mod = root.get_submodule(str(n.target))
+        return not any(True for _ in mod.buffers()) and not isinstance(mod, nn.modules.dropout._DropoutNd)
+    if n.op == "call_method":
+        return not str(n.target).endswith("_")
+    if n.op == "call_function":
+        from torch._library.utils import is_impure
+
+        name = getattr(n.target, "__name__", "")
+        return not name.endswith("_") and not is_impure(n.target, args=n.args, kwargs=n.kwargs, impure_random=True)
+    return n.op == "get_attr"
+
+
+def prune_dead_nodes(graph: fx.Graph, root: nn.Module) -> None:
+    """Drop nodes whose value nothing reads and the model does not return (last first, so chains go too)."""
+    for node in reversed(list(graph.nodes)):
+        if not node.users and node.op not in ("placeholder", "output") and _removable(node, root):
+            graph.erase_node(node)
 
 
 def user_name(n: fx.Node) -> str:

@@ -1,0 +1,68 @@
+"""No bare internal error for a user's model: unused layers (DLA's `project` shortcut).
+
+A node nobody reads is dropped at trace time when running it changes nothing; one that changes state (a
+BatchNorm's running statistics) is refused by name.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+
+import pytest
+import torch
+from sft_models import head
+from torch import nn
+
+from wsitrain.errors import PlanError
+from wsitrain.sft import SFT, plan
+from wsitrain.sft.graph import ModelGraph
+
+
+class UnusedBranch(nn.Module):
+    """A block that computes a shortcut and never reads it (timm's DlaTree does this with `project`)."""
+
+    def __init__(self, c: int, unused: nn.Module) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 3, padding=1)
+        self.project = unused
+        self.pool = nn.MaxPool2d(2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bottom = self.pool(x)
+        shortcut = self.project(bottom)  # noqa: F841 - unused on purpose
+        _ = bottom * 2  # an unused function call too
+        return torch.relu(self.conv(bottom))
+
+
+def _net(unused: nn.Module) -> nn.Sequential:
+    torch.manual_seed(0)
+    trunk = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.ReLU(), UnusedBranch(6, unused), nn.Conv2d(6, 8, 3))
+    return nn.Sequential(OrderedDict([("features", trunk), *head(8)])).double().eval()
+
+
+@pytest.mark.parametrize("unused", [nn.Identity(), nn.Conv2d(6, 6, 1)], ids=["identity", "conv"])
+def test_unused_layers_are_dropped_and_tiles_are_exact(unused: nn.Module) -> None:
+    plain = _net(unused)
+    tiled = copy.deepcopy(plain)
+    x = torch.rand(2, 3, 40, 56, dtype=torch.float64, requires_grad=True)
+    xt = x.detach().clone().requires_grad_(True)
+    plain(x).square().sum().backward()
+    engine = SFT(tiled, tile_size=16, memory_budget="1GiB")
+    y = engine(xt)
+    y.square().sum().backward()
+    torch.testing.assert_close(y, plain(x), rtol=1e-13, atol=0)
+    torch.testing.assert_close(xt.grad, x.grad, rtol=1e-13, atol=1e-15)
+    for p, q in zip(plain.parameters(), tiled.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None)
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-12, atol=1e-14)
+    assert any(s.mode == "tiled" and s.n_tiles > 1 for s in engine.plan_of(xt).segments)
+    assert all("project" not in g.name for g in ModelGraph(plain).nodes)
+
+
+def test_unused_layer_with_state_is_refused_by_name() -> None:
+    """An unused BatchNorm still updates its running statistics in train mode: it is kept, and refused."""
+    with pytest.raises(PlanError, match=r"features\.2\.project") as info:
+        plan(_net(nn.BatchNorm2d(6)), (1, 3, 64, 64), "1GiB", tile_size=16)
+    assert "nothing reads its output" in info.value.message
