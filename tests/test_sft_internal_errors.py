@@ -1,7 +1,8 @@
-"""No bare internal error for a user's model: unused layers (DLA's `project` shortcut).
+"""No bare internal error for a user's model: unused layers (DLA's `project` shortcut) and engine slips.
 
 A node nobody reads is dropped at trace time when running it changes nothing; one that changes state (a
-BatchNorm's running statistics) is refused by name.
+BatchNorm's running statistics) is refused by name. An inconsistency inside planning or compiling becomes an
+``InternalEngineError`` (a PlanError) naming the layer being processed, with the original error chained.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import torch
 from sft_models import head
 from torch import nn
 
-from wsitrain.errors import PlanError
+from wsitrain.errors import InternalEngineError, PlanError
 from wsitrain.sft import SFT, plan
 from wsitrain.sft.graph import ModelGraph
+from wsitrain.sft.trail import WHERE
 
 
 class UnusedBranch(nn.Module):
@@ -65,4 +67,54 @@ def test_unused_layer_with_state_is_refused_by_name() -> None:
     """An unused BatchNorm still updates its running statistics in train mode: it is kept, and refused."""
     with pytest.raises(PlanError, match=r"features\.2\.project") as info:
         plan(_net(nn.BatchNorm2d(6)), (1, 3, 64, 64), "1GiB", tile_size=16)
+    assert not isinstance(info.value, InternalEngineError)
     assert "nothing reads its output" in info.value.message
+
+
+def test_internal_error_in_planning_names_the_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A KeyError deep in the tile regions becomes a PlanError naming the layer, the original chained."""
+    import wsitrain.sft.planning.tile_memory as tm
+
+    model = _net(nn.Identity())
+    graph = ModelGraph(model)
+    target = next(g.index for g in graph.nodes if g.name == "features.2.conv")
+    original = tm.axis_tile
+
+    class Broken(dict):
+        def __getitem__(self, u: int) -> object:
+            if u == target:
+                raise KeyError(u)
+            return super().__getitem__(u)
+
+    def broken(nodes, seg_input, inputs, specs, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        return original(nodes, seg_input, inputs, Broken(specs), *args, **kwargs)
+
+    monkeypatch.setattr(tm, "axis_tile", broken)
+    with pytest.raises(InternalEngineError, match=r"at layer 'features\.2\.conv'") as info:
+        SFT(model, tile_size=16, memory_budget="1GiB").plan_for((1, 3, 64, 64))
+    err = info.value
+    assert isinstance(err, PlanError) and err.exit_code == 2
+    assert isinstance(err.__cause__, KeyError)
+    assert "bug in wsitrain" in (err.hint or "") and "in the segment after" in err.message
+    assert WHERE.node is None and WHERE.segment is None, "the trail is restored after the error"
+    with pytest.raises(InternalEngineError, match=r"features\.2\.conv"):
+        plan(model, (1, 3, 64, 64), "1GiB", tile_size=16)
+
+
+def test_internal_error_in_annotation_is_a_plan_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import wsitrain.sft.facts as facts
+
+    def broken(*args: object) -> None:
+        raise IndexError("list index out of range")
+
+    monkeypatch.setattr(facts, "mark_barriers", broken)
+    with pytest.raises(InternalEngineError, match=r"planning Sequential on input \(1, 3, 64, 64\)") as info:
+        plan(_net(nn.Identity()), (1, 3, 64, 64), "1GiB")
+    assert isinstance(info.value.__cause__, IndexError)
+
+
+def test_user_errors_pass_through_unchanged() -> None:
+    """A PlanError for the user (here a bad tile size) is not turned into an internal error."""
+    with pytest.raises(PlanError, match="tile_size 0") as info:
+        plan(_net(nn.Identity()), (1, 3, 64, 64), "1GiB", tile_size=0)
+    assert not isinstance(info.value, InternalEngineError)

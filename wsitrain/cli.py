@@ -58,6 +58,8 @@ def _handled(fn: F) -> F:
         except (typer.Exit, typer.Abort, typer.BadParameter):
             raise
         except WsiTrainError as err:
+            if _state["verbose"] and err.__cause__ is not None:  # an internal error chained: show where it was
+                log.traceback()
             log.error(err.message, err.hint)
             raise typer.Exit(err.exit_code) from None
         except Exception as err:

@@ -17,6 +17,7 @@ from torch import fx, nn
 from wsitrain.errors import PlanError
 from wsitrain.sft.ops.registry import INPUT, OpSpec, function_spec, is_leaf_module, module_spec, node_parameters
 from wsitrain.sft.ops.space import prune_unused_shape_reads
+from wsitrain.sft.trail import WHERE
 
 
 class _Tracer(fx.Tracer):
@@ -153,6 +154,7 @@ class ModelGraph:
         """Spec of every node under the modules' current train/eval modes."""
         out: list[OpSpec] = []
         for g in self.nodes:
+            WHERE.node = g.index
             n = g.fx_node
             if n.op == "placeholder":
                 out.append(OpSpec(INPUT, "input"))
@@ -160,6 +162,7 @@ class ModelGraph:
                 out.append(module_spec(self.gm.get_submodule(str(n.target))))
             else:
                 out.append(function_spec(n))
+        WHERE.node = None
         return out
 
     def mode_key(self) -> tuple[bool, ...]:
