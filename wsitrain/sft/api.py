@@ -54,6 +54,7 @@ def plan(
     host_checkpoints: str = "auto",
     target: TargetDevice | None = None,
     time_model: TimeModel | None = None,
+    input_requires_grad: bool = False,
 ) -> Plan:
     """Plan ``model`` on ``input_shape`` (B, C, H, W) within ``memory_budget``, on shapes only.
 
@@ -61,6 +62,7 @@ def plan(
     from host memory as uint8 (``input_on_host``), as ``wsitrain fit`` does. ``time_model``: default constants.
     Returns a plan with ``fits=False`` when nothing fits; raises PlanError for layers that cannot
     be tiled where tiling is needed. ``target``: the device's planning facts (default: detected, ``target_for``).
+    ``input_requires_grad``: plan for an image that wants its gradient (saliency; SFT plans so for such an x).
     """
     dev = _device_str(device)
     dtype = dtype or _param_dtype(model)
@@ -78,6 +80,7 @@ def plan(
             in_dtype,
             dev,
             on_host,
+            input_requires_grad,
             tile_size=tile_size,
             checkpoints=checkpoints,
             optimizer=optimizer,
