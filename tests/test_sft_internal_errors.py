@@ -118,3 +118,19 @@ def test_user_errors_pass_through_unchanged() -> None:
     with pytest.raises(PlanError, match="tile_size 0") as info:
         plan(_net(nn.Identity()), (1, 3, 64, 64), "1GiB", tile_size=0)
     assert not isinstance(info.value, InternalEngineError)
+
+
+class Branchy(nn.Module):
+    """Control flow on a traced value (timm's VGG ConvMlp compares x.shape[-2] with its input size)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x if x.sum() > 0 else -x
+
+
+def test_untraceable_layer_is_named() -> None:
+    model = _net(nn.Identity())
+    model.features[2].project = Branchy()
+    model.features[2].forward = lambda x: model.features[2].project(x)  # the branchy layer really runs
+    with pytest.raises(PlanError, match=r"cannot trace Sequential with torch\.fx in layer features\.2\.project "
+                       r"\(Branchy\): symbolically traced variables cannot be used as inputs to control flow"):
+        ModelGraph(model)

@@ -7,6 +7,7 @@ the names users know (module paths). It does not depend on an input shape; the f
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 from typing import Any
@@ -21,8 +22,21 @@ from wsitrain.sft.trail import WHERE
 
 
 class _Tracer(fx.Tracer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.failed_in: str | None = None  # the innermost module whose forward raised while tracing
+
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return is_leaf_module(m) or super().is_leaf_module(m, module_qualified_name)
+
+    def call_module(self, m: nn.Module, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed_in is None:
+                with contextlib.suppress(NameError):
+                    self.failed_in = f"{self.path_of_module(m)} ({type(m).__name__})"
+            raise
 
 
 @dataclass(frozen=True)
@@ -38,11 +52,13 @@ class GNode:
 
 def trace(model: nn.Module) -> fx.GraphModule:
     """Trace ``model`` with torch.fx, keeping known layers whole; explain failures."""
+    tracer = _Tracer()
     try:
-        graph = _Tracer().trace(model)
-    except Exception as exc:  # fx raises many types; the user needs the model name and the reason
+        graph = tracer.trace(model)
+    except Exception as exc:  # fx raises many types; the user needs the model name, the layer and the reason
+        where = f" in layer {tracer.failed_in}" if tracer.failed_in else ""
         raise PlanError(
-            f"cannot trace {type(model).__name__} with torch.fx: {exc}",
+            f"cannot trace {type(model).__name__} with torch.fx{where}: {exc}",
             hint="the model's forward must not branch on tensor values; wrap such code in a leaf module",
         ) from exc
     prune_unused_shape_reads(graph)  # `n, c, h, w = x.shape` with c unused: no tile region reaches it
