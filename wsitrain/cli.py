@@ -301,7 +301,9 @@ def check_model(
     batch: int = typer.Option(2, "--batch", min=1, help="Images per step."),
     train_bn: bool = typer.Option(False, "--train-bn", help="BatchNorm in train mode (batch statistics)."),
     tile: int | None = typer.Option(None, "--tile", min=1, help="Forced tile edge [a quarter of the shorter edge]."),
-    tol: float = typer.Option(1e-12, "--tol", help="Largest relative error (float64) still called exact."),
+    tol: float = typer.Option(
+        1e-12, "--tol", help="Largest relative error still called exact (or 100x plain's own rounding noise if larger)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
 ) -> None:
     """Check that the SFT engine trains a model exactly: one float64 step, plain PyTorch against SFT.

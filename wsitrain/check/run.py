@@ -9,7 +9,17 @@ from typing import Any
 import torch
 import typer
 
-from wsitrain.check.compare import ERROR, EXACT, REFUSED, TOLERANCE, WRONG, CheckResult, classify, run_check
+from wsitrain.check.compare import (
+    ERROR,
+    EXACT,
+    REFUSED,
+    TOLERANCE,
+    WRONG,
+    CheckResult,
+    classify,
+    reference,
+    run_check,
+)
 from wsitrain.check.models import load_model, parse_size
 from wsitrain.sft.plan_types import Plan
 from wsitrain.sft.planning.costs import HEADROOM
@@ -94,6 +104,7 @@ def check_model(
     h, w = parse_size(size) if isinstance(size, str) else size
     shape = (batch, 3, h, w)
     model = load_model(name, train_bn=train_bn, seed=seed)
+    ref = reference(model, shape, seed)
     out = ModelCheck(name, shape, train_bn)
     for check in checks:
         if check == "tiles":
@@ -108,7 +119,7 @@ def check_model(
                 out.results.append(CheckResult(check, "memory_budget at 45%", verdict, message=message))
                 continue
             kw = {"memory_budget": budget}
-        out.results.append(run_check(check, setting, model, shape, seed, tol, **kw))
+        out.results.append(run_check(check, setting, ref, tol, **kw))
     return out
 
 
