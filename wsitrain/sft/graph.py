@@ -78,10 +78,9 @@ def _removable(n: fx.Node, root: nn.Module) -> bool:
     if n.op == "call_method":
         return not str(n.target).endswith("_")
     if n.op == "call_function":
-        from torch._library.utils import is_impure
-
         name = getattr(n.target, "__name__", "")
-        return not name.endswith("_") and not is_impure(n.target, args=n.args, kwargs=n.kwargs, impure_random=True)
+        random = any(k in name for k in ("dropout", "rand", "bernoulli", "normal_"))
+        return not name.endswith("_") and not random and not n.is_impure()
     return n.op == "get_attr"
 
 
