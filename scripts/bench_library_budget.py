@@ -7,9 +7,9 @@ once with glibc's allocator left alone (``WSITRAIN_CPU_ALLOCATOR=default``) and 
 default (it tunes the allocator at first use and says so once). Two steps (a warm-up and a measured one).
 "peak" is what the user's process holds at its highest, over both steps: its peak resident memory minus the
 interpreter's with torch and the model's library imported (their code pages are not training memory; measured
-165 MiB for torchvision, which an earlier version of this script counted as the step's). "step" is the measured step alone: its resident high-water mark (VmHWM
-reset before it) above the memory before it, plus the model and the image (the budget covers them); heap the
-first step left resident is not in it.
+165 MiB for torchvision, which an earlier version of this script counted as the step's). "step" is the measured
+step alone: its resident high-water mark (VmHWM reset before it) above the memory before it, plus the model and
+the image (the budget covers them); heap the first step left resident is not in it.
 
     python scripts/bench_library_budget.py                    # VGG-16, 1024 px, 35% of plain
     python scripts/bench_library_budget.py --model tiny --size 2048 --share 0.35

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from wsitrain import __version__
 from wsitrain.cli import app
 
-COMMANDS = ["fit", "predict", "plan", "bench", "synth", "validate", "info", "report"]
+COMMANDS = ["fit", "predict", "plan", "bench", "synth", "validate", "info", "report", "check-model"]
 runner = CliRunner()
 
 

@@ -58,6 +58,8 @@ def _handled(fn: F) -> F:
         except (typer.Exit, typer.Abort, typer.BadParameter):
             raise
         except WsiTrainError as err:
+            if _state["verbose"] and err.__cause__ is not None:  # an internal error chained: show where it was
+                log.traceback()
             log.error(err.message, err.hint)
             raise typer.Exit(err.exit_code) from None
         except Exception as err:
@@ -291,6 +293,39 @@ def bench(
         precision=precision,
         console=_console(),
     )
+
+
+@app.command("check-model")
+@_handled
+def check_model(
+    name: str = typer.Argument(
+        ..., metavar="NAME", help="tiny, resnet18, torchvision/<name>, timm/<name>, or module:function / file.py:fn."
+    ),
+    size: str = typer.Option("128x160", "--size", help="Image edge (128) or HxW; non-square shows a swapped axis."),
+    batch: int = typer.Option(2, "--batch", min=1, help="Images per step."),
+    train_bn: bool = typer.Option(False, "--train-bn", help="BatchNorm in train mode (batch statistics)."),
+    tile: int | None = typer.Option(None, "--tile", min=1, help="Forced tile edge [a quarter of the shorter edge]."),
+    tol: float = typer.Option(
+        1e-12, "--tol", help="Largest relative error still called exact (or 100x plain's own rounding noise if larger)."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
+) -> None:
+    """Check that the SFT engine trains a model exactly: one float64 step, plain PyTorch against SFT.
+
+    Random weights (seeded), under forced small tiles and under the planner's own plan at 45% of plain's activation
+    memory. Each check prints exact (worst relative error), refused (the layer and why) or wrong (which gradients).
+    Exits 0 when every check is exact or refused, 1 when one is wrong.
+
+    Examples:
+
+      wsitrain check-model timm/resnet18
+
+      wsitrain check-model my_models.py:build_net --size 256x320 --train-bn --json
+    """
+    run = _entry("wsitrain.check.run", "run_check_model", "check-model")
+    code = run(name, size, batch, train_bn, tile, tol, as_json)
+    if code:
+        raise typer.Exit(int(code))
 
 
 @app.command()

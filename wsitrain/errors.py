@@ -43,6 +43,13 @@ class PlanError(WsiTrainError):
     """The engine cannot plan or run a model: an unsupported layer or a budget that cannot fit."""
 
 
+class InternalEngineError(PlanError):
+    """The engine met an inconsistency of its own while planning a model: a bug in wsitrain to report.
+
+    It names the layer being processed; the original exception is chained as ``__cause__``.
+    """
+
+
 class NotAvailableError(WsiTrainError):
     """A command exists but is not implemented yet."""
 

@@ -34,6 +34,11 @@ def error(message: str, hint: str | None = None) -> None:
         _stderr.print(f"[cyan]hint:[/] {escape(hint)}", soft_wrap=True)
 
 
+def traceback() -> None:
+    """The traceback of the exception being handled, on stderr (call inside ``except``)."""
+    _stderr.print_exception()
+
+
 def internal_error(exc: BaseException, verbose: bool) -> None:
     """A bug, not bad input: say so, and show the traceback only when asked (call inside ``except``)."""
     if verbose:

@@ -28,6 +28,7 @@ from wsitrain.sft.planning.costs import TimeModel
 from wsitrain.sft.planning.planner import build_plan, new_session
 from wsitrain.sft.planning.search import fitting_plan, worth_running
 from wsitrain.sft.target import TargetDevice, detection_device, target_for
+from wsitrain.sft.trail import guarded
 from wsitrain.units import format_bytes, parse_bytes
 
 # max_square_size searches up to this edge: 1M px is ten whole slides at 20x side by side.
@@ -53,6 +54,7 @@ def plan(
     host_checkpoints: str = "auto",
     target: TargetDevice | None = None,
     time_model: TimeModel | None = None,
+    input_requires_grad: bool = False,
 ) -> Plan:
     """Plan ``model`` on ``input_shape`` (B, C, H, W) within ``memory_budget``, on shapes only.
 
@@ -60,29 +62,43 @@ def plan(
     from host memory as uint8 (``input_on_host``), as ``wsitrain fit`` does. ``time_model``: default constants.
     Returns a plan with ``fits=False`` when nothing fits; raises PlanError for layers that cannot
     be tiled where tiling is needed. ``target``: the device's planning facts (default: detected, ``target_for``).
+    ``input_requires_grad``: plan for an image that wants its gradient (saliency; SFT plans so for such an x).
     """
     dev = _device_str(device)
     dtype = dtype or _param_dtype(model)
     on_host = dev == "cuda" if input_on_host is None else input_on_host
     in_dtype = input_dtype or (torch.uint8 if on_host else dtype)
     budget = resolve_budget_bytes(memory_budget, dev)
-    p, _ = build_plan(
-        ModelGraph(model),
-        _model_name(model),
-        tuple(input_shape),
-        budget,
-        dtype,
-        in_dtype,
-        dev,
-        on_host,
-        tile_size=tile_size,
-        checkpoints=checkpoints,
-        optimizer=optimizer,
-        host_checkpoints=host_checkpoints,
-        target=target,
-        time_model=time_model,
-    )
+    graph = _graph(model)
+    with guarded(f"planning {_model_name(model)} on input {tuple(input_shape)}", _namer(graph)):
+        p, _ = build_plan(
+            graph,
+            _model_name(model),
+            tuple(input_shape),
+            budget,
+            dtype,
+            in_dtype,
+            dev,
+            on_host,
+            input_requires_grad,
+            tile_size=tile_size,
+            checkpoints=checkpoints,
+            optimizer=optimizer,
+            host_checkpoints=host_checkpoints,
+            target=target,
+            time_model=time_model,
+        )
     return p
+
+
+def _graph(model: nn.Module) -> ModelGraph:
+    """The model's graph; an internal error while building it names the model (``trail.guarded``)."""
+    with guarded(f"tracing {_model_name(model)}", lambda i: f"node {i}"):
+        return ModelGraph(model)
+
+
+def _namer(graph: ModelGraph) -> Any:
+    return lambda i: graph.nodes[i].name  # the layer name of a node index, for internal errors
 
 
 def max_square_size(
@@ -98,7 +114,7 @@ def max_square_size(
     time_model: TimeModel | None = None,
 ) -> int:
     """Largest square edge (a multiple of the model's stride) whose plan fits; 0 if none."""
-    graph = ModelGraph(model)
+    graph = _graph(model)
     dev = _device_str(device)
     budget = resolve_budget_bytes(memory_budget, dev)
     on_host = dev == "cuda"
@@ -119,15 +135,16 @@ def max_square_size(
     # Bisect from the top: with the pool fused, memory stops growing with the image, and plans of large
     # images are quick (few segmentations fit), while small images make the search try everything.
     top = limit // stride * stride
-    if fits(top):
-        return top
-    lo, hi = 0, top  # fits(lo) (0: trivially), not fits(hi)
-    while hi - lo > stride:
-        mid = (lo + hi) // 2 // stride * stride
-        if mid <= lo:
-            break
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo if lo > 0 or fits(stride) else 0
+    with guarded(f"sizing {_model_name(model)} for {format_bytes(budget)}", _namer(graph)):
+        if fits(top):
+            return top
+        lo, hi = 0, top  # fits(lo) (0: trivially), not fits(hi)
+        while hi - lo > stride:
+            mid = (lo + hi) // 2 // stride * stride
+            if mid <= lo:
+                break
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo if lo > 0 or fits(stride) else 0
 
 
 def _on_host(x: torch.Tensor, device: torch.device) -> bool:
@@ -187,8 +204,9 @@ class SFT(nn.Module):
         self.time_model = time_model  # None: the device's default constants; wsitrain fit passes a calibration
         self.target = target  # the device's planning facts; None: detected (the simulated device: a preset's)
         self._budget_bytes: int | None = None if memory_budget is None else parse_bytes(memory_budget, "memory_budget")
-        self._graph = ModelGraph(model)
-        self._runner = NodeRunner(self._graph)
+        self._graph = _graph(model)
+        with guarded(f"compiling {_model_name(model)}", _namer(self._graph)):
+            self._runner = NodeRunner(self._graph)
         self._cache: OrderedDict[tuple[Any, ...], _Compiled] = OrderedDict()
         self._runtime = runtime
         self._stager = HostStager(runtime=runtime)
@@ -272,34 +290,24 @@ class SFT(nn.Module):
             return hit
         budget = self.budget_bytes
         tune_library_allocator(device)  # CPU: the budget holds only with glibc's threshold fixed (said once)
-        p, facts = build_plan(
-            self._graph,
-            _model_name(self.model),
-            shape,
-            budget,
-            act,
-            in_dtype,
-            self._plan_device(device),
-            on_host,
-            x_grad,
-            tile_size=self.tile_size,
-            checkpoints=self.checkpoints,
-            optimizer=self.optimizer,
-            host_checkpoints=self.host_checkpoints,
-            target=self.target or target_for(detection_device(device, self._plan_device(device))),
-            time_model=self.time_model,
-        )
-        if not p.fits:
-            why = "; ".join(p.notes) or f"the best plan needs {format_bytes(p.estimated_peak_bytes)}"
-            raise PlanError(
-                f"{p.model_name} on input {shape} does not fit {format_bytes(budget)}: {why}",
-                hint="raise the memory budget, read slides at a coarser resolution (data.mpp / data.level), "
-                "or train in bf16",
+        with guarded(f"planning {_model_name(self.model)} on input {shape}", _namer(self._graph)):
+            p, facts = build_plan(
+                self._graph, _model_name(self.model), shape, budget, act, in_dtype, self._plan_device(device),
+                on_host, x_grad, tile_size=self.tile_size, checkpoints=self.checkpoints, optimizer=self.optimizer,
+                host_checkpoints=self.host_checkpoints, time_model=self.time_model,
+                target=self.target or target_for(detection_device(device, self._plan_device(device))),
+            )  # fmt: skip
+            if not p.fits:
+                why = "; ".join(p.notes) or f"the best plan needs {format_bytes(p.estimated_peak_bytes)}"
+                raise PlanError(
+                    f"{p.model_name} on input {shape} does not fit {format_bytes(budget)}: {why}",
+                    hint="raise the memory budget, read slides at a coarser resolution (data.mpp / data.level), "
+                    "or train in bf16",
+                )
+            segs = tuple(
+                tiled_segment(facts, s, self._runner, device, self._stager, self._hooks) if s.mode == "tiled" else None
+                for s in p.segments
             )
-        segs = tuple(
-            tiled_segment(facts, s, self._runner, device, self._stager, self._hooks) if s.mode == "tiled" else None
-            for s in p.segments
-        )
         compiled = _Compiled(p, facts, segs)
         self._cache[key] = compiled
         while len(self._cache) > PLAN_CACHE_SIZE:

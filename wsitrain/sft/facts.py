@@ -202,6 +202,13 @@ def _cut_points(graph: ModelGraph, specs: list[OpSpec], shapes: list[tuple[int, 
     trunk = [i for i in valid if i < first_head]
     if not trunk:
         raise PlanError("the model has no spatial trunk to tile")
+    dead = [g for g in graph.nodes[1 : trunk[-1]] if not g.users and g.fx_node not in returned]
+    if dead:  # graph.prune_dead_nodes kept it: running it changes state (a BatchNorm's running statistics)
+        raise PlanError(
+            f"layer {dead[0].name!r} runs but nothing reads its output; SFT cannot tile a layer without readers",
+            hint="remove the unused call from the model's forward (running it only changes state: BatchNorm "
+            "running statistics, random numbers drawn)",
+        )
     return trunk, trunk[-1]
 
 

@@ -7,6 +7,7 @@ the names users know (module paths). It does not depend on an input shape; the f
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 from typing import Any
@@ -17,11 +18,25 @@ from torch import fx, nn
 from wsitrain.errors import PlanError
 from wsitrain.sft.ops.registry import INPUT, OpSpec, function_spec, is_leaf_module, module_spec, node_parameters
 from wsitrain.sft.ops.space import prune_unused_shape_reads
+from wsitrain.sft.trail import WHERE
 
 
 class _Tracer(fx.Tracer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.failed_in: str | None = None  # the innermost module whose forward raised while tracing
+
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return is_leaf_module(m) or super().is_leaf_module(m, module_qualified_name)
+
+    def call_module(self, m: nn.Module, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed_in is None:
+                with contextlib.suppress(NameError):
+                    self.failed_in = f"{self.path_of_module(m)} ({type(m).__name__})"
+            raise
 
 
 @dataclass(frozen=True)
@@ -37,15 +52,43 @@ class GNode:
 
 def trace(model: nn.Module) -> fx.GraphModule:
     """Trace ``model`` with torch.fx, keeping known layers whole; explain failures."""
+    tracer = _Tracer()
     try:
-        graph = _Tracer().trace(model)
-    except Exception as exc:  # fx raises many types; the user needs the model name and the reason
+        graph = tracer.trace(model)
+    except Exception as exc:  # fx raises many types; the user needs the model name, the layer and the reason
+        where = f" in layer {tracer.failed_in}" if tracer.failed_in else ""
         raise PlanError(
-            f"cannot trace {type(model).__name__} with torch.fx: {exc}",
+            f"cannot trace {type(model).__name__} with torch.fx{where}: {exc}",
             hint="the model's forward must not branch on tensor values; wrap such code in a leaf module",
         ) from exc
     prune_unused_shape_reads(graph)  # `n, c, h, w = x.shape` with c unused: no tile region reaches it
+    prune_dead_nodes(graph, model)  # DLA's unused `project` shortcut: no tile region would reach it either
     return fx.GraphModule(model, graph)
+
+
+def _removable(n: fx.Node, root: nn.Module) -> bool:
+    """Can a node nobody reads be skipped without changing anything plain PyTorch does?
+
+    Only when running it has no effect: not in place, not random, and not a module with buffers (a
+    train-mode BatchNorm updates its running statistics even when its output is unused).
+    """
+    if n.op == "call_module":
+        mod = root.get_submodule(str(n.target))
+        return not any(True for _ in mod.buffers()) and not isinstance(mod, nn.modules.dropout._DropoutNd)
+    if n.op == "call_method":
+        return not str(n.target).endswith("_")
+    if n.op == "call_function":
+        name = getattr(n.target, "__name__", "")
+        random = any(k in name for k in ("dropout", "rand", "bernoulli", "normal_"))
+        return not name.endswith("_") and not random and not n.is_impure()
+    return n.op == "get_attr"
+
+
+def prune_dead_nodes(graph: fx.Graph, root: nn.Module) -> None:
+    """Drop nodes whose value nothing reads and the model does not return (last first, so chains go too)."""
+    for node in reversed(list(graph.nodes)):
+        if not node.users and node.op not in ("placeholder", "output") and _removable(node, root):
+            graph.erase_node(node)
 
 
 def user_name(n: fx.Node) -> str:
@@ -126,6 +169,7 @@ class ModelGraph:
         """Spec of every node under the modules' current train/eval modes."""
         out: list[OpSpec] = []
         for g in self.nodes:
+            WHERE.node = g.index
             n = g.fx_node
             if n.op == "placeholder":
                 out.append(OpSpec(INPUT, "input"))
@@ -133,6 +177,7 @@ class ModelGraph:
                 out.append(module_spec(self.gm.get_submodule(str(n.target))))
             else:
                 out.append(function_spec(n))
+        WHERE.node = None
         return out
 
     def mode_key(self) -> tuple[bool, ...]:

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from wsitrain.sft.ops.registry import WINDOW, OpSpec
+from wsitrain.sft.trail import WHERE
 
 Interval = tuple[int, int]
 
@@ -64,28 +65,33 @@ def axis_tile(
     need: dict[int, Interval] = {seg_nodes[-1]: out_interval}
     req: dict[tuple[int, int], Interval] = {}
     computed: dict[int, Interval] = {}
-    for u in reversed(seg_nodes):
-        if u in extra:
-            need[u] = _hull(need.get(u), extra[u])
-        a, b = need[u]
-        spec = specs[u]
-        for v in inputs[u]:
+    u = seg_nodes[-1]
+    try:
+        for u in reversed(seg_nodes):
+            if u in extra:
+                need[u] = _hull(need.get(u), extra[u])
+            a, b = need[u]
+            spec = specs[u]
+            for v in inputs[u]:
+                if spec.kind == WINDOW:
+                    assert spec.windows is not None
+                    r = spec.windows[axis].input_interval(a, b, sizes[v])
+                else:
+                    r = (a, b)
+                req[(u, v)] = r
+                need[v] = _hull(need.get(v), r)
             if spec.kind == WINDOW:
                 assert spec.windows is not None
-                r = spec.windows[axis].input_interval(a, b, sizes[v])
+                w = spec.windows[axis]
+                lo, hi = req[(u, inputs[u][0])]
+                n_out = w.output_count(lo, hi)
+                g0 = w.first_output(lo)
+                computed[u] = (g0, g0 + max(n_out, b - g0))
             else:
-                r = (a, b)
-            req[(u, v)] = r
-            need[v] = _hull(need.get(v), r)
-        if spec.kind == WINDOW:
-            assert spec.windows is not None
-            w = spec.windows[axis]
-            lo, hi = req[(u, inputs[u][0])]
-            n_out = w.output_count(lo, hi)
-            g0 = w.first_output(lo)
-            computed[u] = (g0, g0 + max(n_out, b - g0))
-        else:
-            computed[u] = (a, b)
+                computed[u] = (a, b)
+    except Exception:
+        WHERE.node = u  # internal errors name the node (trail.guarded); free when nothing fails
+        raise
     if seg_input in extra:
         need[seg_input] = _hull(need.get(seg_input), extra[seg_input])
     computed[seg_input] = need[seg_input]

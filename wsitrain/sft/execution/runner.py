@@ -11,6 +11,7 @@ from torch.fx.node import map_arg
 from wsitrain.sft.graph import ModelGraph
 from wsitrain.sft.ops.drop import MaskReplay, replay_callable
 from wsitrain.sft.ops.registry import out_of_place_callable
+from wsitrain.sft.trail import WHERE
 
 
 def _call(node: fx.Node, fn: Any, kwargs: dict[str, Any], args: tuple[Any, ...]) -> Any:
@@ -29,12 +30,14 @@ class NodeRunner:
         self.safe: dict[int, tuple[Any, dict[str, Any]]] = {}
         self.masks = MaskReplay()  # per-sample drop masks of the current step, replayed by tiles and recomputes
         for g in graph.nodes[1:]:
+            WHERE.node = g.index
             n = g.fx_node
             module = graph.module(g.index)
             drop = replay_callable(module, g.index, self.masks)
             fn = module if module is not None else n.target
             self.original[g.index] = (drop or fn, dict(n.kwargs))
             self.safe[g.index] = (drop, dict(n.kwargs)) if drop else out_of_place_callable(n, module)
+        WHERE.node = None
         # users in execution order, to free values after their last reader
         self.last_user = {g.index: max(g.users, default=g.index) for g in graph.nodes}
 

@@ -13,6 +13,7 @@ from wsitrain.sft.execution.tiled import ExecHooks, TiledSegment, _AutocastState
 from wsitrain.sft.facts import GraphFacts
 from wsitrain.sft.ops.barriers import segment_barriers
 from wsitrain.sft.plan_types import SegmentPlan
+from wsitrain.sft.trail import at_segment
 
 
 class MultiPassFunction(torch.autograd.Function):
@@ -57,6 +58,7 @@ def tiled_segment(
     hooks: ExecHooks,
 ) -> TiledSegment:
     """The executor for a tiled segment of a plan: multi-pass when it holds barriers."""
+    at_segment(seg.start, seg.end)
     specs = {i: facts.nodes[i].spec for i in range(seg.start + 1, seg.end + 1)}
     inputs = {i: facts.nodes[i].inputs for i in specs}
     cls = MultiPassSegment if segment_barriers(specs, inputs, seg.start, seg.end) else TiledSegment

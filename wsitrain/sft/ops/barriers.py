@@ -37,6 +37,7 @@ from wsitrain.sft.graph import ModelGraph
 from wsitrain.sft.ops.fused_pool import AVG, pool_kind
 from wsitrain.sft.ops.grn import grn_spatial_dims, is_grn_module
 from wsitrain.sft.ops.registry import MERGE, POINTWISE, SHAPE, OpSpec
+from wsitrain.sft.trail import WHERE
 
 BATCHNORM = "batchnorm"  # per-channel mean and biased variance over (B, H, W)
 SQUEEZE = "squeeze"  # per-(sample, channel) mean over (H, W), fed through a chain back into a multiply
@@ -61,6 +62,7 @@ def mark_barriers(graph: ModelGraph, specs: list[OpSpec], shapes: Sequence[tuple
     out = list(specs)
     in_chain: set[int] = set()
     for g in graph.nodes[1:]:
+        WHERE.node = g.index
         found = squeeze_excitation(graph, g.index, shapes, specs)
         if found is None:
             continue
@@ -77,6 +79,7 @@ def mark_barriers(graph: ModelGraph, specs: list[OpSpec], shapes: Sequence[tuple
             for u in graph.nodes[e].users:
                 if u not in chain and u != g.index and not out[u].tileable:
                     out[u] = replace(out[u], kind=MERGE, tileable=True, why_not="", spatial_dims=(2, 3))
+    WHERE.node = None
     for g in graph.nodes[1:]:
         m = graph.module(g.index)
         if m is not None and is_batch_stat_bn(m) and g.index not in in_chain:

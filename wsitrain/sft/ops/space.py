@@ -50,6 +50,7 @@ from wsitrain.sft.ops.registry import (
     OpSpec,
     attribute,
 )
+from wsitrain.sft.trail import WHERE
 
 Dims = tuple[int, int]
 _NOT_SPATIAL = (SHAPE, CONST)
@@ -316,7 +317,9 @@ def resolve_layouts(
     """
     r = _Resolver(gm, nodes, shapes, name or (lambda i: nodes[i].name))
     for i, (n, s) in enumerate(zip(nodes, specs, strict=True)):
+        WHERE.node = i
         r.out.append(r.resolve(i, n, s))
+    WHERE.node = None
     return r.out
 
 

@@ -9,6 +9,7 @@ from wsitrain.sft.planning.memory_model import SimOp, SimResult, simulate
 from wsitrain.sft.planning.session import PlanSession
 from wsitrain.sft.planning.sweeps import sweep_flops_factor
 from wsitrain.sft.planning.tile_memory import TileChoice, tile_choice
+from wsitrain.sft.trail import at_segment
 
 PLAIN = "plain"
 TILED = "tiled"
@@ -39,6 +40,7 @@ def segment_blocker(sess: PlanSession, start: int, end: int) -> int | None:
 
 
 def plain_option(sess: PlanSession, start: int, end: int) -> SegOption:
+    at_segment(start, end)
     res, flops = sess.plain_sim(start, end)
     # the segment's output is the next segment's input: it is counted there, not in what this one retains
     out_saved = sess.nbytes(end) if sess.saves(start, end, end) else 0

@@ -17,6 +17,7 @@ from wsitrain.sft.planning.costs import Work
 from wsitrain.sft.planning.memory_model import SimOp, simulate
 from wsitrain.sft.planning.session import PlanSession
 from wsitrain.sft.regions import AxisTile, SegmentRegions, axis_tile, representative_tiles, split_axis
+from wsitrain.sft.trail import at_segment
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ def _planning_axis_tile(sess: PlanSession, start: int, end: int, axis: int, out:
 
 def segment_regions(facts: GraphFacts, start: int, end: int, edge: int) -> SegmentRegions:
     """Every tile's intervals along H and W: what the executor runs."""
+    at_segment(start, end)
     per_axis = []
     for axis in (0, 1):
         outs = split_axis(facts.nodes[end].shape[2 + axis], edge)
@@ -106,6 +108,7 @@ def tile_geometry(sess: PlanSession, start: int, end: int, edge: int) -> TileGeo
     if isinstance(cached, TileGeometry):
         return cached
     f = sess.facts
+    at_segment(start, end)
     per_axis = []
     square = f.nodes[end].shape[2] == f.nodes[end].shape[3] and f.nodes[start].shape[2] == f.nodes[start].shape[3]
     for axis in (0,) if square else (0, 1):  # square: the W axis is the H axis
@@ -132,6 +135,7 @@ def tile_choice(sess: PlanSession, start: int, end: int, edge: int, staged: bool
     f = sess.facts
     nodes = list(range(start + 1, end + 1))
     geo = tile_geometry(sess, start, end, edge)
+    at_segment(start, end)
     rows, cols = geo.rows, geo.cols
     # the largest tile's working set: per node the largest extent along each axis
     mx_h = {i: max(_extent(t, i) for t, _ in rows) for i in [start, *nodes]}
