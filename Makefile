@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint clean distclean
+.PHONY: demo test test-heavy lint clean distclean
 
 # Folders ruff checks; $(wildcard) skips one that a fresh clone does not have (git keeps no empty folders).
 LINT_PATHS := $(wildcard wsitrain tests scripts)
@@ -24,6 +24,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check $(LINT_PATHS)
 	$(BIN)/python -m pytest -q
+
+# The float64 exactness cases at the issues' own sizes (EfficientNetV2, FBNetV3 at 45%): minutes each.
+test-heavy: $(STAMP)
+	$(BIN)/python -m pytest -q -m heavy
 
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINT_PATHS)

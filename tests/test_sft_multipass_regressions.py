@@ -132,7 +132,9 @@ def timm_se_net() -> nn.Sequential:
     return model.double().eval()
 
 
-@pytest.mark.parametrize("how", [pytest.param("budget_45", marks=pytest.mark.slow), "tile_24"])
+@pytest.mark.parametrize(
+    "how", [pytest.param("budget_45", marks=pytest.mark.slow), pytest.param("tile_24", marks=pytest.mark.heavy)]
+)
 def test_timm_se_blocks_exact(how: str) -> None:
     """The structures issue 19 suspected, exact: at 45% a multi-pass SE segment between a tiled one and a plain
     one (no fused pool); with 24 px tiles every segment tiles, SE sums over 4 x 3 and 2 x 2 px tiles of odd maps
@@ -170,7 +172,7 @@ def timm_cut(name: str, stages: int) -> nn.Module:
 CUTS = [("timm/efficientnetv2_rw_t", 5, (1, 3, 160, 192)), ("timm/fbnetv3_b", 6, (1, 3, 128, 160))]
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # 2-5 minutes each on one core (measured)
 @pytest.mark.parametrize(("name", "stages", "shape"), CUTS)
 def test_se_families_exact_at_45_percent(name: str, stages: int, shape: tuple[int, ...]) -> None:
     x = torch.rand(shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
@@ -185,7 +187,7 @@ def test_se_families_exact_at_45_percent(name: str, stages: int, shape: tuple[in
     assert squeeze_segments(engine) >= 1, f"a squeeze-excitation barrier must run in tiles:\n{p}"
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_unit_statistics_make_the_model_irreproducible() -> None:
     """Why issue 19 saw errors: with unit frozen statistics plain autograd is not reproducible at 1e-12 (a 1e-16
     input change moves it by more); scaled statistics make it so."""
