@@ -39,10 +39,20 @@ def _model(name: str, train_bn: bool = False) -> nn.Module:
     return model.train() if train_bn else model.eval()
 
 
-def worst_relative_error(a: nn.Module, b: nn.Module, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    """max |x - y| / max |y| over outputs, the input gradient and every parameter gradient (and changed buffers)."""
+def worst_relative_error(
+    a: nn.Module, b: nn.Module, pairs: list[tuple[torch.Tensor, torch.Tensor]], zero: tuple[str, ...] = ()
+) -> float:
+    """max |x - y| / max |y| over outputs, the input gradient and every parameter gradient (and changed buffers).
+
+    ``zero``: name suffixes of parameters whose gradient is zero in exact arithmetic (a bias feeding a batch-statistics
+    BatchNorm cancels in its mean): their relative error compares rounding noise, so they are checked against the
+    step's largest parameter gradient instead."""
+    scale = max((p.grad.abs().max().item() for p in a.parameters() if p.grad is not None), default=0.0)
     for (n, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
-        if p.grad is not None or q.grad is not None:
+        if n.endswith(zero):
+            assert p.grad is not None and q.grad is not None, n
+            assert max(p.grad.abs().max().item(), q.grad.abs().max().item()) < 1e-12 * scale, n
+        elif p.grad is not None or q.grad is not None:
             assert p.grad is not None and q.grad is not None, n
             pairs.append((q.grad, p.grad))
     for x, y in zip(a.buffers(), b.buffers(), strict=True):
@@ -51,7 +61,9 @@ def worst_relative_error(a: nn.Module, b: nn.Module, pairs: list[tuple[torch.Ten
     return max(((x - y).abs().max() / y.abs().max().clamp_min(1e-300)).item() for x, y in pairs)
 
 
-def run_exact(name: str, shape: tuple[int, ...], train_bn: bool = False, **kw: object) -> SFT:
+def run_exact(
+    name: str, shape: tuple[int, ...], train_bn: bool = False, zero: tuple[str, ...] = (), **kw: object
+) -> SFT:
     plain = _model(name, train_bn)
     tiled = copy.deepcopy(plain)
     x = torch.rand(*shape, dtype=torch.float64, requires_grad=True)
@@ -61,7 +73,7 @@ def run_exact(name: str, shape: tuple[int, ...], train_bn: bool = False, **kw: o
     engine = SFT(tiled, **kw)
     yt = engine(xt)
     yt.square().sum().backward()
-    err = worst_relative_error(plain, tiled, [(yt, y), (xt.grad, x.grad)])
+    err = worst_relative_error(plain, tiled, [(yt, y), (xt.grad, x.grad)], zero)
     assert err < 1e-12, f"{name}: worst relative error {err:.3g}"
     return engine
 
@@ -94,16 +106,25 @@ def test_family_plans_at_45_percent(name: str, shape: tuple[int, ...]) -> None:
     assert any(s.mode == "tiled" for s in p.segments), f"the budget must force tiling:\n{p}"
 
 
+# ResNeSt with train-mode BatchNorm: its split attention normalizes the pooled values over the batch (bn1 on
+# (B, C, 1, 1)), so fc1's bias cancels (zero gradient) and with 2 samples of noise, whose pooled features nearly
+# agree, plain autograd itself moves by 6e-12 under a 1e-16 change of its input (measured; the 4.9 that got the
+# barrier reverted was fc1.bias's rounding noise). 4 samples keep plain reproducible at 5e-13.
 @pytest.mark.slow
-# ResNeSt's split attention as a barrier was reverted: with train-mode BatchNorm its budget-driven plan gave a
-# worst relative error of 4.9 (measured); ResNeSt is refused again until that is fixed (issue 19).
-@pytest.mark.parametrize(("name", "train_bn"), [("timm/convnextv2_atto", False)])
-def test_whole_map_statistics_at_45_percent_exact(name: str, train_bn: bool) -> None:
-    """ConvNeXt V2 (GRN) and ResNeSt (split attention) at 2 x 3 x 160 x 192 within 45% of plain's activation
-    memory: tiled segments hold the barriers, and the step is exact (train-mode BatchNorm: buffers too)."""
-    shape = (2, 3, 160, 192)
+@pytest.mark.parametrize(
+    ("name", "train_bn", "shape"),
+    [
+        ("timm/convnextv2_atto", False, (2, 3, 160, 192)),
+        ("timm/resnest14d", False, (2, 3, 160, 192)),
+        ("timm/resnest14d", True, (4, 3, 128, 160)),
+    ],
+)
+def test_whole_map_statistics_at_45_percent_exact(name: str, train_bn: bool, shape: tuple[int, ...]) -> None:
+    """ConvNeXt V2 (GRN) and ResNeSt (split attention) within 45% of plain's activation memory: tiled segments
+    hold the barriers, and the step is exact (train-mode BatchNorm: buffers too)."""
     budget = budget_45(name, shape)
-    engine = run_exact(name, shape, train_bn=train_bn, memory_budget=budget)
+    zero = ("conv2.fc1.bias",) if train_bn and "resnest" in name else ()
+    engine = run_exact(name, shape, train_bn=train_bn, zero=zero, memory_budget=budget)
     compiled = next(iter(engine._cache.values()))
     p = compiled.plan
     assert p.fits and p.estimated_peak_bytes <= budget

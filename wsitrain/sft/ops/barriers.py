@@ -78,7 +78,10 @@ def mark_barriers(graph: ModelGraph, specs: list[OpSpec], shapes: Sequence[tuple
         for e in exits:  # its readers multiply a feature map by tile constants: pointwise in space
             for u in graph.nodes[e].users:
                 if u not in chain and u != g.index and not out[u].tileable:
-                    out[u] = replace(out[u], kind=MERGE, tileable=True, why_not="", spatial_dims=(2, 3))
+                    # in the layout of the map it scales: (2, 3), or (3, 4) in split attention's 5-D map
+                    dims = next((specs[v].spatial_dims for v in graph.nodes[u].inputs if v not in chain
+                                 and specs[v].spatial_dims is not None), (2, 3))  # fmt: skip
+                    out[u] = replace(out[u], kind=MERGE, tileable=True, why_not="", spatial_dims=dims)
     WHERE.node = None
     for g in graph.nodes[1:]:
         m = graph.module(g.index)
@@ -112,21 +115,42 @@ def _is_mul(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in (operator.mul, operator.imul, torch.mul)
 
 
-def _per_channel(shape: tuple[int, ...], batch: int) -> bool:
-    """(B, C'), (B, C', 1) or (B, C', 1, 1): a value per (sample, channel), constant over the image plane."""
-    return 2 <= len(shape) <= 4 and shape[0] == batch and all(s == 1 for s in shape[2:])
+def _per_sample(shape: tuple[int, ...], batch: int) -> bool:
+    """A value per sample computed from the pool alone: (B, C', 1, 1), or the (B, card, radix, C'') of ResNeSt's
+    radix softmax. It cannot vary over the image plane (it derives from a pooled value); how it returns into the
+    map is checked at the chain's exits."""
+    return len(shape) >= 2 and shape[0] == batch
 
 
-def _scales(graph: ModelGraph, u: int, group: set[int], shapes: Sequence[tuple[int, ...]]) -> bool:
-    """Node u multiplies a feature map outside ``group`` by a chain value, broadcast over the map's shape."""
+def _scales(
+    graph: ModelGraph,
+    u: int,
+    group: set[int],
+    shapes: Sequence[tuple[int, ...]],
+    specs: Sequence[OpSpec],
+    expanded: int | None = None,
+) -> bool:
+    """Node u multiplies a feature map outside ``group`` by chain values of the map's rank with size 1 on its image
+    axes: (B, C, H, W) * (B, C, 1, 1), or split attention's (B, radix, C, H, W) * (B, radix, C, 1, 1).
+    ``expanded``: a chain value already expanded to the map's shape (``expand_as``), exempt from the size check."""
     un = graph.nodes[u]
     spatial = [v for v in un.inputs if v not in group]
-    return _is_mul(un.fx_node) and bool(spatial) and all(len(shapes[v]) == 4 for v in spatial) and (
-        shapes[u] == shapes[spatial[0]]
+    if not (_is_mul(un.fx_node) and spatial and shapes[u] == shapes[spatial[0]]):
+        return False
+    dims = specs[spatial[0]].spatial_dims
+    if dims is None or any(len(shapes[v]) < 4 or specs[v].spatial_dims != dims for v in spatial):
+        return False
+    rank = len(shapes[u])
+    return all(
+        len(shapes[e]) == rank and all(shapes[e][d] == 1 for d in dims)
+        for e in un.inputs
+        if e in group and e != expanded
     )
 
 
-def _expands_for_scale(graph: ModelGraph, u: int, group: set[int], shapes: Sequence[tuple[int, ...]]) -> bool:
+def _expands_for_scale(
+    graph: ModelGraph, u: int, group: set[int], shapes: Sequence[tuple[int, ...]], specs: Sequence[OpSpec]
+) -> bool:
     """Node u is ``s.expand_as(x)`` of a chain value s to a feature map x, read only by multiplies with maps."""
     un = graph.nodes[u]
     n = un.fx_node
@@ -140,7 +164,7 @@ def _expands_for_scale(graph: ModelGraph, u: int, group: set[int], shapes: Seque
         len(shapes[x]) == 4
         and shapes[u] == shapes[x]
         and bool(un.users)
-        and all(_scales(graph, w, group, shapes) for w in un.users)
+        and all(_scales(graph, w, group | {u}, shapes, specs, expanded=u) for w in un.users)
     )
 
 
@@ -186,7 +210,7 @@ def squeeze_excitation(
     for i in range(p + 1, len(graph.nodes)):
         data = [v for v in graph.nodes[i].inputs if specs[v].kind != SHAPE]
         # a chain value, or a non-tensor read from one (``y.size(0)``)
-        if data and all(v in group for v in data) and (_per_channel(shapes[i], src[0]) or shapes[i] == ()):
+        if data and all(v in group for v in data) and (_per_sample(shapes[i], src[0]) or shapes[i] == ()):
             group.add(i)
     returned = {graph.index[a] for a in graph.output_fx.all_input_nodes if a in graph.index}
     reads = _shape_reads(graph, group, p, specs)
@@ -197,9 +221,8 @@ def squeeze_excitation(
     for i in sorted(group):
         outside = [u for u in graph.nodes[i].users if u not in group]
         for u in outside:
-            if len(shapes[i]) != 4:
-                return None  # (B, C) against a map would broadcast over the wrong dims
-            if not (_scales(graph, u, group, shapes) or _expands_for_scale(graph, u, group, shapes)):
+            # a multiply by the map (its rank, 1 on the image axes: (B, C) would broadcast over the wrong dims)
+            if not (_scales(graph, u, group, shapes, specs) or _expands_for_scale(graph, u, group, shapes, specs)):
                 return None
         if outside:
             exits.append(i)

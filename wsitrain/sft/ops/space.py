@@ -161,7 +161,11 @@ class _Resolver:
                     f"it combines the feature map with '{self.name(self.index[global_[0]])}', a value computed from "
                     "the whole image (global pooling inside the trunk, as in squeeze-excitation), which no tile sees"
                 )
-                return _untileable(spec, why, (2, 3) if len(self.shapes[i]) == 4 else None)
+                # the map keeps its layout (a barrier pass may make this tileable): (2, 3), or (3, 4) in 5-D maps
+                src, src_spec = spatial[0]
+                same = self.shapes[i] == self.shapes[self.index[src]]
+                keep = src_spec.spatial_dims if same else (2, 3) if len(self.shapes[i]) == 4 else None
+                return _untileable(spec, why, keep)
             return _global(spec, "global operations end the tiled part")
         dims_all = {s.spatial_dims for _, s in spatial}
         out_shape = self.shapes[i]
