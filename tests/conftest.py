@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Real slides live beside the checkout (../shared/slides), never inside the repository.
@@ -55,3 +57,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _no_user_calibration(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """No test plans with (or writes) the user's time-model calibrations (~/.cache/wsitrain/calibration)."""
     monkeypatch.setenv("WSITRAIN_CALIBRATION_DIR", str(tmp_path_factory.getbasetemp() / "no-calibration"))
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Tiny float64 convolutions: one torch thread, many times faster than two on a busy machine (the model checks)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

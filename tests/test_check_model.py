@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from wsitrain.check import check_model
@@ -24,13 +22,7 @@ def invoke(*args: str):
     return CliRunner().invoke(app, list(args), env={"COLUMNS": "200", "NO_COLOR": "1"})
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Tiny float64 convolutions: one thread is many times faster than two on a busy machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_builtin_tiny_is_exact_in_both_checks() -> None:

@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-import torch
 
 from wsitrain.check import check_model
 from wsitrain.check.compare import ERROR, EXACT, REFUSED
@@ -125,13 +123,7 @@ def _param(f: Family) -> object:
     return pytest.param(f, id=f.id, marks=marks)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Tiny float64 convolutions: one thread, as the zoo's time budget is counted (and faster on a busy machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.filterwarnings("ignore:The default weight initialization")

@@ -127,7 +127,8 @@ def simulate_step(
         sft._stager = HostStager(copies(rt))  # before the first plan: segments take the stager when compiled
     shape = tuple(input_shape)
     plan = sft.plan_for(shape, input_dtype=input_dtype, input_on_host=True)  # raises when it does not fit
-    total = max(1, _tiles_in_step(plan, every_tile))
+    visits = _tiles_in_step(plan, every_tile)
+    total = max(1, visits)
     memory = LiveMemory(observer=rt.observe, fast=FAST_OPS if fast_ops else None)
     memory.on_free = rt.on_free
     done = [0]
@@ -170,6 +171,6 @@ def simulate_step(
         seconds=time.perf_counter() - t0,
         operators=memory.ops,
         accesses_checked=rt.checked,
-        tiles_visited=_tiles_in_step(plan, every_tile),
+        tiles_visited=visits,
         tiles_in_step=_tiles_in_step(plan, True),
     )
