@@ -157,6 +157,58 @@ def test_least_squares_recovers_known_constants() -> None:
     assert got == pytest.approx(truth, rel=1e-6)
 
 
+# An H100's micro-model steps, as `wsitrain doctor` measured them (torch 2.11, TF32 convolutions): FLOPs, bytes and
+# calls as the planner counts them, and the best step's seconds. Bytes and calls alone explain every row.
+H100_ROWS = [
+    (176076882436.0, 3230665752.0, 22.0, 0.0034231), (120057757956.0, 4869588504.0, 18.0, 0.0049383),
+    (26306675204.0, 30639393816.0, 44.0, 0.0610360), (8925479940.0, 10478426136.0, 32.0, 0.0134854),
+    (26165316.0, 23826840.0, 248.0, 0.0088350), (1062731908.0, 510198552.0, 168.0, 0.0074433),
+    (19657654788.0, 2739145752.0, 20.0, 0.0062176), (697915410436.0, 3223597080.0, 22.0, 0.0047337),
+    (700046115844.0, 6451894296.0, 22.0, 0.0066648),
+]  # fmt: skip
+
+
+def test_a_fast_gpu_still_gets_a_flop_rate() -> None:
+    """Where FLOPs explain none of the times, the fastest FLOP-bound step sets the rate (not 0 FLOP/s, as the
+    clamped least squares gave on the H100), and bytes and calls are fitted to the rest, non-negative."""
+    rows = torch.tensor(H100_ROWS, dtype=torch.float64).numpy()
+    terms, seconds = rows[:, :3], rows[:, 3]
+    sec_flop, sec_byte, sec_call = fit_constants(terms, seconds)
+    assert 1 / sec_flop == pytest.approx(max(terms[:, 0] / seconds))  # 147 TFLOP/s: the 256-channel convs
+    assert sec_byte > 0 and sec_call >= 0
+    assert (terms @ [sec_flop, sec_byte, sec_call] <= 2 * seconds).all()
+
+
+def test_non_negative_fit_beats_clamping() -> None:
+    """Times a negative coefficient would fit best: the fit drops that term and refits the others."""
+    terms = torch.tensor([[1e9, 1e6, 10], [2e9, 1e8, 20], [1e5, 1e4, 500], [5e8, 5e7, 100]], dtype=torch.float64)
+    seconds = (terms @ torch.tensor([1e-11, 2e-10, 1e-5], dtype=torch.float64)) * torch.tensor([1.0, 0.5, 1.0, 1.0])
+    got = fit_constants(terms.numpy(), seconds.numpy())
+    assert (got >= 0).all()
+    a, ones = (terms / seconds[:, None]).numpy(), torch.ones(4, dtype=torch.float64).numpy()
+    for drop in range(3):  # no non-negative fit on fewer terms does better
+        keep = [i for i in range(3) if i != drop]
+        sub = torch.linalg.lstsq(torch.from_numpy(a[:, keep]), torch.from_numpy(ones)).solution.numpy()
+        if (sub >= 0).all():
+            assert ((a @ got - ones) ** 2).sum() <= ((a[:, keep] @ sub - ones) ** 2).sum() + 1e-12
+
+
+def test_a_calibration_without_a_flop_rate_is_not_installed(
+    tmp_path: Path, cal_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from wsitrain.doctor import command
+    from wsitrain.doctor.calibrate import MicroRow
+
+    def no_rate(device: torch.device, name: str, runs: int = 5, micro: object = None) -> tuple[Calibration, list]:
+        return Calibration(name, device.type, "2026-11-24", 22.0, 2e8, 0.0, 0.0), [MicroRow("m", (1, 1, 1), 1, 1)]
+
+    monkeypatch.setattr(command, "calibrate", no_rate)
+    extra: dict[str, object] = {}
+    check = command._calibrate(torch.device("cpu"), "cpu: test", False, tmp_path, extra)
+    assert check.status == "failed" and "nothing installed" in check.detail
+    assert not list(cal_dir.glob("*.json")) and "calibration_path" not in extra
+
+
 def test_cap_verdicts_from_gpu_figures() -> None:
     ok = checks._cap_verdict("c", {"cap_bytes": 100, "planned_peak_bytes": 80, "measured_peak_bytes": 88,
                                    "simulated_peak_bytes": 85}, 1.0)  # fmt: skip

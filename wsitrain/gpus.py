@@ -69,9 +69,11 @@ def _gib(x: float) -> int:
 
 
 # Totals as cudaMemGetInfo (torch.cuda.mem_get_info) reports them, i.e. the "total capacity" of PyTorch's
-# out-of-memory messages and nvidia-smi's "Total" (published figures from users' reports, not measured here):
-# 2080 Ti 10.76 GiB, T4 14.75 GiB, V100 15.78 / 31.75 GiB, A100 39.59 / 79.15 GiB, RTX 3090 23.69 GiB,
-# RTX 4090 23.65 GiB, A6000 47.54 GiB, L40S 44.52 GiB (ECC on), H100 SXM 81559 MiB (79.6 GiB), H200 143771 MiB.
+# out-of-memory messages (published figures from users' reports): 2080 Ti 10.76 GiB, T4 14.75 GiB, V100 15.78 /
+# 31.75 GiB, A100 39.59 / 79.15 GiB, RTX 3090 23.69 GiB, RTX 4090 23.65 GiB, A6000 47.54 GiB, L40S 44.52 GiB (ECC on),
+# H200 143771 MiB (nvidia-smi's "Total"). H100 SXM measured: 85,017,493,504 B (79.18 GiB) from cudaMemGetInfo,
+# where nvidia-smi says 81559 MiB, 480 MiB more (driver 580.159, 2026-11-24): nvidia-smi's figure overstates it,
+# so the H200's may too.
 # fp32 rates are NVIDIA's published boost figures (H100/H200: SXM).
 GPU_PRESETS: dict[str, GpuPreset] = {
     p.name: p
@@ -86,7 +88,7 @@ GPU_PRESETS: dict[str, GpuPreset] = {
         GpuPreset("rtx4090", "NVIDIA GeForce RTX 4090", 24 * GiB, _gib(23.65), PCIE4, (8, 9), 82.6),
         GpuPreset("a6000", "NVIDIA RTX A6000", 48 * GiB, _gib(47.54), PCIE4, (8, 6), 38.7),
         GpuPreset("l40s", "NVIDIA L40S", 48 * GiB, _gib(44.52), PCIE4, (8, 9), 91.6),
-        GpuPreset("h100", "NVIDIA H100 80 GB", 80 * GiB, 81559 * MiB, PCIE5, (9, 0), 67.0),
+        GpuPreset("h100", "NVIDIA H100 80 GB", 80 * GiB, 85_017_493_504, PCIE5, (9, 0), 67.0),
         # Sold as "141 GB"; nvidia-smi reports 143771 MiB.
         GpuPreset("h200", "NVIDIA H200", 141 * GiB, 143771 * MiB, PCIE5, (9, 0), 67.0),
     )

@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 
 from wsitrain.errors import PlanError
-from wsitrain.memory import PeakMeter, tune_cpu_allocator
+from wsitrain.memory import PeakMeter, tune_owned_process
 from wsitrain.models import build, parameter_bytes
 from wsitrain.precision import activation_dtype
 from wsitrain.sft import SFT
@@ -76,15 +76,13 @@ def _plan_that_ran(sft: SFT, x: torch.Tensor, dtype: torch.dtype) -> dict[str, A
 def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """Run one configuration in this process and return its result dict (status ok / oom / error)."""
     device = torch.device(cfg.get("device", "cpu"))
-    if device.type == "cpu":
-        tune_cpu_allocator()
+    if device.type == "cuda" and device.index is None:  # the memory-fraction cap needs an index (torch 2.11)
+        device = torch.device("cuda", torch.cuda.current_device())
     dtype = activation_dtype(cfg.get("precision", "fp32"))
     budget = cfg.get("budget_bytes")
     torch.manual_seed(int(cfg.get("seed", 0)))
-    if device.type == "cuda" and budget and cfg.get("cap_gpu", True):
-        total = torch.cuda.get_device_properties(device).total_memory
-        # Emulate a smaller card: the caching allocator refuses to grow past the budget.
-        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device)
+    # every strategy measured with the allocator fit uses; on CUDA capped at the budget to emulate a smaller card
+    tune_owned_process(device, budget if budget and cfg.get("cap_gpu", True) else None)
     result: dict[str, Any] = {"status": "ok", "times_ms": [], "peaks_bytes": []}
     meter = PeakMeter(device)  # this worker owns the measurement: it alone starts (resets) the meter
     try:

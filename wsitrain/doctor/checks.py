@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from wsitrain.memory import PeakMeter
+from wsitrain.memory import PeakMeter, cap_cuda_allocator
 from wsitrain.models import build
 from wsitrain.sft import SFT
 from wsitrain.sft.target import detected_target
@@ -108,8 +108,7 @@ def peak_under_cap(device: torch.device, model_name: str, size: int, cap: int) -
         return not_run(name)
     t0 = time.perf_counter()
     torch.cuda.empty_cache()  # earlier checks' cached blocks would count against the cap
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+    cap_cuda_allocator(device, cap)
     figures: dict[str, Any] = {"cap_bytes": cap}
     try:
         _capped_step(device, model_name, size, cap, figures)
@@ -118,7 +117,7 @@ def peak_under_cap(device: torch.device, model_name: str, size: int, cap: int) -
     except Exception as e:
         return Check(name, "error", f"{type(e).__name__}: {e}".splitlines()[0][:300], figures, time.perf_counter() - t0)
     finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        cap_cuda_allocator(device, None)
         torch.cuda.empty_cache()
     try:
         figures["simulated_peak_bytes"] = simulated_peak(model_name, (1, 3, size, size), cap)

@@ -130,10 +130,15 @@ def _calibrate(device: torch.device, name: str, fast: bool, out: Path, extra: di
     measurement) writes it into ``out`` only and leaves the planner's constants alone."""
     t0 = time.perf_counter()
     cal, rows = calibrate(device, name, runs=1 if fast else 5, micro=FAST_MICRO if fast else None)
+    extra.update(calibration=asdict(cal), micro_rows=[asdict(r) for r in rows])
+    if cal.flops_per_second <= 0:  # FLOPs explain none of the steps' times: no model to install
+        return Check("time model calibration", "failed", "the micro-models' times are not explained by their FLOPs "
+                     "(no FLOP rate could be fitted); nothing installed, the planner keeps its default",
+                     seconds=time.perf_counter() - t0)  # fmt: skip
     folder = out if fast else None
     path = write_calibration(cal, folder)
     used = time_model_for(device.type, name, folder)  # what the planner uses on this device from that folder
-    extra.update(calibration=asdict(cal), calibration_path=str(path), micro_rows=[asdict(r) for r in rows])
+    extra["calibration_path"] = str(path)
     status = "measured" if used.source.startswith("calibrated") else "failed"
     where = "fast mode: not installed for the planner" if fast else "the planner now uses it"
     return Check("time model calibration", status, f"byte = {cal.byte_flops:.3g} FLOPs, call = {cal.call_flops:.3g} "

@@ -12,6 +12,7 @@ from rich.console import Console
 from wsitrain.config import WsiTrainConfig, config_to_dict, diff_configs
 from wsitrain.errors import SlideError, WsiTrainError
 from wsitrain.gpus import run_budget
+from wsitrain.memory import tune_owned_process
 from wsitrain.models import build
 from wsitrain.report.heatmap_files import HeatmapWriter
 from wsitrain.slides.readers import open_slide
@@ -115,6 +116,7 @@ def run_predict(
     model.load_state_dict(ckpt["model"])
     device = resolve_device(cfg.engine.device)
     budget = run_budget(cfg.engine.memory_budget, device)
+    tune_owned_process(device, budget.bytes)  # as fit: the budget is the CUDA allocator's limit too
     engine = wrap_engine(model, cfg.engine, device, budget.bytes, optimizer=None)  # no optimizer state to plan for
     runner = Evaluator(engine, device=device, precision=cfg.train.precision, loss=cfg.train.loss)
     rk = read_kwargs(cfg, model.stride)

@@ -23,7 +23,7 @@ from rich.markup import escape
 from wsitrain.config import WsiTrainConfig, check_run_name, config_to_dict
 from wsitrain.errors import PlanError, WsiTrainError
 from wsitrain.gpus import Budget, run_budget
-from wsitrain.memory import tune_cpu_allocator
+from wsitrain.memory import tune_owned_process
 from wsitrain.preflight import check_run
 from wsitrain.report.curves import write_curves
 from wsitrain.report.roc import write_validation_figures
@@ -79,9 +79,9 @@ class FitRecipe:
         if resume is None:
             _check_run_target(cfg, name)
         self.device = resolve_device(cfg.engine.device, self.dist)
-        if self.device.type == "cpu":
-            tune_cpu_allocator()  # wsitrain owns this process: resident memory follows live tensors
         self.budget: Budget = run_budget(cfg.engine.memory_budget, self.device)
+        # wsitrain owns this process: memory follows live tensors, and on CUDA the budget is the allocator's limit
+        self.allocator_note = tune_owned_process(self.device, self.budget.bytes)
         # every slide and shape bucket planned within the budget, all problems at once, before any folder exists
         check_run(cfg, self.device, shapes_only=self.shapes_only, console=self.out, budget_bytes=self.budget.bytes)
         self.data: FitData = load_fit_data(cfg)
@@ -145,7 +145,8 @@ class FitRecipe:
             f"{batchnorm_note(self.model, cfg.model.freeze_bn)}",
             markup=False,
         )
-        self.out.print(f"memory budget: {self.budget.describe()}", markup=False)
+        allocator = f"; {self.allocator_note}" if self.device.type == "cuda" and self.allocator_note else ""
+        self.out.print(f"memory budget: {self.budget.describe()}{allocator}", markup=False)
         self.out.print(
             f"data: {len(data.train)} training and {len(data.val)} validation slides; device {self.device}"
             + (f"; {self.dist.world_size} ranks" if self.dist.enabled else ""),
