@@ -4,8 +4,6 @@ the matching device only, a bad file is exit 2 naming it), and the doctor's verd
 from __future__ import annotations
 
 import json
-import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ from wsitrain.cli import app
 from wsitrain.doctor import checks
 from wsitrain.doctor.calibrate import fit_constants
 from wsitrain.errors import WsiTrainError
+from wsitrain.models import build
 from wsitrain.plan.command import make_plan
 from wsitrain.sft.planning.calibration import (
     CALIBRATION_ENV,
@@ -216,27 +215,20 @@ def test_cap_verdicts_from_gpu_figures() -> None:
     assert "simulated 85 B" in ok.detail
     over = checks._cap_verdict("c", {"cap_bytes": 100, "planned_peak_bytes": 80, "measured_peak_bytes": 101,
                                      "simulated_peak_bytes": None}, 1.0)  # fmt: skip
-    assert over.status == "failed" and "simulated device not installed" in over.detail
+    assert over.status == "failed" and "not simulated" in over.detail
     oom = checks._cap_verdict("c", {"cap_bytes": 100, "planned_peak_bytes": 80, "oom": "CUDA out of memory"}, 1.0)
     assert oom.status == "failed" and "out of memory under the cap" in oom.detail
     assert checks.peak_under_cap(torch.device("cpu"), "tiny", 64, 2**30).status == "not run: no CUDA device"
     assert checks.workspaces(torch.device("cpu")).status == "not run: no CUDA device"
 
 
-def test_simulated_peak_is_used_when_the_simulator_is_installed(monkeypatch: pytest.MonkeyPatch) -> None:
-    seen = {}
+def test_simulated_peak_is_the_simulated_devices_steady_state_step() -> None:
+    from wsitrain.sft.simulate import simulate_step
 
-    def simulate_step(model, shape, budget, optimizer):  # noqa: ANN001, ANN202 - the simulator's signature
-        seen.update(shape=shape, budget=budget, optimizer=optimizer, meta=next(model.parameters()).is_meta)
-        return types.SimpleNamespace(device_peak=types.SimpleNamespace(bytes=12345))
-
-    fake = types.ModuleType("wsitrain.sft.simulate")
-    fake.__spec__ = types.SimpleNamespace(name="wsitrain.sft.simulate")  # type: ignore[assignment]
-    monkeypatch.setitem(sys.modules, "wsitrain.sft.simulate", fake)
-    assert checks.simulated_peak("tiny", (1, 3, 64, 64), 2**30) is None  # installed without simulate_step
-    fake.simulate_step = simulate_step  # type: ignore[attr-defined]
-    assert checks.simulated_peak("tiny", (1, 3, 64, 64), 2**30) == 12345
-    assert seen == {"shape": (1, 3, 64, 64), "budget": 2**30, "optimizer": "adam", "meta": True}
+    with torch.device("meta"):
+        net = build("tiny", 2)
+    want = simulate_step(net, (1, 3, 64, 64), 2**30, optimizer="adam").device_peak.bytes
+    assert checks.simulated_peak("tiny", (1, 3, 64, 64), 2**30) == want > 0
 
 
 @pytest.mark.slow

@@ -1,11 +1,9 @@
 """The doctor's in-process checks: exactness of the engine on a device, a training step's peak under a memory cap
-against its plan (and the simulated device, when that is installed), and the device's kernel workspaces."""
+against its plan and the simulated device, and the device's kernel workspaces."""
 
 from __future__ import annotations
 
 import copy
-import importlib
-import importlib.util
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,20 +82,13 @@ def exactness(device: torch.device, size: int = 128, tile: int = 32) -> Check:
                  "uint8 image streamed from the host)", {"tiles": tiles}, time.perf_counter() - t0)  # fmt: skip
 
 
-def simulated_peak(model_name: str, shape: tuple[int, ...], budget: int) -> int | None:
-    """The simulated device's peak for one training step (Adam), or None when it is not installed.
+def simulated_peak(model_name: str, shape: tuple[int, ...], budget: int) -> int:
+    """The simulated device's peak for one steady-state training step (Adam) of the same plan."""
+    from wsitrain.sft.simulate import simulate_step  # fake tensors: imported only where a GPU check runs
 
-    OPTIONAL: ``wsitrain.sft.simulate.simulate_step`` (the lead's simulated device) is feature-detected, so this
-    check compares against it once it is merged and says "not installed" before.
-    """
-    if importlib.util.find_spec("wsitrain.sft.simulate") is None:
-        return None
-    fn = getattr(importlib.import_module("wsitrain.sft.simulate"), "simulate_step", None)
-    if fn is None:
-        return None
     with torch.device("meta"):
         net = build(model_name, 2)
-    return int(fn(net, shape, budget, optimizer="adam").device_peak.bytes)
+    return int(simulate_step(net, shape, budget, optimizer="adam").device_peak.bytes)
 
 
 def peak_under_cap(device: torch.device, model_name: str, size: int, cap: int) -> Check:
@@ -136,16 +127,21 @@ def _capped_step(device: torch.device, model_name: str, size: int, cap: int, fig
     opt = torch.optim.Adam(model.parameters())
     meter = PeakMeter(device)
     meter.start()
-    loss = nn.functional.cross_entropy(sft(image).float(), torch.zeros(1, dtype=torch.long, device=device))
-    loss.backward()
-    opt.step()
+    # two steps: from the second on, Adam's state is live through forward and backward (measured on an H100:
+    # 0.1-0.2 GiB higher than the first step for ResNet-50 / DarkNet-19)
+    for _ in range(2):
+        loss = nn.functional.cross_entropy(sft(image).float(), torch.zeros(1, dtype=torch.long, device=device))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
     torch.cuda.synchronize(device)
     figures["measured_peak_bytes"] = meter.peak()
+    figures["measured_reserved_bytes"] = meter.peak_reserved()
 
 
 def _cap_verdict(name: str, f: dict[str, Any], seconds: float) -> Check:
     sim = f.get("simulated_peak_bytes")
-    sim_text = f"simulated {format_bytes(sim)}" if sim else "simulated device not installed"
+    sim_text = f"simulated {format_bytes(sim)}" if sim else f"not simulated ({f.get('simulation_error', '?')})"
     if "oom" in f:
         return Check(name, "failed", f"out of memory under the cap (planned {format_bytes(f.get('planned_peak_bytes'))}"
                      f", {sim_text}): {f['oom']}", f, seconds)  # fmt: skip
@@ -179,10 +175,12 @@ def workspaces(device: torch.device) -> Check:
     f.update(free_bytes=int(free), total_bytes=int(total), planned_runtime_base_bytes=allowance)
     largest = max(f["conv_transient_bytes"], f["matmul_transient_bytes"]) + f["matmul_kept_bytes"]
     f["measured_workspace_bytes"] = largest
-    note = "within" if largest <= allowance else "ABOVE"
-    return Check(name, "measured", f"workspaces up to {format_bytes(largest)} ({note} the planner's "
-                 f"{format_bytes(allowance)} workspace allowance); {format_bytes(free)} of {format_bytes(total)} "
-                 "free", f, time.perf_counter() - t0)  # fmt: skip
+    # Uncapped, cuDNN takes the workspace of its fastest algorithm (an H100: 514 MiB for this conv); under the
+    # allocator cap fit sets it picks one that fits, so a figure above the allowance is information, not a failure.
+    note = "within" if largest <= allowance else "above; under fit's allocator cap cuDNN picks algorithms that fit"
+    return Check(name, "measured", f"uncapped workspaces up to {format_bytes(largest)} ({note}; the planner allows "
+                 f"{format_bytes(allowance)}); {format_bytes(free)} of {format_bytes(total)} free", f,
+                 time.perf_counter() - t0)  # fmt: skip
 
 
 def _conv_step(device: torch.device) -> int:
