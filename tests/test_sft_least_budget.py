@@ -8,6 +8,7 @@ and large ones where tiling matters.
 
 from __future__ import annotations
 
+import random
 import re
 
 import pytest
@@ -18,6 +19,7 @@ from wsitrain.errors import PlanError
 from wsitrain.gpus import gpu_preset
 from wsitrain.models import build
 from wsitrain.sft import SFT, Plan, plan
+from wsitrain.sft.planning.costs import HEADROOM, MemoryTerms
 from wsitrain.units import format_bytes, parse_bytes, round_up_printed
 
 # "at least 14.51 MiB" in a plan's note, as people read it
@@ -89,3 +91,25 @@ def test_sft_error_hint_names_the_least_budget() -> None:
     least = parse_bytes(m.group(1).replace(" ", ""))
     assert f"at least {m.group(1)}" in str(info.value)
     assert SFT(chain, memory_budget=least).plan_for(tuple(x.shape)).fits
+
+
+def test_round_up_printed_reads_back_as_printed() -> None:
+    """The figure a user copies reads back as the budget itself, never below what was rounded up."""
+    rng = random.Random(0)
+    for n in [1, 1023, 1024, 1025, 14_921_236, 2**30 - 1, 2**30, 1_320_702_443, 10**12]:
+        r = round_up_printed(n)
+        assert r >= n and parse_bytes(format_bytes(r).replace(" ", "")) == r
+    for _ in range(2000):
+        n = rng.randrange(1, 10**14)
+        r = round_up_printed(n)
+        # at most a hundredth of the printed unit above: 1% where the figure reads 1.00, less above that
+        assert n <= r <= n * 1.01 + 11 and parse_bytes(format_bytes(r).replace(" ", "")) == r
+
+
+@pytest.mark.parametrize("kind", ["cpu", "cuda"])
+def test_budget_for_inverts_the_fit_condition(kind: str) -> None:
+    """``budget_for`` is the least whole budget whose effective budget (the fit condition) admits the bytes."""
+    terms = MemoryTerms(model=12_345_678, optimizer=24_691_356, runtime=100 * 2**20, headroom=HEADROOM[kind])
+    for replayed in (terms.fixed, terms.fixed + 1, terms.fixed + 123_456_789, 7 * terms.fixed + 3):
+        budget = terms.budget_for(replayed)
+        assert terms.effective_budget(budget) >= replayed > terms.effective_budget(budget - 1)
