@@ -101,8 +101,7 @@ def build_plan(
             f"(more than {100 * MAX_EXTRA_COMPUTE:+.0f}%): not worth running; {_raise_to(least)}, train in "
             "bf16, or read the slide at a coarser resolution"
         )
-        plan = _assemble(sess, model_name, budget, state, False, notes, "one tile", least)
-        return plan, sess.facts
+        return _assemble(sess, model_name, budget, state, False, notes, "one tile", least), sess.facts
     if state is None:
         blocker = _first_blocker(sess, budget, tile_size, forced_cuts)
         if blocker is not None:
@@ -127,10 +126,9 @@ def build_plan(
         peak = sess.terms.scale_peak(replay_path(sess, state.path).peak)
         notes.append(
             f"DOES NOT FIT: {_needs(least)}; budget is {format_bytes(budget)}. The smallest plan's estimated peak "
-            f"is {format_bytes(peak)}, "
-            f"and plans keep {100 * sess.terms.headroom:.0f}% of the budget above weights, optimizer state and "
-            f"workspaces free (headroom for the memory model's error). What does not shrink with tiling: {what}; the "
-            f"largest is the {limiting}"
+            f"is {format_bytes(peak)}, and plans keep {100 * sess.terms.headroom:.0f}% of the budget above weights, "
+            "optimizer state and workspaces free (headroom for the memory model's error). What does not shrink with "
+            f"tiling: {what}; the largest is the {limiting}"
         )
         return _assemble(sess, model_name, budget, state, False, notes, limiting, least), sess.facts
     return _assemble(sess, model_name, budget, state, True, notes, limiting), sess.facts
