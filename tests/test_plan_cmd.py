@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 import pytest
 from rich.console import Console
@@ -12,7 +13,7 @@ from wsitrain.errors import WsiTrainError
 from wsitrain.gpus import GPU_NAMES, GPU_PRESETS, gpu_preset, resolve_budget
 from wsitrain.models import MODEL_NAMES
 from wsitrain.plan.command import parse_size, run_plan
-from wsitrain.units import format_bytes
+from wsitrain.units import format_bytes, parse_bytes
 
 GiB = 1024**3
 
@@ -198,3 +199,18 @@ def test_simulate_runs_one_step_and_reports_it_beside_the_plan() -> None:
 def test_simulate_refuses_what_it_cannot_simulate(kw: dict, message: str) -> None:
     with pytest.raises(WsiTrainError, match=message):
         _run(False, model="tiny", size="1024", simulate=True, **kw)
+
+
+@pytest.mark.parametrize(
+    ("model", "size", "gpu", "memory"),
+    [("tiny", "4096", None, "100KiB"), ("resnet18", "8192", "2080ti", "300MiB")],
+)
+def test_does_not_fit_names_a_budget_that_fits(model: str, size: str, gpu: str | None, memory: str) -> None:
+    """The figure "needs at least X" prints is what to give --memory: copied as printed, the plan fits."""
+    code, text = _run(False, model=model, size=size, gpu=gpu, memory=memory)
+    m = re.search(r"DOES NOT FIT: needs at least ([0-9.]+ [KMGT]?i?B)", text)
+    assert code == 1 and m, text
+    _, out = _run(True, model=model, size=size, gpu=gpu, memory=memory)
+    assert json.loads(out)["plan"]["min_budget_bytes"] == parse_bytes(m.group(1))
+    code, text = _run(False, model=model, size=size, gpu=gpu, memory=m.group(1))
+    assert code == 0 and ": fits" in text

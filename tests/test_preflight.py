@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,7 @@ from wsitrain.config import WsiTrainConfig
 from wsitrain.preflight import PreflightError, run_preflight, slide_shape
 from wsitrain.slides.stream import read_slide_region
 from wsitrain.slides.synth import write_synthetic_slide
+from wsitrain.units import parse_bytes
 
 MiB = 2**20
 # The tiny model on CPU (adamw, fp32): a 256 px slide plans within 15 MiB, a 1024 px one needs ~17 MiB.
@@ -70,6 +72,19 @@ def test_three_bad_slides_named_in_one_error(cohort: Path) -> None:
     assert "good.svs" not in text
     # The report travels with the error: the good slides were measured and planned.
     assert {s.slide for s in err.report.slides} == {"good.svs", "good2.svs", "big.svs"}
+
+
+def test_too_big_slide_names_the_budget_that_fits(cohort: Path) -> None:
+    """The figure the message and hint give is a budget under which the slide plans: not the best plan's peak."""
+    cfg = make_cfg(cohort)
+    with pytest.raises(PreflightError) as info:
+        run_preflight(cfg, 15 * MiB, "cpu")
+    big = next(p for p in info.value.problems if p.subject == "big.svs")
+    m = re.search(r"raise engine.memory_budget to at least ([0-9.]+ [KMGT]?i?B)", big.hint)
+    assert m and f"needs at least {m.group(1)}" in big.message, (big.message, big.hint)
+    with pytest.raises(PreflightError) as info:  # the broken slides remain; the big one fits now
+        run_preflight(cfg, parse_bytes(m.group(1)), "cpu")
+    assert sorted(subjects(info.value)) == ["broken.svs", "nompp.tif"]
 
 
 def test_fit_fails_in_preflight_and_creates_no_run_folder(cohort: Path, tmp_path: Path) -> None:

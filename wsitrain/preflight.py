@@ -312,23 +312,27 @@ def _plan_buckets(cfg: WsiTrainConfig, model: nn.Module, report: PreflightReport
                     hint="raise engine.memory_budget (or remove it to use the device's free memory)",
                 )
             ]
-    hint = (
-        "raise engine.memory_budget, read at a coarser resolution (data.mpp or data.level), train in bf16 "
-        "(train.precision), or remove the slide from the labels"
+    rest = (
+        "read at a coarser resolution (data.mpp or data.level), train in bf16 (train.precision), or remove the slide "
+        "from the labels"
     )
     if e.tile_size is not None or e.checkpoints is not None:
-        hint += "; engine.tile_size and engine.checkpoints force the plan: remove them to let the planner choose"
+        rest += "; engine.tile_size and engine.checkpoints force the plan: remove them to let the planner choose"
     if report.shapes_only and cfg.data.region == "tissue":
-        hint += "; --shapes-only planned whole slides, without it only the tissue box is read"
+        rest += "; --shapes-only planned whole slides, without it only the tissue box is read"
     for b in failing:
         assert b.plan is not None
+        # the least budget that fits, not the best plan's estimated peak: plans keep headroom above it, so a budget
+        # of the peak would fail again (and a plan worth running may need larger tiles still)
+        least = b.plan.min_budget_bytes
+        at_least = f" to at least {format_bytes(least)}" if least else ""
         problems.append(
             Problem(
                 _names(b.slides),
                 f"{'whole-slide ' if report.shapes_only else ''}region padded to {b.bucket[0]} x {b.bucket[1]} px "
-                f"does not fit engine.memory_budget {format_bytes(budget)}: the best plan needs "
-                f"{format_bytes(b.plan.estimated_peak_bytes)}",
-                hint,
+                f"does not fit engine.memory_budget {format_bytes(budget)}"
+                + (f": it needs at least {format_bytes(least)}" if least else ""),
+                f"raise engine.memory_budget{at_least}, {rest}",
             )
         )
     return problems

@@ -55,3 +55,22 @@ def format_bytes(n: float | int | None) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return f"{n:.2f} PiB"
+
+
+def round_up_printed(n: int) -> int:
+    """The least byte count of at least ``n`` that ``format_bytes`` prints exactly, in whole hundredths of its unit.
+
+    A minimum shown to people must still hold when they copy it: "needs at least 14.51 MiB" for 14.506 MiB would
+    read back (``parse_bytes``) as less than the minimum. The result prints as the figure it is.
+    """
+    if n < 1024 or n >= 1024**5:  # whole bytes print exactly; PiB are printed but not read (no such budget)
+        return max(0, int(n))
+    # the unit format_bytes chooses: the largest whose count is below 1024
+    k, unit = next((k, u) for k, u in enumerate(("KiB", "MiB", "GiB", "TiB"), 1) if n < 1024 ** (k + 1))
+    scale = 1024**k
+    hundredths = -(-int(n) * 100 // scale)  # ceiling division in integers: no float error in the rounding up
+    while True:
+        r = parse_bytes(f"{hundredths / 100:.2f}{unit}")  # what a user typing the printed figure gets
+        if r >= n:
+            return r
+        hundredths += 1  # parse_bytes truncates the float product: the next hundredth is above n

@@ -299,10 +299,11 @@ class SFT(nn.Module):
             )  # fmt: skip
             if not p.fits:
                 why = "; ".join(p.notes) or f"the best plan needs {format_bytes(p.estimated_peak_bytes)}"
+                least = f" to at least {format_bytes(p.min_budget_bytes)}" if p.min_budget_bytes else ""
                 raise PlanError(
                     f"{p.model_name} on input {shape} does not fit {format_bytes(budget)}: {why}",
-                    hint="raise the memory budget, read slides at a coarser resolution (data.mpp / data.level), "
-                    "or train in bf16",
+                    hint=f"raise the memory budget{least}, read slides at a coarser resolution (data.mpp / "
+                    "data.level), or train in bf16",
                 )
             segs = tuple(
                 tiled_segment(facts, s, self._runner, device, self._stager, self._hooks) if s.mode == "tiled" else None

@@ -71,6 +71,9 @@ class Plan:
     feature_map_bytes: int = 0  # the paper's accounting: every feature map (and the image) once
     notes: tuple[str, ...] = ()
     limiting_part: str | None = None  # when it does not fit: the part of memory no tile size shrinks
+    # when it does not fit: the least budget at which this model and shape plan as fitting, rounded up to the figure
+    # printed (a budget of exactly that fits); None when it fits, or when no budget tried did
+    min_budget_bytes: int | None = None
     host_bytes: int = 0  # host memory the step needs beside the process: the image (and host checkpoints)
     transfer_bytes: int = 0  # bytes staged host -> device per step (tiles with halo, in forward and recompute)
     staging_bytes: int = 0  # the stager's page-locked host buffers (in host_bytes)
@@ -121,6 +124,7 @@ class Plan:
             "segments": [s.to_dict() for s in self.segments],
             "notes": list(self.notes),
             "limiting_part": self.limiting_part,
+            "min_budget_bytes": self.min_budget_bytes,
             "host_bytes": self.host_bytes,
             "tiling": list(self.tiling),
             "transfer_bytes": self.transfer_bytes,

@@ -99,6 +99,16 @@ class MemoryTerms:
         """The replayed-bytes limit that keeps ``scale_peak`` within ``budget``, with headroom."""
         return self.fixed + (1.0 - self.headroom) * (budget - self.fixed) / self.slack
 
+    def budget_for(self, replayed: float) -> int:
+        """The least whole budget whose ``effective_budget`` admits ``replayed`` bytes: its inverse, rounded up.
+
+        Not ``scale_peak``: that is what the process holds; a plan also keeps its headroom free above it.
+        """
+        budget = math.ceil(self.fixed + self.slack * max(0.0, replayed - self.fixed) / (1.0 - self.headroom))
+        while self.effective_budget(budget) < replayed:  # float rounding in the division: at most a byte or two
+            budget += 1
+        return budget
+
 
 def memory_terms(facts: GraphFacts, target: TargetDevice, optimizer: str | None) -> MemoryTerms:
     key = "none" if optimizer is None else optimizer.lower()

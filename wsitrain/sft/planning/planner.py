@@ -26,6 +26,7 @@ from wsitrain.sft.planning.search import (
     State,
     extra_compute,
     fitting_plan,
+    least_budget,
     plain_time,
     plan_time,
     search,
@@ -93,12 +94,14 @@ def build_plan(
     if state is not None and not worth_running(sess, state, tile_size):
         t = max((o.tile for o in state.path if o.tile is not None), key=lambda c: c.bwd_peak, default=None)
         edge = t.core[0] if t else "?"
+        smallest = smallest_plan(sess, tile_size, forced_cuts)
+        least = least_budget(sess, smallest, tile_size, forced_cuts, short=budget) if smallest else None
         notes.append(
             f"only tiles of {edge} px fit, at {100 * extra_compute(sess, state):+.0f}% extra compute "
-            f"(more than {100 * MAX_EXTRA_COMPUTE:+.0f}%): not worth running; give the engine more memory, train in "
+            f"(more than {100 * MAX_EXTRA_COMPUTE:+.0f}%): not worth running; {_raise_to(least)}, train in "
             "bf16, or read the slide at a coarser resolution"
         )
-        return _assemble(sess, model_name, budget, state, False, notes, "one tile"), sess.facts
+        return _assemble(sess, model_name, budget, state, False, notes, "one tile", least), sess.facts
     if state is None:
         blocker = _first_blocker(sess, budget, tile_size, forced_cuts)
         if blocker is not None:
@@ -114,19 +117,36 @@ def build_plan(
                 f"no plan exists for input {tuple(input_shape)}: the layers that would need tiling cannot be tiled",
                 hint="freeze BatchNorm layers (model.freeze_bn) and use eval-mode Dropout in the trunk",
             )
-        needed = sess.terms.scale_peak(replay_path(sess, state.path).peak)
+        # the least budget that fits, not the smallest plan's estimated peak: a plan also keeps its headroom free,
+        # so a budget of that peak does not fit (tiny at 16384 px on CPU: the peak 858 MiB, the least budget 974 MiB)
+        least = least_budget(sess, state, tile_size, forced_cuts, short=budget)
         parts = floor_parts(sess, state)
         limiting = max(parts, key=lambda k: parts[k])
         what = ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v)
+        peak = sess.terms.scale_peak(replay_path(sess, state.path).peak)
         notes.append(
-            f"DOES NOT FIT: needs at least {format_bytes(needed)}; budget is {format_bytes(budget)}, of which plans "
-            f"use {100 * (1 - sess.terms.headroom):.0f}% (headroom for the memory model's error). What does not "
-            f"shrink with tiling: {what}; the largest is the {limiting}"
+            f"DOES NOT FIT: {_needs(least)}; budget is {format_bytes(budget)}. The smallest plan's estimated peak "
+            f"is {format_bytes(peak)}, and plans keep {100 * sess.terms.headroom:.0f}% of the budget above weights, "
+            "optimizer state and workspaces free (headroom for the memory model's error). What does not shrink with "
+            f"tiling: {what}; the largest is the {limiting}"
         )
-        fits = False
-    else:
-        fits = True
-    return _assemble(sess, model_name, budget, state, fits, notes, limiting), sess.facts
+        return _assemble(sess, model_name, budget, state, False, notes, limiting, least), sess.facts
+    return _assemble(sess, model_name, budget, state, True, notes, limiting), sess.facts
+
+
+def _needs(least: tuple[int, bool]) -> str:
+    """The least budget that fits, as the plan's note says it."""
+    figure, found = least
+    if not found:
+        return f"needs a budget of more than {format_bytes(figure)}"
+    return f"needs at least {format_bytes(figure)} (the least budget that fits)"
+
+
+def _raise_to(least: tuple[int, bool] | None) -> str:
+    """What to give the engine: the least budget that fits (printed rounded up, so the figure as read fits too)."""
+    if least is None or not least[1]:
+        return "give the engine more memory"
+    return f"give the engine at least {format_bytes(least[0])}"
 
 
 def display_name(facts: GraphFacts, i: int) -> str:
@@ -178,6 +198,7 @@ def _assemble(
     fits: bool,
     notes: list[str],
     limiting: str | None = None,
+    least: tuple[int, bool] | None = None,
 ) -> Plan:
     f = sess.facts
     base = baseline_peak(sess)
@@ -222,6 +243,7 @@ def _assemble(
         input_on_host=sess.input_on_host,
         feature_map_bytes=sum(n.nbytes for n in f.nodes if not (n.spec.inplace or n.spec.alias)),
         limiting_part=limiting,
+        min_budget_bytes=least[0] if least is not None and least[1] else None,
         host_bytes=(sess.nbytes(0) if sess.input_on_host else 0)
         + sum(2 * s.checkpoint_bytes for s in segments if s.start and s.checkpoint_location == "host")
         + staging,

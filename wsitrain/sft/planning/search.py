@@ -25,6 +25,7 @@ from wsitrain.sft.planning.options import (
 )
 from wsitrain.sft.planning.session import PlanSession
 from wsitrain.sft.planning.tile_memory import edge_candidates, tile_geometry
+from wsitrain.units import round_up_printed
 
 # States kept per cut point after pruning dominated ones: more never changed a plan of the
 # built-in models (vgg16, resnet50, darknet19 from 1024 to 100000 px) and costs planning time.
@@ -274,3 +275,54 @@ def plan_time(sess: PlanSession, state: State) -> float:
 
 def smallest_plan(sess: PlanSession, tile_size: int | None, forced_cuts: list[int] | None) -> State | None:
     return search(sess, math.inf, SMALLEST_PEAK, tile_size, forced_cuts)
+
+
+def fits_budget(sess: PlanSession, budget: float, tile_size: int | None, forced_cuts: list[int] | None) -> bool:
+    """Would ``build_plan`` call a plan within ``budget`` fitting: one fits the memory and is worth running."""
+    state = fitting_plan(sess, budget, tile_size, forced_cuts)
+    return state is not None and worth_running(sess, state, tile_size)
+
+
+# The least-budget search when the closed form falls short (below): at most this many doublings of the activation
+# allowance to find a budget that fits, then at most this many bisection steps, each one planning call (0.05 s to
+# 1 s on the built-in models), stopping once the bracket is within LEAST_BUDGET_TOLERANCE of the answer: close
+# enough that a budget a few percent below it does not fit where the search is monotone in the budget.
+_LEAST_BUDGET_DOUBLINGS = 16
+_LEAST_BUDGET_BISECTIONS = 12
+LEAST_BUDGET_TOLERANCE = 0.005
+
+
+def least_budget(
+    sess: PlanSession, smallest: State, tile_size: int | None, forced_cuts: list[int] | None, short: int = 0
+) -> tuple[int, bool]:
+    """The least budget, as printed (``round_up_printed``), at which this step plans as fitting; and whether it is
+    that (False: none up to the returned budget fits, which then is a budget known too small).
+
+    Called only on the paths that do not fit. ``smallest``: the smallest-peak plan; ``short``: a budget known not
+    to fit. First the closed form: the budget whose effective budget (``MemoryTerms.effective_budget``, the fit
+    condition: headroom and allocator slack on what lies above the fixed part) admits the smallest plan's replayed
+    peak; no smaller budget admits that plan. It is checked by planning there, since the cheapest search at that
+    budget must find a plan that fits and is worth running: the smallest plan's tiles may be too small to be worth
+    it (more than MAX_EXTRA_COMPUTE), and then the least budget with a plan worth running is searched for.
+    """
+    first = round_up_printed(sess.terms.budget_for(replay_path(sess, smallest.path).peak))
+    if fits_budget(sess, first, tile_size, forced_cuts):
+        return first, True
+    lo, hi = max(first, short), None  # lo does not fit; hi fits
+    step = max(1, lo - sess.terms.fixed)
+    for _ in range(_LEAST_BUDGET_DOUBLINGS):
+        budget = round_up_printed(lo + step)
+        if fits_budget(sess, budget, tile_size, forced_cuts):
+            hi = budget
+            break
+        lo, step = budget, 2 * step
+    if hi is None:
+        return lo, False
+    for _ in range(_LEAST_BUDGET_BISECTIONS):
+        if hi - lo <= LEAST_BUDGET_TOLERANCE * hi:
+            break
+        mid = round_up_printed((lo + hi) // 2)
+        if mid >= hi:
+            break
+        lo, hi = (lo, mid) if fits_budget(sess, mid, tile_size, forced_cuts) else (mid, hi)
+    return hi, True
