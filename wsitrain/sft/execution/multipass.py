@@ -10,8 +10,9 @@ Forward, one sweep per level, then the output sweep:
   combination; for squeeze-excitation per-(sample, channel) sums). Owned parts partition the map
   exactly: no position counted twice, none missed. The statistic is then fixed: BatchNorm updates
   its running statistics as ``F.batch_norm`` does and later sweeps apply ``(x - m) * inv * w + b``
-  with m, inv constants; squeeze-excitation runs its chain once on the pooled P (keeping that tiny
-  autograd graph) and later sweeps multiply by the chain's result S as a constant.
+  with m, inv constants (then timm's BatchNormAct2d's activation, ``wsitrain.sft.ops.norm_act``);
+  squeeze-excitation runs its chain once on the pooled P (keeping that tiny autograd graph) and later
+  sweeps multiply by the chain's result S as a constant.
 
 Backward, one sweep per level from the deepest, then the parameter sweep. With m and inv leaves,
 autograd through a tile gives the explicit part of every gradient; the part through the statistic
@@ -36,6 +37,8 @@ combines them in float32: in bf16 the two nearly cancel.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -62,6 +65,7 @@ from wsitrain.sft.facts import GraphFacts
 from wsitrain.sft.ops.barriers import BATCHNORM, GRN, SQUEEZE, Barrier, ancestors_in, segment_barriers
 from wsitrain.sft.ops.fused_pool import PoolAccumulator
 from wsitrain.sft.ops.grn import grn_apply
+from wsitrain.sft.ops.norm_act import act_after_norm
 from wsitrain.sft.ops.registry import WINDOW
 from wsitrain.sft.ops.space import crop, spatial_extent
 from wsitrain.sft.plan_types import SegmentPlan
@@ -90,12 +94,16 @@ class MultiPassSegment(TiledSegment):
         assert self.barriers, "a multi-pass segment holds at least one barrier"
         self.levels = sorted({b.level for b in self.barriers})
         self.bn: dict[int, nn.BatchNorm2d] = {}
+        self.act: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}  # BatchNorm node -> activation after it
         self.grn: dict[int, nn.Module] = {}  # global response normalizations (ops/grn.py)
         for b in self.barriers:
             m = runner.graph.module(b.node)
             if b.kind == BATCHNORM:
                 assert isinstance(m, nn.BatchNorm2d)
                 self.bn[b.node] = m
+                act = act_after_norm(m)  # timm's BatchNormAct2d: its activation after the normalization
+                if act is not None:
+                    self.act[b.node] = act
             elif b.kind == GRN:
                 assert m is not None
                 self.grn[b.node] = m
@@ -158,6 +166,8 @@ class MultiPassSegment(TiledSegment):
                 nr, nc = rt.need[v][0], ct.need[v][0]
                 x_in = env[_wide_key(u)][:, :, rl - nr : rh - nr, cl - nc : ch - nc]
                 out = bn_apply(self.bn[u], mean, inv, x_in).to(env[v].dtype)
+                if u in self.act:
+                    out = self.act[u](out)
             elif u in self.grn:
                 st = stats[u]
                 assert isinstance(st, GRNStat)

@@ -36,7 +36,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from wsitrain.sft.graph import ModelGraph
 from wsitrain.sft.ops.fused_pool import AVG, pool_kind
 from wsitrain.sft.ops.grn import grn_spatial_dims, is_grn_module
-from wsitrain.sft.ops.registry import MERGE, POINTWISE, SHAPE, OpSpec
+from wsitrain.sft.ops.norm_act import is_batchnorm_act, norm_act_refusal, uses_batch_stats
+from wsitrain.sft.ops.registry import MERGE, POINTWISE, SHAPE, OpSpec, batchnorm_spec
 from wsitrain.sft.trail import WHERE
 
 BATCHNORM = "batchnorm"  # per-channel mean and biased variance over (B, H, W)
@@ -47,14 +48,12 @@ GRN = "grn"  # ConvNeXt V2's global response normalization: per-(sample, channel
 def is_batch_stat_bn(m: nn.Module) -> bool:
     """A BatchNorm2d that normalizes with batch statistics: training mode, or no running statistics.
 
-    Only torch's own forward: a subclass that overrides it (FrozenBatchNorm2d, SyncBatchNorm's
-    process-group reduction) means something else.
+    Only torch's own forward, or timm's BatchNormAct2d (the same normalization, then its activation; see
+    ``wsitrain.sft.ops.norm_act``) with a drop and activation that tile: a subclass that overrides the forward
+    (FrozenBatchNorm2d, SyncBatchNorm's process-group reduction) means something else.
     """
-    return (
-        isinstance(m, nn.BatchNorm2d)
-        and type(m).forward is _BatchNorm.forward
-        and (m.training or m.running_mean is None)
-    )
+    own = type(m).forward is _BatchNorm.forward or (is_batchnorm_act(m) and norm_act_refusal(m) is None)
+    return isinstance(m, nn.BatchNorm2d) and own and uses_batch_stats(m)
 
 
 def mark_barriers(graph: ModelGraph, specs: list[OpSpec], shapes: Sequence[tuple[int, ...]]) -> list[OpSpec]:
@@ -86,12 +85,14 @@ def mark_barriers(graph: ModelGraph, specs: list[OpSpec], shapes: Sequence[tuple
     for g in graph.nodes[1:]:
         m = graph.module(g.index)
         if m is not None and is_batch_stat_bn(m) and g.index not in in_chain:
-            # statistics (2 per element) plus normalize and affine (2), as autograd does it
+            # statistics (2 per element) plus normalize and affine (2), as autograd does it; timm's activation after
+            bn = batchnorm_spec(m, "", 4.0)
             out[g.index] = replace(
                 _barrier_spec(specs[g.index], {"barrier": BATCHNORM}),
                 saves_input=True,
-                flops_per_output=4.0,
-                has_params=m.affine,
+                saves_output=bn.saves_output,
+                flops_per_output=bn.flops_per_output,
+                has_params=bn.has_params,
             )
         elif m is not None and is_grn_module(m) and g.index not in in_chain:
             dims = specs[g.index].spatial_dims

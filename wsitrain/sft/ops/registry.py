@@ -12,6 +12,13 @@ from torch import fx, nn
 
 from wsitrain.sft.ops.functions import function_spec, out_of_place_callable
 from wsitrain.sft.ops.grn import grn_spec, is_grn_module
+from wsitrain.sft.ops.norm_act import (
+    act_after_norm,
+    custom_batchnorm_refusal,
+    is_sync_batchnorm,
+    norm_act_refusal,
+    sync_batchnorm_refusal,
+)
 from wsitrain.sft.ops.resample import is_resample_module, resample_module_spec
 from wsitrain.sft.ops.types import (
     CAT,
@@ -67,11 +74,13 @@ __all__ = [
     "OpSpec",
     "Window",
     "attribute",
+    "batchnorm_spec",
     "drop_rate",
     "function_spec",
     "is_leaf_module",
     "is_pointwise_module",
     "is_sample_drop",
+    "known_activation",
     "module_spec",
     "node_parameters",
     "out_of_place_callable",
@@ -125,6 +134,11 @@ _HEAD_MODULES = (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d, nn.Flatten, nn.Line
 SAMPLE_DROP_NAMES = ("StochasticDepth", "DropPath")
 
 
+def known_activation(m: nn.Module) -> bool:
+    """One of torch.nn's elementwise activations."""
+    return isinstance(m, tuple(_ACTIVATIONS))
+
+
 def is_pointwise_module(m: nn.Module) -> bool:
     """Modules that declare themselves pointwise (wsitrain's InputNormalization does)."""
     return bool(getattr(m, "sft_pointwise", False)) or type(m).__name__ == "InputNormalization"
@@ -147,7 +161,9 @@ def is_leaf_module(m: nn.Module) -> bool:
     into the trace. Only nn.LayerNorm itself is a leaf: subclasses (LayerNorm2d) override forward
     and are traced through (permute, layer_norm, permute).
     """
-    known = (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d, nn.BatchNorm2d, nn.Identity, nn.Dropout, nn.Dropout2d)
+    # SyncBatchNorm too: its forward branches on the process group (untraceable), timm's SyncBatchNormAct with it
+    known = (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d, nn.BatchNorm2d, nn.SyncBatchNorm, nn.Identity)
+    known += (nn.Dropout, nn.Dropout2d)
     return (
         isinstance(m, known + tuple(_ACTIVATIONS) + _HEAD_MODULES)
         or type(m) is nn.LayerNorm
@@ -155,6 +171,21 @@ def is_leaf_module(m: nn.Module) -> bool:
         or is_sample_drop(m)
         or is_resample_module(m)
         or is_grn_module(m)
+    )
+
+
+def batchnorm_spec(m: nn.Module, name: str, flops: float) -> OpSpec:
+    """A BatchNorm applied pointwise; a norm-act layer's activation adds its FLOP, parameters and saved tensor."""
+    act = act_after_norm(m) if isinstance(m, nn.BatchNorm2d) else getattr(m, "act", None)
+    if act is None or isinstance(act, nn.Identity):
+        return OpSpec(POINTWISE, name, saves_input=True, flops_per_output=flops, has_params=m.affine)
+    return OpSpec(
+        POINTWISE,
+        name,
+        saves_input=True,
+        saves_output=True,  # the activation keeps its input or output: one more map of the output's size
+        flops_per_output=flops + 1.0,
+        has_params=m.affine or any(True for _ in act.parameters()),
     )
 
 
@@ -185,7 +216,10 @@ def module_spec(m: nn.Module) -> OpSpec:
         return OpSpec(
             WINDOW, name, windows=wins, saves_input=True, flops_per_output=float(wins[0].kernel * wins[1].kernel)
         )
-    if isinstance(m, nn.BatchNorm2d):
+    if isinstance(m, nn.BatchNorm2d) or is_sync_batchnorm(m):
+        why = norm_act_refusal(m) or sync_batchnorm_refusal(m) or custom_batchnorm_refusal(m)
+        if why is not None:
+            return not_tileable(name, OPAQUE, why)
         if m.training and m.track_running_stats is not False:
             return not_tileable(
                 name,
@@ -196,7 +230,7 @@ def module_spec(m: nn.Module) -> OpSpec:
             )
         if m.training:
             return not_tileable(name, OPAQUE, "BatchNorm2d without running statistics cannot be tiled; use eval mode")
-        return OpSpec(POINTWISE, name, saves_input=True, flops_per_output=2.0, has_params=m.affine)
+        return batchnorm_spec(m, name, 2.0)
     if isinstance(m, (nn.Dropout, nn.Dropout2d)):
         if m.training and m.p > 0:
             return not_tileable(name, OPAQUE, DROPOUT_WHY)
