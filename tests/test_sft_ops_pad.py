@@ -156,8 +156,11 @@ def test_pad_intervals_cover_what_the_layer_reads(mode: str, before: int, after:
 )
 def test_untileable_padding_says_why(pad: nn.Module, words: list[str]) -> None:
     model = PadNet(pad, nn.ZeroPad2d(1)).double()
-    spec = next(n.spec for n in annotate(ModelGraph(model), (1, 3, 32, 32), torch.float64, torch.float64).nodes
-                if n.name.startswith("pad1"))
+    spec = next(
+        n.spec
+        for n in annotate(ModelGraph(model), (1, 3, 32, 32), torch.float64, torch.float64).nodes
+        if n.name.startswith("pad1")
+    )
     assert spec.kind == OPAQUE and not spec.tileable
     x = torch.randn(1, 3, 32, 32, dtype=torch.float64)
     with pytest.raises(PlanError) as err:
