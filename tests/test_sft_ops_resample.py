@@ -68,6 +68,33 @@ class Regroup(nn.Module):
         return self.post(self.d2s(self.body(self.s2d(x))))
 
 
+class GhostGate(nn.Module):
+    """GhostNetV2's DFC attention as timm writes it: a gate from an average-pooled map, resized to the map's
+    own size measured at run time (``out.shape``), multiplies the map."""
+
+    def __init__(self, mode: str = "nearest") -> None:
+        super().__init__()
+        self.mode = mode
+        self.stem = nn.Conv2d(3, 6, 3, padding=1)
+        self.short = nn.Sequential(
+            nn.Conv2d(6, 6, 1),
+            nn.Conv2d(6, 6, (1, 5), padding=(0, 2), groups=6),
+            nn.Conv2d(6, 6, (5, 1), padding=(2, 0), groups=6),
+        )
+        self.primary = nn.Conv2d(6, 8, 3, padding=1)
+        # a halo after the product: tiles need the resized gate from odd positions, where a crop resized to the
+        # tile's own size would be off by one
+        self.post = nn.Sequential(nn.Conv2d(6, 6, 3, padding=1), nn.ReLU(), nn.Conv2d(6, 5, 1))  # halo 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.stem(x))  # (B, 6, H, W)
+        res = self.short(F.avg_pool2d(x, kernel_size=2, stride=2))  # (B, 6, H // 2, W // 2)
+        out = self.primary(x)  # (B, 8, H, W)
+        kw = {"align_corners": False} if self.mode == "bilinear" else {}
+        gate = F.interpolate(torch.sigmoid(res), size=(out.shape[-2], out.shape[-1]), mode=self.mode, **kw)
+        return self.post(out[:, :6, :, :] * gate)
+
+
 def _functional_pixel(fn: object, factor: int) -> nn.Module:
     class Call(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -83,6 +110,9 @@ UP_CASES = {
     "bilinear3": lambda: UpFuse(nn.Upsample(scale_factor=3, mode="bilinear"), 3),
     "f_bilinear2": lambda: UpFuse(None, 2, {"scale_factor": 2, "mode": "bilinear", "align_corners": False}),
     "f_nearest_pair": lambda: UpFuse(None, 2, {"scale_factor": (2.0, 2.0), "mode": "nearest"}),
+    # an output size that is a whole multiple of the input: the factor, whatever the size's form
+    "size_nearest2": lambda: UpFuse(nn.Upsample(size=(44, 60)), 2),
+    "size_bilinear3": lambda: UpFuse(None, 3, {"size": (45, 63), "mode": "bilinear", "align_corners": False}),
 }
 REGROUP_CASES = {
     "timm_s2d4_pixel_shuffle": lambda: Regroup(SpaceToDepth(4), nn.PixelShuffle(4), 4),
@@ -168,13 +198,13 @@ def test_resample_specs_and_memory_facts() -> None:
     ("up", "words"),
     [
         (nn.Upsample(scale_factor=2, mode="bilinear", align_corners=True), ["align_corners=True", "up (Upsample)"]),
-        (nn.Upsample(size=(32, 32)), ["explicit output size", "scale_factor="]),
+        (nn.Upsample(size=(32, 32)), ["Upsample resizes 11 x 11 to 32 x 32", "not a whole-number factor"]),
         (nn.Upsample(scale_factor=2, mode="bicubic"), ["'bicubic'"]),
     ],
 )
 def test_untileable_resampling_says_why(up: nn.Module, words: list[str]) -> None:
     """Resamplings that no crop reproduces are refused where tiling is needed, naming the layer and the fix."""
-    model = UpFuse(up, 2).double()
+    model = UpFuse(up, 3 if up.size else 2).double()  # a stride-3 branch: 11 x 11 for 32 x 32
     spec = next(n.spec for n in annotate(ModelGraph(model), (1, 3, 32, 32), torch.float64, torch.float64).nodes
                 if n.name == "up")
     assert spec.kind == OPAQUE and not spec.tileable
@@ -189,3 +219,48 @@ def test_fractional_scale_is_not_tiled() -> None:
     spec = interpolate_spec("Upsample", None, 1.5, "nearest", None)
     assert not spec.tileable and "whole-number" in spec.why_not
     assert interpolate_spec("interpolate", None, (2, 3), "nearest", None).tileable
+
+
+@pytest.mark.parametrize(
+    ("mode", "tile", "one_segment"),
+    [
+        ("nearest", 8, True),
+        ("nearest", 14, False),
+        ("nearest", 10, True),
+        ("bilinear", 10, False),
+        ("bilinear", 16, True),
+    ],
+)
+def test_resize_to_measured_size_tiles_exact(mode: str, tile: int, one_segment: bool) -> None:
+    """GhostNetV2's gate: a size read from another map at run time, twice the pooled map's on this even image.
+
+    ``one_segment``: checkpoints keep the product and the convs after it in one tiled segment, so tiles need the
+    gate from odd positions with a halo (a segment ending at the product needs it on the stride-2 grid only).
+    """
+    shape = (2, 3, 44, 62)
+    model, x, t = _make(lambda: GhostGate(mode), shape, seed=3)
+    ref = reference(model, x, t)
+    cuts = {"checkpoints": ["relu", "post.2"]} if one_segment else {}
+    var = variant(model, x, t, tile_size=tile, memory_budget="4GiB", **cuts)
+    assert_same(ref, var)
+    _really_tiles(var[3], shape)
+    facts = annotate(ModelGraph(model), shape, torch.float64, torch.float64, True)
+    spec = next(n.spec for n in facts.nodes if "interpolate" in n.name)
+    assert spec.kind == WINDOW and spec.windows == (Upscale(2, mode == "bilinear"), Upscale(2, mode == "bilinear"))
+    p = var[3].plan_for(shape, input_dtype=torch.float64)
+    i = next(n.index for n in facts.nodes if "interpolate" in n.name)
+    assert any(s.n_tiles > 1 and s.start < i <= s.end for s in p.segments), "the resize must run on tiles"
+
+
+@pytest.mark.parametrize("shape", [(1, 3, 45, 62), (1, 3, 44, 61)])
+def test_resize_to_an_odd_size_says_why(shape: tuple[int, ...]) -> None:
+    """7 -> 3 -> 7: output o reads floor(o * 3 / 7), not a whole-number factor; refused naming the layer and sizes."""
+    model = GhostGate().double()
+    facts = annotate(ModelGraph(model), shape, torch.float64, torch.float64)
+    spec = next(n.spec for n in facts.nodes if "interpolate" in n.name)
+    assert spec.kind == OPAQUE and not spec.tileable
+    h, w = shape[2:]
+    with pytest.raises(PlanError) as err:
+        SFT(model, tile_size=8, memory_budget="4GiB")(torch.randn(*shape, dtype=torch.float64))
+    for words in ["layer 'interpolate (interpolate)'", f"interpolate resizes {h // 2} x {w // 2} to {h} x {w}", "odd"]:
+        assert words in str(err.value)

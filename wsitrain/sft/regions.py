@@ -73,7 +73,9 @@ def axis_tile(
             a, b = need[u]
             spec = specs[u]
             for v in inputs[u]:
-                if spec.kind == WINDOW:
+                # a WINDOW op reads its window of its first input; any other input is a size measured on the
+                # tile (a resize to out.shape), read from a value as large as its output
+                if spec.kind == WINDOW and v == inputs[u][0]:
                     assert spec.windows is not None
                     r = spec.windows[axis].input_interval(a, b, sizes[v])
                 else:

@@ -47,7 +47,15 @@ class NodeRunner:
             obj = getattr(obj, part)
         return obj
 
-    def run(self, i: int, env: dict[int, Any], out_of_place: bool, fetch: Callable[[int], Any] | None = None) -> Any:
+    def run(
+        self,
+        i: int,
+        env: dict[int, Any],
+        out_of_place: bool,
+        fetch: Callable[[int], Any] | None = None,
+        call: Callable[..., Any] | None = None,
+    ) -> Any:
+        """Node i's value. ``call``: what a tile runs in its place, with its arguments (``OpSpec.extra[TILE_CALL]``)."""
         n = self.graph.nodes[i].fx_node
         fn, kwargs = (self.safe if out_of_place else self.original)[i]
 
@@ -57,6 +65,8 @@ class NodeRunner:
             j = self.index[a]
             return fetch(j) if fetch is not None else env[j]
 
+        if call is not None:  # stands in for a function or module: called with the node's own arguments
+            return call(*map_arg(n.args, arg), **map_arg(kwargs, arg))
         return _call(n, fn, map_arg(kwargs, arg), map_arg(n.args, arg))
 
     def run_plain(self, start: int, end: int, env: dict[int, Any]) -> None:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from wsitrain.sft.ops.pad import PAD_FUNCS, pad_function_spec
 from wsitrain.sft.ops.resample import RESAMPLE_FUNCS, resample_function_spec
 from wsitrain.sft.ops.types import (
     CAT,
@@ -232,6 +233,8 @@ def function_spec(node: fx.Node) -> OpSpec:
         )
     if target in (F.max_pool2d, F.avg_pool2d):
         return _pool_spec(node, tname)
+    if target in PAD_FUNCS:
+        return pad_function_spec(node)
     if target in RESAMPLE_FUNCS:
         return resample_function_spec(node)
     if target is torch.cat or target is torch.concat:

@@ -19,6 +19,7 @@ from wsitrain.sft.ops.norm_act import (
     norm_act_refusal,
     sync_batchnorm_refusal,
 )
+from wsitrain.sft.ops.pad import is_pad_module, pad_module_spec
 from wsitrain.sft.ops.resample import is_resample_module, resample_module_spec
 from wsitrain.sft.ops.types import (
     CAT,
@@ -170,6 +171,7 @@ def is_leaf_module(m: nn.Module) -> bool:
         or is_pointwise_module(m)
         or is_sample_drop(m)
         or is_resample_module(m)
+        or is_pad_module(m)
         or is_grn_module(m)
     )
 
@@ -245,6 +247,8 @@ def module_spec(m: nn.Module) -> OpSpec:
     resample = resample_module_spec(m)
     if resample is not None:
         return resample
+    if is_pad_module(m):
+        return pad_module_spec(m)
     if is_grn_module(m):
         return grn_spec(m)
     for cls, (si, so) in _ACTIVATIONS.items():

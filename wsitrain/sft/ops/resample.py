@@ -14,21 +14,25 @@
   padding and a fixed depthwise blur with a stride, i.e. a ``Window`` like a conv with ``padding_mode="reflect"``:
   crops start at 0 only at the true image border, where the module's own padding is the image's.
 
+- An explicit output size (``size=``, fixed or measured at run time as GhostNetV2's ``out.shape[-2:]``) that the
+  plan's shapes show to be a whole multiple of the input on both axes: an ``Upscale`` by that factor, which tiles
+  run with ``scale_factor=`` (``FixedFactor``), since the size itself would resize every crop to the whole map's.
+
 Not tiled (with the reason): ``align_corners=True`` (the source grid is stretched by ``(in - 1) / (out - 1)``,
-which depends on the whole extent, so no crop reproduces it), explicit output sizes (a crop would be resized
-to the whole image's size; write ``scale_factor=``), non-integer factors and the other modes.
+which depends on the whole extent, so no crop reproduces it), output sizes that are not a whole multiple of the
+input (likewise stretched by ``in / out``), non-integer factors and the other modes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from wsitrain.sft.ops.types import OPAQUE, WINDOW, OpSpec, Window, call_arg, not_tileable
+from wsitrain.sft.ops.types import OPAQUE, TILE_CALL, WINDOW, OpSpec, Window, call_arg, not_tileable
 
 NEAREST = "nearest"
 BILINEAR = "bilinear"
@@ -36,6 +40,7 @@ BILINEAR = "bilinear"
 SPACE_TO_DEPTH_NAMES = ("SpaceToDepth",)
 DEPTH_TO_SPACE_NAMES = ("DepthToSpace",)
 BLUR_POOL_NAMES = ("BlurPool2d",)  # timm.layers.BlurPool2d: F.pad(padding, pad_mode) then a strided depthwise blur
+RESIZE = "resize"  # OpSpec.extra key of a resize to an output size: (mode, align_corners), until shapes are known
 # FLOPs per output: a nearest copy moves one value; bilinear weighs four inputs (4 multiplies, 3 adds)
 _FLOPS = {NEAREST: 1.0, BILINEAR: 7.0}
 
@@ -87,9 +92,6 @@ def interpolate_spec(
     """Spec of an interpolation with these arguments (nn.Upsample's attributes or F.interpolate's)."""
     if antialias:
         return not_tileable(type_name, OPAQUE, f"{type_name} with antialias=True is not supported when tiled")
-    if size is not None:
-        why = "an explicit output size resizes every tile to the whole image's size; write scale_factor= instead"
-        return not_tileable(type_name, OPAQUE, f"{type_name} with {why}")
     if mode not in (NEAREST, BILINEAR):
         return not_tileable(type_name, OPAQUE, f"{type_name} mode {mode!r}: only 'nearest' and 'bilinear' tile")
     if mode == BILINEAR and align_corners:
@@ -98,6 +100,11 @@ def interpolate_spec(
             "which depends on the whole image; use align_corners=False to tile it"
         )
         return not_tileable(type_name, OPAQUE, why)
+    if size is not None:
+        # resolved against the plan's shapes (``resize_spec``): a whole multiple of the input tiles as that factor
+        why = "an explicit output size resizes every tile to the whole image's size; write scale_factor= instead"
+        spec = not_tileable(type_name, OPAQUE, f"{type_name} with {why}")
+        return replace(spec, extra={RESIZE: (mode, align_corners)})
     factors = _int_factor(scale_factor)  # recompute_scale_factor gives the same 1 / s on a crop as on the image
     if factors is None:
         why = f"scale_factor={scale_factor!r}: only whole-number factors map tiles to tiles"
@@ -109,6 +116,50 @@ def interpolate_spec(
         windows=(Upscale(factors[0], bil), Upscale(factors[1], bil)),
         flops_per_output=_FLOPS[mode],  # autograd keeps nothing but sizes for either mode
     )
+
+
+@dataclass(frozen=True)
+class FixedFactor:
+    """How a tile runs a resize to an output size: ``F.interpolate`` by the whole map's factor.
+
+    Called with the node's own arguments (the tile, then the size and mode F.interpolate or nn.Upsample got),
+    it ignores the size: measured on the tile (GhostNetV2 passes ``out.shape[-2:]``) or fixed for the whole
+    image, it is not what the tile's crop must grow to. For the whole map the two calls agree exactly:
+    nearest reads ``o // s`` either way, and bilinear's source scale ``in / (s * in)`` is the same float as
+    ``1 / s``.
+    """
+
+    factors: tuple[int, int]
+    mode: str
+    align_corners: bool | None
+
+    def __call__(self, x: torch.Tensor, *_: Any, **__: Any) -> torch.Tensor:
+        return F.interpolate(x, scale_factor=self.factors, mode=self.mode, align_corners=self.align_corners)
+
+
+def resize_spec(spec: OpSpec, s_in: tuple[int, ...], s_out: tuple[int, ...]) -> OpSpec:
+    """A resize to an output size (``spec.extra[RESIZE]``), fitted to the untiled shapes of the plan.
+
+    When the size is a whole multiple of the input on both axes (GhostNetV2 restores an average-pooled map
+    of an even-sized one), it is an upscaling by that factor, and tiles run it as one (``FixedFactor``).
+    Otherwise output ``o`` reads input ``floor(o * in / out)``: a grid stretched by the whole map's extent,
+    which the original layer run on a crop does not reproduce.
+    """
+    mode, align_corners = spec.extra[RESIZE]
+    if len(s_in) != 4 or len(s_out) != 4 or min(s_in[2:]) < 1:
+        return spec
+    (hi, wi), (ho, wo) = s_in[2:], s_out[2:]
+    if ho % hi or wo % wi:
+        why = (
+            f"{spec.type_name} resizes {hi} x {wi} to {ho} x {wo}, not a whole-number factor on both axes: "
+            "output o reads input floor(o * in / out), a grid stretched by the whole map's extent that no tile's "
+            "crop reproduces (GhostNetV2's attention gate on an odd-sized map); choose an image size that keeps "
+            "this map even, or let the planner run this layer untiled"
+        )
+        return replace(spec, why_not=why)
+    factors = (ho // hi, wo // wi)
+    tiled = interpolate_spec(spec.type_name, None, factors, mode, align_corners)
+    return replace(tiled, extra={TILE_CALL: FixedFactor(factors, mode, align_corners)})
 
 
 def pixel_shuffle_spec(type_name: str, factor: int) -> OpSpec:

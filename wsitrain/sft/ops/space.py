@@ -50,6 +50,7 @@ from wsitrain.sft.ops.registry import (
     OpSpec,
     attribute,
 )
+from wsitrain.sft.ops.resample import RESIZE, resize_spec
 from wsitrain.sft.trail import WHERE
 
 Dims = tuple[int, int]
@@ -175,6 +176,8 @@ class _Resolver:
         assert dims is not None
         src = spatial[0][0]
         s_in = self.shapes[self.index[src]]
+        if RESIZE in spec.extra:  # a resize to a size: a whole-number upscaling on these shapes, or refused
+            spec = resize_spec(spec, s_in, out_shape)
         resolved = self._by_rule(node, spec, dims, s_in, out_shape, spatial, src)
         resolved = self._check_extents(resolved, s_in, dims, out_shape)
         if not resolved.tileable and resolved.kind == OPAQUE and resolved.spatial_dims is None:

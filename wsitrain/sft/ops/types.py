@@ -46,6 +46,11 @@ SIZE = "size"  # x.size() / x.shape: ints of the tensor it reads
 REDUCE = "reduce"  # mean / sum / amax over non-image dims
 
 
+# OpSpec.extra key: the callable a tile runs in place of the node's own (with the node's arguments), where the
+# original call would measure the tile rather than the image (``resample.FixedFactor``)
+TILE_CALL = "tile_call"
+
+
 @dataclass(frozen=True)
 class Window:
     """One axis of a sliding window: kernel, stride, left padding, dilation."""
