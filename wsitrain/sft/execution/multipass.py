@@ -95,16 +95,14 @@ class MultiPassSegment(TiledSegment):
         assert self.barriers, "a multi-pass segment holds at least one barrier"
         self.levels = sorted({b.level for b in self.barriers})
         self.bn: dict[int, nn.BatchNorm2d] = {}
-        self.act: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}  # BatchNorm node -> activation after it
+        self.act: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}  # BatchNorm node -> what follows it
         self.grn: dict[int, nn.Module] = {}  # global response normalizations (ops/grn.py)
         for b in self.barriers:
             m = runner.graph.module(b.node)
             if b.kind == BATCHNORM:
                 assert isinstance(m, nn.BatchNorm2d)
                 self.bn[b.node] = m
-                act = act_after_norm(m)  # timm's BatchNormAct2d: its activation after the normalization
-                if act is not None:
-                    self.act[b.node] = act
+                self.act[b.node] = act_after_norm(m) or nn.Identity()  # BatchNormAct2d: its act after the norm
             elif b.kind == GRN:
                 assert m is not None
                 self.grn[b.node] = m
@@ -166,9 +164,7 @@ class MultiPassSegment(TiledSegment):
                 (rl, rh), (cl, ch) = rt.req[(u, v)], ct.req[(u, v)]
                 nr, nc = rt.need[v][0], ct.need[v][0]
                 x_in = env[_wide_key(u)][:, :, rl - nr : rh - nr, cl - nc : ch - nc]
-                out = bn_apply(self.bn[u], mean, inv, x_in).to(env[v].dtype)
-                if u in self.act:
-                    out = self.act[u](out)
+                out = self.act[u](bn_apply(self.bn[u], mean, inv, x_in).to(env[v].dtype))
             elif u in self.grn:
                 st = stats[u]
                 assert isinstance(st, GRNStat)

@@ -28,6 +28,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.dropout import _DropoutNd
 
+from wsitrain.sft.ops.activations import is_pointwise_module, known_activation
+
 # elementwise activations timm creates (timm.layers.create_act: get_act_layer) besides torch.nn's own
 _TIMM_ACT_MODULES = ("timm.layers.activations", "timm.layers.activations_me")
 # timm's drops that are the identity in eval or at rate 0 (attribute holding the rate)
@@ -53,8 +55,6 @@ def is_sync_batchnorm(m: nn.Module) -> bool:
 
 
 def _is_elementwise_act(a: nn.Module) -> bool:
-    from wsitrain.sft.ops.registry import is_pointwise_module, known_activation  # registry imports this module
-
     return (
         isinstance(a, nn.Identity)
         or known_activation(a)

@@ -10,6 +10,7 @@ from typing import Any
 
 from torch import fx, nn
 
+from wsitrain.sft.ops.activations import ACTIVATIONS, is_pointwise_module, known_activation
 from wsitrain.sft.ops.functions import function_spec, out_of_place_callable
 from wsitrain.sft.ops.grn import grn_spec, is_grn_module
 from wsitrain.sft.ops.norm_act import (
@@ -110,39 +111,9 @@ def _pool_windows(m: nn.MaxPool2d | nn.AvgPool2d) -> tuple[Window, Window]:
     return Window(k[0], s[0], p[0], d[0]), Window(k[1], s[1], p[1], d[1])
 
 
-# Pointwise activations: (saves input, saves output) of the out-of-place form. In-place forms save
-# their output (which is their input's storage).
-_ACTIVATIONS: dict[type, tuple[bool, bool]] = {
-    nn.ReLU: (False, True),
-    nn.ReLU6: (True, False),
-    nn.LeakyReLU: (True, False),
-    nn.ELU: (False, True),
-    nn.CELU: (False, True),
-    nn.SELU: (False, True),
-    nn.GELU: (True, False),
-    nn.SiLU: (True, False),
-    nn.Mish: (True, False),
-    nn.Sigmoid: (False, True),
-    nn.Tanh: (False, True),
-    nn.Hardswish: (True, False),
-    nn.Hardsigmoid: (True, False),
-    nn.Hardtanh: (True, False),
-    nn.Softplus: (True, False),
-    nn.PReLU: (True, False),
-}
 _HEAD_MODULES = (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d, nn.Flatten, nn.Linear, nn.Softmax, nn.LogSoftmax)
 # Per-sample drop modules (stochastic depth): their mask is drawn once per step and replayed (ops_drop.py).
 SAMPLE_DROP_NAMES = ("StochasticDepth", "DropPath")
-
-
-def known_activation(m: nn.Module) -> bool:
-    """One of torch.nn's elementwise activations."""
-    return isinstance(m, tuple(_ACTIVATIONS))
-
-
-def is_pointwise_module(m: nn.Module) -> bool:
-    """Modules that declare themselves pointwise (wsitrain's InputNormalization does)."""
-    return bool(getattr(m, "sft_pointwise", False)) or type(m).__name__ == "InputNormalization"
 
 
 def is_sample_drop(m: nn.Module) -> bool:
@@ -166,7 +137,7 @@ def is_leaf_module(m: nn.Module) -> bool:
     known = (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d, nn.BatchNorm2d, nn.SyncBatchNorm, nn.Identity)
     known += (nn.Dropout, nn.Dropout2d)
     return (
-        isinstance(m, known + tuple(_ACTIVATIONS) + _HEAD_MODULES)
+        isinstance(m, known + tuple(ACTIVATIONS) + _HEAD_MODULES)
         or type(m) is nn.LayerNorm
         or is_pointwise_module(m)
         or is_sample_drop(m)
@@ -251,7 +222,7 @@ def module_spec(m: nn.Module) -> OpSpec:
         return pad_module_spec(m)
     if is_grn_module(m):
         return grn_spec(m)
-    for cls, (si, so) in _ACTIVATIONS.items():
+    for cls, (si, so) in ACTIVATIONS.items():
         if isinstance(m, cls):
             return activation_spec(name, si, so, bool(getattr(m, "inplace", False)), any(True for _ in m.parameters()))
     if type(m) is nn.LayerNorm:
