@@ -197,9 +197,8 @@ def test_resample_specs_and_memory_facts() -> None:
 @pytest.mark.parametrize(
     ("up", "words"),
     [
-        (nn.Upsample(scale_factor=2, mode="bilinear", align_corners=True), ["align_corners=True", "up (Upsample)"]),
-        (nn.Upsample(size=(32, 32)), ["Upsample resizes 11 x 11 to 32 x 32", "not a whole-number factor"]),
-        (nn.Upsample(scale_factor=2, mode="bicubic"), ["'bicubic'"]),
+        (nn.Upsample(scale_factor=2, mode="bicubic"), ["'bicubic'", "up (Upsample)"]),
+        (nn.Upsample(scale_factor=1.5, mode="nearest"), ["scale_factor=1.5", "recompute_scale_factor=True"]),
     ],
 )
 def test_untileable_resampling_says_why(up: nn.Module, words: list[str]) -> None:
@@ -250,17 +249,3 @@ def test_resize_to_measured_size_tiles_exact(mode: str, tile: int, one_segment: 
     p = var[3].plan_for(shape, input_dtype=torch.float64)
     i = next(n.index for n in facts.nodes if "interpolate" in n.name)
     assert any(s.n_tiles > 1 and s.start < i <= s.end for s in p.segments), "the resize must run on tiles"
-
-
-@pytest.mark.parametrize("shape", [(1, 3, 45, 62), (1, 3, 44, 61)])
-def test_resize_to_an_odd_size_says_why(shape: tuple[int, ...]) -> None:
-    """7 -> 3 -> 7: output o reads floor(o * 3 / 7), not a whole-number factor; refused naming the layer and sizes."""
-    model = GhostGate().double()
-    facts = annotate(ModelGraph(model), shape, torch.float64, torch.float64)
-    spec = next(n.spec for n in facts.nodes if "interpolate" in n.name)
-    assert spec.kind == OPAQUE and not spec.tileable
-    h, w = shape[2:]
-    with pytest.raises(PlanError) as err:
-        SFT(model, tile_size=8, memory_budget="4GiB")(torch.randn(*shape, dtype=torch.float64))
-    for words in ["layer 'interpolate (interpolate)'", f"interpolate resizes {h // 2} x {w // 2} to {h} x {w}", "odd"]:
-        assert words in str(err.value)
