@@ -18,7 +18,7 @@ from wsitrain.sft import SFT
 from wsitrain.sft.facts import annotate
 from wsitrain.sft.graph import ModelGraph
 from wsitrain.sft.ops.registry import OPAQUE, WINDOW
-from wsitrain.sft.ops.resample import Upscale, interpolate_spec
+from wsitrain.sft.ops.resample import RESIZE, Upscale, interpolate_spec
 
 
 class SpaceToDepth(nn.Module):
@@ -198,7 +198,6 @@ def test_resample_specs_and_memory_facts() -> None:
     ("up", "words"),
     [
         (nn.Upsample(scale_factor=2, mode="bicubic"), ["'bicubic'", "up (Upsample)"]),
-        (nn.Upsample(scale_factor=1.5, mode="nearest"), ["scale_factor=1.5", "recompute_scale_factor=True"]),
     ],
 )
 def test_untileable_resampling_says_why(up: nn.Module, words: list[str]) -> None:
@@ -216,7 +215,9 @@ def test_untileable_resampling_says_why(up: nn.Module, words: list[str]) -> None
 
 def test_fractional_scale_is_not_tiled() -> None:
     spec = interpolate_spec("Upsample", None, 1.5, "nearest", None)
-    assert not spec.tileable and "whole-number" in spec.why_not
+    assert not spec.tileable and "whole-number" in spec.why_not and "recompute_scale_factor=True" in spec.why_not
+    # with recompute_scale_factor=True the kernel sees only the output size: resolved against the plan's shapes
+    assert RESIZE in interpolate_spec("Upsample", None, 1.5, "nearest", None, False, True).extra
     assert interpolate_spec("interpolate", None, (2, 3), "nearest", None).tileable
 
 
