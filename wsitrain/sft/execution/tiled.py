@@ -26,7 +26,7 @@ from wsitrain.sft.facts import GraphFacts
 from wsitrain.sft.ops.fused_pool import PoolAccumulator, PoolFusion
 from wsitrain.sft.ops.registry import WINDOW
 from wsitrain.sft.ops.space import check_tile_extent, crop
-from wsitrain.sft.ops.types import TILE_CALL
+from wsitrain.sft.ops.types import tile_call
 from wsitrain.sft.plan_types import SegmentPlan
 from wsitrain.sft.regions import AxisTile, SegmentRegions
 
@@ -188,7 +188,10 @@ class TiledSegment:
                 nr, nc = rt.need[v][0], ct.need[v][0]
                 return crop(env[v], self.specs[v].spatial_dims, (rl - nr, rh - nr), (cl - nc, ch - nc))
 
-            out = self.runner.run(u, env, out_of_place=True, fetch=fetch, call=self.specs[u].extra.get(TILE_CALL))
+            # a stand-in placed on this tile reads where the crop of the node's first input lies in the map
+            key = (u, self.inputs[u][0]) if self.inputs[u] else (u, u)
+            call = tile_call(self.specs[u], lambda: (rt.req[key], ct.req[key]))  # noqa: B023 (called at once)
+            out = self.runner.run(u, env, out_of_place=True, fetch=fetch, call=call)
             spec = self.specs[u]
             if spec.kind == WINDOW:  # the layer produced outputs from its crop's first aligned position
                 assert spec.windows is not None

@@ -18,9 +18,13 @@
   plan's shapes show to be a whole multiple of the input on both axes: an ``Upscale`` by that factor, which tiles
   run with ``scale_factor=`` (``FixedFactor``), since the size itself would resize every crop to the whole map's.
 
-Not tiled (with the reason): ``align_corners=True`` (the source grid is stretched by ``(in - 1) / (out - 1)``,
-which depends on the whole extent, so no crop reproduces it), output sizes that are not a whole multiple of the
-input (likewise stretched by ``in / out``), non-integer factors and the other modes.
+- Bilinear with ``align_corners=True`` (source ``o * (in - 1) / (out - 1)``) and output sizes that are not a whole
+  multiple of the input (source ``o * in / out``, GhostNetV2's gate on odd maps): grids stretched by the whole map's
+  extents, which the original layer run on a crop does not reproduce; tiles run a stand-in that gathers the crop at
+  the global source indices with the global weights (``stretch.py``). Fractional factors with
+  ``recompute_scale_factor=True`` are output sizes too.
+
+Not tiled (with the reason): fractional factors passed to the kernel as such, antialiasing and the other modes.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from wsitrain.sft.ops.stretch import Stretch, StretchCall
 from wsitrain.sft.ops.types import OPAQUE, TILE_CALL, WINDOW, OpSpec, Window, call_arg, not_tileable
 
 NEAREST = "nearest"
@@ -43,6 +48,7 @@ BLUR_POOL_NAMES = ("BlurPool2d",)  # timm.layers.BlurPool2d: F.pad(padding, pad_
 RESIZE = "resize"  # OpSpec.extra key of a resize to an output size: (mode, align_corners), until shapes are known
 # FLOPs per output: a nearest copy moves one value; bilinear weighs four inputs (4 multiplies, 3 adds)
 _FLOPS = {NEAREST: 1.0, BILINEAR: 7.0}
+MAX_STRETCHED = 1 << 25  # stretched resizes compute fused source indices exactly below this output extent
 
 
 @dataclass(frozen=True)
@@ -76,38 +82,51 @@ class Upscale:
         return (hi - lo) * self.factor
 
 
-def _int_factor(v: Any) -> tuple[int, int] | None:
-    """(sh, sw) when ``v`` is a positive whole scale factor (or a pair of them), else None."""
+def _int_factor(v: Any, whole: bool = True) -> tuple[int, int] | None:
+    """(sh, sw) when ``v`` is a positive whole scale factor (or a pair of them), else None.
+
+    ``whole=False``: any positive constant factor passes (the pair returned is then meaningless).
+    """
     pair = tuple(v) if isinstance(v, (tuple, list)) else (v, v)
     if len(pair) != 2 or any(isinstance(p, (fx.Node, bool)) or not isinstance(p, (int, float)) for p in pair):
         return None
-    if any(p < 1 or float(p) != int(p) for p in pair):
+    if any(p <= 0 or (whole and (p < 1 or float(p) != int(p))) for p in pair):
         return None
-    return int(pair[0]), int(pair[1])
+    return (int(pair[0]), int(pair[1])) if whole else (1, 1)
+
+
+def _sized(type_name: str, mode: str, align_corners: bool | None) -> OpSpec:
+    """A resize resolved against the plan's shapes (``resize_spec``), refused until they are known."""
+    why = f"{type_name} resizes to a size fixed by the whole map, which a tile's crop does not have"
+    return replace(not_tileable(type_name, OPAQUE, why), extra={RESIZE: (mode, align_corners)})
 
 
 def interpolate_spec(
-    type_name: str, size: Any, scale_factor: Any, mode: str, align_corners: bool | None, antialias: bool = False
+    type_name: str,
+    size: Any,
+    scale_factor: Any,
+    mode: str,
+    align_corners: bool | None,
+    antialias: bool = False,
+    recompute_scale_factor: bool | None = None,
 ) -> OpSpec:
     """Spec of an interpolation with these arguments (nn.Upsample's attributes or F.interpolate's)."""
     if antialias:
         return not_tileable(type_name, OPAQUE, f"{type_name} with antialias=True is not supported when tiled")
     if mode not in (NEAREST, BILINEAR):
         return not_tileable(type_name, OPAQUE, f"{type_name} mode {mode!r}: only 'nearest' and 'bilinear' tile")
-    if mode == BILINEAR and align_corners:
-        why = (
-            "bilinear upsampling with align_corners=True stretches its source grid by (in - 1) / (out - 1), "
-            "which depends on the whole image; use align_corners=False to tile it"
-        )
-        return not_tileable(type_name, OPAQUE, why)
-    if size is not None:
-        # resolved against the plan's shapes (``resize_spec``): a whole multiple of the input tiles as that factor
-        why = "an explicit output size resizes every tile to the whole image's size; write scale_factor= instead"
-        spec = not_tileable(type_name, OPAQUE, f"{type_name} with {why}")
-        return replace(spec, extra={RESIZE: (mode, align_corners)})
+    stretched = mode == BILINEAR and bool(align_corners)  # (in - 1) / (out - 1): the scale factor is not used
+    if size is not None or stretched:
+        return _sized(type_name, mode, align_corners)
     factors = _int_factor(scale_factor)  # recompute_scale_factor gives the same 1 / s on a crop as on the image
+    if factors is None and recompute_scale_factor and _int_factor(scale_factor, whole=False) is not None:
+        return _sized(type_name, mode, align_corners)  # the kernel sees only the output size, as with size=
     if factors is None:
-        why = f"scale_factor={scale_factor!r}: only whole-number factors map tiles to tiles"
+        why = (
+            f"scale_factor={scale_factor!r}: only whole-number factors map tiles to tiles (a fractional factor "
+            "tiles with recompute_scale_factor=True, or as size=; passed to the kernel as 1 / factor, CPU and CUDA "
+            "index differently where the output is as large as the input or twice it)"
+        )
         return not_tileable(type_name, OPAQUE, f"{type_name} with {why}")
     bil = mode == BILINEAR
     return OpSpec(
@@ -141,25 +160,32 @@ def resize_spec(spec: OpSpec, s_in: tuple[int, ...], s_out: tuple[int, ...]) -> 
     """A resize to an output size (``spec.extra[RESIZE]``), fitted to the untiled shapes of the plan.
 
     When the size is a whole multiple of the input on both axes (GhostNetV2 restores an average-pooled map
-    of an even-sized one), it is an upscaling by that factor, and tiles run it as one (``FixedFactor``).
-    Otherwise output ``o`` reads input ``floor(o * in / out)``: a grid stretched by the whole map's extent,
-    which the original layer run on a crop does not reproduce.
+    of an even-sized one) and corners are not aligned, it is an upscaling by that factor, and tiles run it as one
+    (``FixedFactor``). Otherwise output ``o`` reads input ``floor(o * in / out)`` (or bilinear around it): a grid
+    stretched by the whole map's extents, which tiles compute with global indices (``stretch.StretchCall``).
     """
     mode, align_corners = spec.extra[RESIZE]
     if len(s_in) != 4 or len(s_out) != 4 or min(s_in[2:]) < 1:
         return spec
     (hi, wi), (ho, wo) = s_in[2:], s_out[2:]
-    if ho % hi or wo % wi:
-        why = (
-            f"{spec.type_name} resizes {hi} x {wi} to {ho} x {wo}, not a whole-number factor on both axes: "
-            "output o reads input floor(o * in / out), a grid stretched by the whole map's extent that no tile's "
-            "crop reproduces (GhostNetV2's attention gate on an odd-sized map); choose an image size that keeps "
-            "this map even, or let the planner run this layer untiled"
-        )
+    if not align_corners and ho % hi == 0 and wo % wi == 0:
+        factors = (ho // hi, wo // wi)
+        tiled = interpolate_spec(spec.type_name, None, factors, mode, align_corners)
+        return replace(tiled, extra={TILE_CALL: FixedFactor(factors, mode, align_corners)})
+    if max(ho, wo) >= MAX_STRETCHED:
+        why = f"{spec.type_name} resizes {hi} x {wi} to {ho} x {wo}: outputs past {MAX_STRETCHED} are not tiled"
         return replace(spec, why_not=why)
-    factors = (ho // hi, wo // wi)
-    tiled = interpolate_spec(spec.type_name, None, factors, mode, align_corners)
-    return replace(tiled, extra={TILE_CALL: FixedFactor(factors, mode, align_corners)})
+    # output o reads input floor(o * in / out) (or around it): a grid stretched by the whole map's extents, which
+    # tiles compute from global indices (stretch.py)
+    bil = mode == BILINEAR
+    rows, cols = Stretch(hi, ho, bil, bool(align_corners)), Stretch(wi, wo, bil, bool(align_corners))
+    return OpSpec(
+        WINDOW,
+        spec.type_name,
+        windows=(rows, cols),
+        flops_per_output=_FLOPS[mode],  # autograd keeps the gathered indices and constant weights, no maps
+        extra={TILE_CALL: StretchCall(rows, cols)},
+    )
 
 
 def pixel_shuffle_spec(type_name: str, factor: int) -> OpSpec:
@@ -202,7 +228,9 @@ def resample_module_spec(m: nn.Module) -> OpSpec | None:
     """Spec of a resampling module, None for other modules."""
     name = type(m).__name__
     if isinstance(m, nn.Upsample):
-        return interpolate_spec(name, m.size, m.scale_factor, m.mode, m.align_corners)
+        return interpolate_spec(
+            name, m.size, m.scale_factor, m.mode, m.align_corners, False, getattr(m, "recompute_scale_factor", None)
+        )
     if isinstance(m, nn.PixelShuffle):
         return pixel_shuffle_spec(name, m.upscale_factor)
     if isinstance(m, nn.PixelUnshuffle):
@@ -236,4 +264,5 @@ def resample_function_spec(node: fx.Node) -> OpSpec:
         call_arg(node, 3, "mode", NEAREST),
         call_arg(node, 4, "align_corners"),
         bool(call_arg(node, 6, "antialias", False)),
+        call_arg(node, 5, "recompute_scale_factor"),
     )

@@ -9,8 +9,9 @@ methods, ops_space.py fits each spec to the layout of its input.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from torch import fx
 
@@ -47,8 +48,25 @@ REDUCE = "reduce"  # mean / sum / amax over non-image dims
 
 
 # OpSpec.extra key: the callable a tile runs in place of the node's own (with the node's arguments), where the
-# original call would measure the tile rather than the image (``resample.FixedFactor``)
+# original call would measure the tile rather than the image (``resample.FixedFactor``), or a ``PlacedCall``
 TILE_CALL = "tile_call"
+
+
+@runtime_checkable
+class PlacedCall(Protocol):
+    """A TILE_CALL that must know where the tile sits in the whole map (``stretch.StretchCall``: a resize whose
+    source grid the whole map's extents stretch computes global indices, shifted by the crop's start)."""
+
+    def at(self, rows: tuple[int, int], cols: tuple[int, int]) -> Callable[..., Any]:
+        """The callable for a tile whose crop of the node's first input spans global ``rows`` x ``cols``."""
+        ...
+
+
+def tile_call(spec: OpSpec, crop: Callable[[], tuple[tuple[int, int], tuple[int, int]]]) -> Callable[..., Any] | None:
+    """What a tile runs in place of the node (None: the node itself). ``crop()``: the global rows and cols of the
+    tile's crop of the node's first input, asked only by a ``PlacedCall``."""
+    call = spec.extra.get(TILE_CALL)
+    return call.at(*crop()) if isinstance(call, PlacedCall) else call
 
 
 @dataclass(frozen=True)
