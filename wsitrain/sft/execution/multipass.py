@@ -68,7 +68,6 @@ from wsitrain.sft.ops.grn import grn_apply
 from wsitrain.sft.ops.norm_act import act_after_norm
 from wsitrain.sft.ops.registry import WINDOW
 from wsitrain.sft.ops.space import crop, spatial_extent
-from wsitrain.sft.ops.types import tile_call
 from wsitrain.sft.plan_types import SegmentPlan
 from wsitrain.sft.regions import AxisTile
 
@@ -170,10 +169,7 @@ class MultiPassSegment(TiledSegment):
                 assert isinstance(st, GRNStat)
                 out = grn_apply(self.grn[u], fetch(self.inputs[u][0]), leaves[u][0] if u in leaves else st.x_n)
             else:
-                # a stand-in placed on this tile reads where the crop of the node's first input lies in the map
-                key = (u, self.inputs[u][0]) if self.inputs[u] else (u, u)
-                call = tile_call(self.specs[u], lambda: (rt.req[key], ct.req[key]))  # noqa: B023 (called at once)
-                out = self.runner.run(u, env, out_of_place=True, fetch=fetch, call=call)
+                out = self.runner.run(u, env, out_of_place=True, fetch=fetch, call=self.stand_in(u, rt, ct))
             spec = self.specs[u]
             if spec.kind == WINDOW:  # the layer produced outputs from its crop's first aligned position
                 assert spec.windows is not None

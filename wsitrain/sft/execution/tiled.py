@@ -178,6 +178,12 @@ class TiledSegment:
         self.tiles()
         return self._after.get((r, c))
 
+    def stand_in(self, u: int, rt: AxisTile, ct: AxisTile) -> Callable[..., torch.Tensor] | None:
+        """What this tile runs in node ``u``'s place (``OpSpec.extra[TILE_CALL]``), or None for the layer itself;
+        a stand-in placed on the tile reads where the crop of the node's first input lies in the map."""
+        key = (u, self.inputs[u][0]) if self.inputs[u] else (u, u)
+        return tile_call(self.specs[u], lambda: (rt.req[key], ct.req[key]))
+
     def run_tile(self, region: torch.Tensor, rt: AxisTile, ct: AxisTile) -> torch.Tensor:
         """Run the segment's layers on one tile; returns the tile's exact output. (B, C, th, tw)."""
         env: dict[int, torch.Tensor] = {self.start: region}
@@ -188,10 +194,7 @@ class TiledSegment:
                 nr, nc = rt.need[v][0], ct.need[v][0]
                 return crop(env[v], self.specs[v].spatial_dims, (rl - nr, rh - nr), (cl - nc, ch - nc))
 
-            # a stand-in placed on this tile reads where the crop of the node's first input lies in the map
-            key = (u, self.inputs[u][0]) if self.inputs[u] else (u, u)
-            call = tile_call(self.specs[u], lambda: (rt.req[key], ct.req[key]))  # noqa: B023 (called at once)
-            out = self.runner.run(u, env, out_of_place=True, fetch=fetch, call=call)
+            out = self.runner.run(u, env, out_of_place=True, fetch=fetch, call=self.stand_in(u, rt, ct))
             spec = self.specs[u]
             if spec.kind == WINDOW:  # the layer produced outputs from its crop's first aligned position
                 assert spec.windows is not None
