@@ -25,7 +25,7 @@ test: $(STAMP)
 	$(BIN)/ruff check $(LINT_PATHS)
 	$(BIN)/python -m pytest -q
 
-# The float64 exactness cases at the issues' own sizes (EfficientNetV2, FBNetV3 at 45%): minutes each.
+# The float64 exactness cases at the issues' own sizes (EfficientNetV2, FBNetV3 at 45%): about a minute; CI runs them.
 test-heavy: $(STAMP)
 	$(BIN)/python -m pytest -q -m heavy
 
