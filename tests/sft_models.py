@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -130,3 +131,16 @@ MODELS = {
     "odd_ops": odd_ops,
     "gated": gated_net,
 }
+
+
+def seeded_case(
+    build: Callable[[], nn.Module], shape: tuple[int, ...], seed: int = 0
+) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """A float64 model from ``build`` with seeded weights, an input that wants its gradient, and a regression target
+    of the output's shape: the reference-vs-variant tests' common start."""
+    torch.manual_seed(seed)
+    model = build().double()
+    x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+    with torch.no_grad():
+        target = torch.randn_like(model(x))
+    return model, x, target

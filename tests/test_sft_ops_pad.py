@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from sft_models import seeded_case
 from test_sft_exact import assert_same, reference, variant
 from torch import nn
 
@@ -88,15 +89,6 @@ CASES = {
 }
 
 
-def _make(build, shape: tuple[int, ...], seed: int = 0):
-    torch.manual_seed(seed)
-    model = build().double()
-    x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
-    with torch.no_grad():
-        target = torch.randn_like(model(x))
-    return model, x, target
-
-
 def _tiled_pads(engine: SFT, shape: tuple[int, ...]) -> None:
     """The plan really tiles, and every padding is a WINDOW operator inside a tiled segment."""
     p = engine.plan_for(shape, input_dtype=torch.float64)
@@ -111,7 +103,7 @@ def _tiled_pads(engine: SFT, shape: tuple[int, ...]) -> None:
 @pytest.mark.parametrize(("name", "tile"), [(n, 8) for n in sorted(CASES)] + [("zero_asym", 13), ("f_reflect", 5)])
 def test_padding_tiles_exact(name: str, tile: int) -> None:
     shape = (2, 3, 37, 29)  # odd, non-square: ragged last tiles on both axes
-    model, x, t = _make(CASES[name], shape)
+    model, x, t = seeded_case(CASES[name], shape)
     ref = reference(model, x, t)
     var = variant(model, x, t, tile_size=tile, memory_budget="4GiB")
     assert_same(ref, var)
@@ -120,7 +112,7 @@ def test_padding_tiles_exact(name: str, tile: int) -> None:
 
 @pytest.mark.parametrize(("shape", "tile"), [((2, 3, 45, 61), 8), ((2, 3, 45, 61), 16), ((1, 3, 32, 48), 12)])
 def test_hgnetv2_stem_tiles_exact(shape: tuple[int, ...], tile: int) -> None:
-    model, x, t = _make(HGStem, shape, seed=2)
+    model, x, t = seeded_case(HGStem, shape, seed=2)
     ref = reference(model, x, t)
     var = variant(model, x, t, tile_size=tile, memory_budget="4GiB")
     assert_same(ref, var)

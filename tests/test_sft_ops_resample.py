@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from sft_models import seeded_case
 from test_sft_exact import assert_same, reference, variant
 from torch import nn
 
@@ -121,15 +122,6 @@ REGROUP_CASES = {
 }
 
 
-def _make(build, shape: tuple[int, ...], seed: int = 0):
-    torch.manual_seed(seed)
-    model = build().double()
-    x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
-    with torch.no_grad():
-        target = torch.randn_like(model(x))
-    return model, x, target
-
-
 def _really_tiles(engine: SFT, shape: tuple[int, ...]) -> None:
     p = engine.plan_for(shape, input_dtype=torch.float64)
     assert any(s.n_tiles > 1 for s in p.segments), "the test must really tile"
@@ -142,7 +134,7 @@ def test_upsample_tiles_exact(name: str, tile: int) -> None:
     """Odd sizes (a stride-s map of ceil(H/s) upsampled needs H divisible by s: 48 x 66 / 3, 44 x 60 / 2, 4)."""
     s = 3 if name.endswith("3") else 4 if name.endswith("4") else 2
     shape = (2, 3, 45, 63) if s == 3 else (2, 3, 44, 60)
-    model, x, t = _make(UP_CASES[name], shape)
+    model, x, t = seeded_case(UP_CASES[name], shape)
     ref = reference(model, x, t)
     var = variant(model, x, t, tile_size=tile, memory_budget="4GiB")
     assert_same(ref, var)
@@ -153,7 +145,7 @@ def test_upsample_tiles_exact(name: str, tile: int) -> None:
 def test_space_depth_regroupings_tile_exact(name: str, tile: int) -> None:
     bs = 4 if "4" in name else 2
     shape = (2, 3, 13 * bs, 17 * bs)  # odd numbers of blocks: ragged tiles in block units
-    model, x, t = _make(REGROUP_CASES[name], shape, seed=1)
+    model, x, t = seeded_case(REGROUP_CASES[name], shape, seed=1)
     ref = reference(model, x, t)
     var = variant(model, x, t, tile_size=tile, memory_budget="4GiB")
     assert_same(ref, var)
@@ -238,7 +230,7 @@ def test_resize_to_measured_size_tiles_exact(mode: str, tile: int, one_segment: 
     gate from odd positions with a halo (a segment ending at the product needs it on the stride-2 grid only).
     """
     shape = (2, 3, 44, 62)
-    model, x, t = _make(lambda: GhostGate(mode), shape, seed=3)
+    model, x, t = seeded_case(lambda: GhostGate(mode), shape, seed=3)
     ref = reference(model, x, t)
     cuts = {"checkpoints": ["relu", "post.2"]} if one_segment else {}
     var = variant(model, x, t, tile_size=tile, memory_budget="4GiB", **cuts)

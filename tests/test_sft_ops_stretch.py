@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from sft_models import seeded_case
 from test_sft_exact import assert_same, reference, variant
 from torch import nn
 
@@ -56,15 +57,6 @@ class CornerUp(nn.Module):
         return self.post(y + self.up(self.down(y)))
 
 
-def _make(build, shape: tuple[int, ...], seed: int = 0):
-    torch.manual_seed(seed)
-    model = build().double()
-    x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
-    with torch.no_grad():
-        target = torch.randn_like(model(x))
-    return model, x, target
-
-
 def _resize_runs_on_tiles(var, model: nn.Module, shape: tuple[int, ...], word: str) -> None:
     facts = annotate(ModelGraph(model), shape, torch.float64, torch.float64, True)
     node = next(n for n in facts.nodes if word in n.name)
@@ -90,7 +82,7 @@ def test_stretched_gate_tiles_exact(
 ) -> None:
     """``one_segment``: the product and the convs after it share the resize's tiled segment, so tiles need the
     resized gate from odd positions with a halo."""
-    model, x, t = _make(lambda: OddGate(mode, ac), shape, seed=3)
+    model, x, t = seeded_case(lambda: OddGate(mode, ac), shape, seed=3)
     ref = reference(model, x, t)
     cuts = {"checkpoints": ["relu", "post.2"]} if one_segment else {}
     var = variant(model, x, t, tile_size=tile, memory_budget="4GiB", **cuts)
@@ -100,7 +92,7 @@ def test_stretched_gate_tiles_exact(
 
 @pytest.mark.parametrize(("shape", "tile"), [((2, 3, 44, 62), 10), ((2, 3, 38, 26), 7)])
 def test_align_corners_upsample_tiles_exact(shape: tuple[int, ...], tile: int) -> None:
-    model, x, t = _make(CornerUp, shape, seed=5)
+    model, x, t = seeded_case(CornerUp, shape, seed=5)
     ref = reference(model, x, t)
     var = variant(model, x, t, tile_size=tile, memory_budget="4GiB")
     assert_same(ref, var)
