@@ -172,6 +172,9 @@ def test_budget_too_small_is_one_problem_about_the_key(cohort: Path) -> None:
         run_preflight(make_cfg(cohort, "good-labels.csv"), 1 * MiB, "cpu")
     assert subjects(info.value) == ["engine.memory_budget"]
     assert "less than the model alone needs" in info.value.problems[0].message
+    # the hint names the least budget that fits, and with it the same slides pass
+    least = info.value.problems[0].hint.split("to at least ")[1].split(" (")[0]
+    run_preflight(make_cfg(cohort, "good-labels.csv"), parse_bytes(least), "cpu")
 
 
 def test_forced_checkpoint_that_is_not_a_cut_point(cohort: Path) -> None:

@@ -303,13 +303,16 @@ def _plan_buckets(cfg: WsiTrainConfig, model: nn.Module, report: PreflightReport
     if failing:
         fixed = _fixed_bytes(failing[0].plan)
         if fixed >= budget:
-            # Nothing can fit, whatever the slide: one problem about the budget, not one per bucket.
+            # Nothing can fit, whatever the slide: one problem about the budget, not one per bucket, naming the
+            # least budget every bucket fits (each plan's own least budget, as `wsitrain plan` prints it).
+            least = [b.plan.min_budget_bytes for b in failing if b.plan.min_budget_bytes is not None]
+            to = f" to at least {format_bytes(max(least))}" if len(least) == len(failing) else ""
             return problems + [
                 Problem(
                     "engine.memory_budget",
                     f"{format_bytes(budget)} is less than the model alone needs before any activation "
                     f"({format_bytes(fixed)}: parameters, gradients, optimizer state, runtime)",
-                    hint="raise engine.memory_budget (or remove it to use the device's free memory)",
+                    hint=f"raise engine.memory_budget{to} (or remove it to use the device's free memory)",
                 )
             ]
     rest = (
