@@ -253,3 +253,16 @@ def test_run_names_stay_inside_log_dir(name: str) -> None:
     with pytest.raises(ValidationError, match="log.dir"):
         WsiTrainConfig.model_validate({"name": name})
     assert WsiTrainConfig.model_validate({"name": "lr-1e-4.v2"}).name == "lr-1e-4.v2"
+
+
+def test_read_threads_is_a_positive_int_or_auto(write_yaml) -> None:
+    path = write_yaml("")
+    assert load_config(path).data.read_threads == "auto"
+    assert load_config(path, ["data.read_threads=2"]).data.read_threads == 2
+    for bad in ("0", "-3", "lots", "true", "1.5"):
+        problems = problems_of(path, (f"data.read_threads={bad}",))
+        want = "data.read_threads: expected a whole number from 1 to 256 or auto"
+        assert len(problems) == 1 and problems[0].startswith(want), bad
+    with pytest.raises(ConfigError) as info:
+        load_config(path, ["data.read_threads=0"])
+    assert info.value.exit_code == 2

@@ -7,6 +7,7 @@ import json
 import math
 from pathlib import Path
 
+import pytest
 from rich.console import Console
 
 from wsitrain.config import WsiTrainConfig
@@ -31,6 +32,12 @@ def test_fit_on_real_slides_end_to_end(shared_slides: Path, tmp_path: Path) -> N
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 1]  # 2 slides per optimizer step
     assert all(math.isfinite(r["loss"]) and r["read_s"] > 0 for r in rows)
+    # Read throughput per slide: output megapixels over the read's seconds, and the decoder threads it used.
+    for r in rows:
+        assert r["read_threads"] >= 1
+        assert r["read_mpx_per_s"] == pytest.approx(r["shape"][0] * r["shape"][1] / 1e6 / r["read_s"])
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["mean_read_mpx_per_s"] == pytest.approx(sum(r["read_mpx_per_s"] for r in rows) / len(rows))
     assert {r["slide"] for r in rows} == {"cmu-1-small-region", "tcga-cr-7395-01a-01-ts1"}
     plans = [json.loads(line) for line in (run / "plans.jsonl").read_text().splitlines()]
     assert len(plans) == 2 and any(s["mode"] == "tiled" for p in plans for s in p["plan"]["segments"])

@@ -124,6 +124,17 @@ class DataConfig(Section):
     val_fraction: float = Field(0.25, ge=0, lt=1)
     augment: AugmentConfig = Field(default_factory=AugmentConfig)
     prefetch: bool = True
+    # Threads decoding one slide's chunks at once; auto: the cores this process may use, at most 8 (never more than
+    # the slide has chunks). Each chunk fills its own part of the output, so any count reads the same bytes.
+    read_threads: int | Literal["auto"] = "auto"
+
+    @field_validator("read_threads", mode="before")
+    @classmethod
+    def _check_read_threads(cls, value: Any) -> Any:
+        # One message for the whole int-or-auto choice (a union would report each branch's complaint).
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 256):
+            return value
+        raise ValueError(f"expected a whole number from 1 to 256 or auto, got {value!r}")
 
     @model_validator(mode="after")
     def _check_combinations(self) -> DataConfig:

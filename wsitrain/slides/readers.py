@@ -130,7 +130,11 @@ class SlideReader:
 
 # ---------------------------------------------------------------------------------------------------------------
 class OpenSlideReader(SlideReader):
-    """Any format OpenSlide opens. Reads go straight into a numpy buffer (no PIL image per region)."""
+    """Any format OpenSlide opens. Reads go straight into a numpy buffer (no PIL image per region).
+
+    One handle serves every chunk thread without a lock: OpenSlide documents its handles as thread-safe for reads
+    (and its tile cache as shared safely), and ctypes releases the GIL during the C call, so chunks decode in parallel.
+    """
 
     reader_name = "openslide"
 
@@ -287,6 +291,9 @@ class TiffFileReader(SlideReader):
     def __init__(self, path: str | Path, background: Background = WHITE) -> None:
         super().__init__(path, background)
         self._cache: dict[int, np.ndarray] = {}
+        # Chunks read on several threads may all miss the decoded-level cache at once: one decodes, the others wait.
+        # Not ``_lock``: filling the cache opens the handle, which takes ``_lock`` (not reentrant).
+        self._cache_lock = threading.Lock()
 
     def _open(self) -> Any:
         import tifffile
@@ -305,7 +312,12 @@ class TiffFileReader(SlideReader):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["_cache"] = {}
+        state["_cache_lock"] = None
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._cache_lock = threading.Lock()
 
     def _levels(self) -> list[Any]:
         return list(self.handle.series[0].levels)
@@ -367,6 +379,10 @@ class TiffFileReader(SlideReader):
         return out
 
     def _level_array(self, level: int, axes: str) -> np.ndarray:
+        with self._cache_lock:
+            return self._level_array_locked(level, axes)
+
+    def _level_array_locked(self, level: int, axes: str) -> np.ndarray:
         if level not in self._cache:
             lv = self._levels()[level]
             try:
@@ -393,7 +409,10 @@ class TiffFileReader(SlideReader):
                 if count == 0:  # sparse tile never written: background
                     tile = np.full((th, tw, samples), 255, dtype=np.uint8)
                 else:
-                    with self._lock:  # one file position shared by threads
+                    # One file position is shared by every thread reading this handle (the prefetch thread and
+                    # the chunk threads): only the seek and the read of the compressed bytes are serialised; the
+                    # decode, the expensive part, runs outside the lock and in parallel.
+                    with self._lock:
                         fh.seek(offset)
                         data = fh.read(count)
                     seg, _indices, _shape = decode(data, idx, jpegtables=page.jpegtables)

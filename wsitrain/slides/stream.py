@@ -8,7 +8,8 @@ duration of that copy (``wsitrain.sft.execution.host_register``).
 
 No full-size intermediate ever exists: each chunk is read (and, off a pyramid level, resized with PIL's
 antialiased bilinear filter using absolute source coordinates, so chunks join without seams) and copied into
-its place in the output. Peak host memory is the output plus a few chunk buffers.
+its place in the output, on ``read_threads`` threads at once. Peak host memory is the output plus a chunk buffer
+per thread.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 
 from wsitrain.errors import SlideError
-from wsitrain.slides.pixels import fill_region
+from wsitrain.slides.pixels import ReadThreads, fill_region, resolve_read_threads
 from wsitrain.slides.readers import Background, SlideReader, open_slide
 from wsitrain.slides.resolution import Resolution, choose_resolution
 from wsitrain.slides.tissue import detect_tissue
@@ -44,10 +45,17 @@ class ReadResult:
     seconds: float
     tissue_box: tuple[int, int, int, int] | None = None
     pinned: bool = False
+    threads: int = 1  # decoder threads the read used
 
     @property
     def mb_per_s(self) -> float:
         return self.bytes / 1e6 / self.seconds if self.seconds > 0 else float("inf")
+
+    @property
+    def mpx_per_s(self) -> float:
+        """Output megapixels per second, the whole read included (open, tissue detection, decode, resize)."""
+        px = self.image.shape[-1] * self.image.shape[-2]
+        return px / 1e6 / self.seconds if self.seconds > 0 else float("inf")
 
 
 def _as_hw(size: int | tuple[int, int] | list[int], name: str) -> tuple[int, int]:
@@ -104,14 +112,17 @@ def read_slide_region(
     pad_multiple: int = 1,
     pin_memory: bool = False,
     chunk: int = 4096,
+    read_threads: ReadThreads | None = "auto",
 ) -> ReadResult:
     """Read a slide region at the chosen resolution into a (3, H, W) uint8 tensor.
 
     ``region``: "whole" (the slide), "tissue" (bounding box of detected tissue; the whole slide when none is found)
     or "fixed" (``size`` = int or (h, w) output px centred on the tissue: cropped when tissue is larger, padded with
     ``background`` when smaller). The output is padded at the right and bottom to a multiple of ``pad_multiple``.
+    ``read_threads``: chunks decoded at once (a positive int, or "auto": the process's cores, at most 8).
     """
     t0 = time.perf_counter()
+    resolve_read_threads(read_threads)  # a bad value fails before the slide is opened
     own = not isinstance(path, SlideReader)
     reader = open_slide(path, background) if own else path  # type: ignore[arg-type]
     try:
@@ -156,7 +167,7 @@ def read_slide_region(
         if res.scale >= 1.0:  # snap to the level grid so no resampling happens
             bx, by = round(bx / ds_level) * ds_level, round(by / ds_level) * ds_level
         out, pinned = _allocate((3, oh, ow), pin_memory)
-        fill_region(reader, out, res.level, res.scale, (bx / ds_level, by / ds_level), chunk)
+        threads = fill_region(reader, out, res.level, res.scale, (bx / ds_level, by / ds_level), chunk, read_threads)
         seconds = time.perf_counter() - t0
         box = (int(round(bx)), int(round(by)), int(round(ow * ds)), int(round(oh * ds)))
         return ReadResult(
@@ -171,6 +182,7 @@ def read_slide_region(
             seconds=seconds,
             tissue_box=tissue_box,
             pinned=pinned,
+            threads=threads,
         )
     finally:
         if own:

@@ -86,6 +86,7 @@ def read_kwargs(cfg: WsiTrainConfig, stride: int) -> dict[str, Any]:
         size=size,
         background=tuple(d.background),
         pad_multiple=stride,
+        read_threads=d.read_threads,
     )
 
 

@@ -34,7 +34,7 @@ class RunRecorder:
         self.plans = JsonlWriter(run_dir / "plans.jsonl" if run_dir else None)
         self._plans: dict[tuple[int, ...], Plan] = {}
         self._times: dict[str, list[float]] = {k: [] for k in ("read_s", "wait_s", "forward_s", "backward_s",
-                                                               "optimizer_s", "step_s")}
+                                                               "optimizer_s", "step_s", "read_mpx_per_s")}
         self._peak = 0
         self._last_val: dict[str, float] = {}
         self._last_train_loss = math.nan
@@ -84,15 +84,17 @@ class RunRecorder:
         self._peak = max(self._peak, res.peak_bytes)
         self._last_train_loss = res.loss
         for key, value in (("read_s", read_s), ("wait_s", wait_s), ("forward_s", res.forward_s),
-                           ("backward_s", res.backward_s), ("optimizer_s", optimizer_s), ("step_s", step_s)):
-            if value is not None and not math.isnan(value):
+                           ("backward_s", res.backward_s), ("optimizer_s", optimizer_s), ("step_s", step_s),
+                           ("read_mpx_per_s", read.mpx_per_s)):
+            if value is not None and math.isfinite(value):
                 self._times[key].append(value)
         stats = res.stats
         self.metrics.write({
             "kind": "train", "epoch": epoch + 1, "step": step, "index": index, "slide": sid, "label": record.label,
             "loss": res.loss, "probs": [float(v) for v in res.probs.tolist()], "lr": lr, "step_s": step_s,
             "read_s": read_s, "wait_s": wait_s,
-            "read_mb_per_s": read.mb_per_s, "forward_s": res.forward_s,
+            "read_mb_per_s": read.mb_per_s, "read_mpx_per_s": read.mpx_per_s, "read_threads": read.threads,
+            "forward_s": res.forward_s,
             "backward_s": res.backward_s, "optimizer_s": optimizer_s,
             "grad_norm": opt.grad_norm if opt is not None else None,
             "peak_bytes": res.peak_bytes, "shape": list(read.image.shape[-2:]),
@@ -136,6 +138,8 @@ class RunRecorder:
             "val_roc_auc": self._last_val.get("roc_auc", math.nan),
             "best_val_loss": state.best if self._last_val else math.nan,
             "mean_read_s": mean("read_s"),
+            # Per-slide rates averaged (not total px / total s): the figure a slow slide or format stands out in.
+            "mean_read_mpx_per_s": mean("read_mpx_per_s"),
             "mean_wait_for_read_s": mean("wait_s"),
             "mean_forward_s": mean("forward_s"),
             "mean_backward_s": mean("backward_s"),
