@@ -26,7 +26,7 @@ from wsitrain.sft.facts import GraphFacts
 from wsitrain.sft.ops.fused_pool import PoolAccumulator, PoolFusion
 from wsitrain.sft.ops.registry import WINDOW
 from wsitrain.sft.ops.space import check_tile_extent, crop
-from wsitrain.sft.ops.types import tile_call
+from wsitrain.sft.ops.types import TILE_CALL, tile_call
 from wsitrain.sft.plan_types import SegmentPlan
 from wsitrain.sft.regions import AxisTile, SegmentRegions
 
@@ -107,6 +107,8 @@ class TiledSegment:
         self.nodes = list(range(seg.start + 1, seg.end + 1))
         self.specs = {i: facts.nodes[i].spec for i in [seg.start, *self.nodes]}
         self.inputs = {i: facts.nodes[i].inputs for i in self.nodes}
+        # the few nodes a tile runs a stand-in for, looked up once: stand_in() is asked per node per tile
+        self._stand_ins = {i for i in self.nodes if TILE_CALL in self.specs[i].extra}
         self.names = {i: facts.nodes[i].name for i in self.nodes}
         params: dict[int, nn.Parameter] = {}
         for i in self.nodes:
@@ -181,6 +183,8 @@ class TiledSegment:
     def stand_in(self, u: int, rt: AxisTile, ct: AxisTile) -> Callable[..., torch.Tensor] | None:
         """What this tile runs in node ``u``'s place (``OpSpec.extra[TILE_CALL]``), or None for the layer itself;
         a stand-in placed on the tile reads where the crop of the node's first input lies in the map."""
+        if u not in self._stand_ins:
+            return None
         key = (u, self.inputs[u][0]) if self.inputs[u] else (u, u)
         return tile_call(self.specs[u], lambda: (rt.req[key], ct.req[key]))
 
