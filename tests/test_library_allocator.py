@@ -107,6 +107,16 @@ def test_cuda_opt_out_keeps_pytorchs_default_and_warns_once(
     assert cuda_fresh == [] and sum("fragmentation" in r.getMessage() for r in caplog.records) == 1
 
 
+def test_an_unknown_opt_out_value_is_named(
+    cuda_fresh: list[str], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv(memory.CUDA_ALLOCATOR_ENV, "off")
+    with caplog.at_level(logging.WARNING, logger="wsitrain"):
+        assert memory.tune_cuda_allocator() is True  # not an opt-out: tuned, and the value named with the fix
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert f"{memory.CUDA_ALLOCATOR_ENV}=off is not a setting" in said and "'default'" in said
+
+
 def test_an_allocator_without_the_setting_is_reported_not_fatal(
     cuda_fresh: list[str], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -245,7 +245,11 @@ def tune_cuda_allocator(env: dict[str, str] | None = None, say: bool = True) -> 
     if "expandable_segments" in user:  # the user's own choice, either way
         _CUDA_ALLOCATOR.tuned = "expandable_segments:true" in user.replace(" ", "").lower()
         return _CUDA_ALLOCATOR.tuned
-    if env.get(CUDA_ALLOCATOR_ENV, "") == "default":
+    choice = env.get(CUDA_ALLOCATOR_ENV, "")
+    if choice not in ("", "default") and not _CUDA_ALLOCATOR.said:  # a typo must not pass for a choice
+        _log.warning("%s=%s is not a setting wsitrain knows: set it to 'default' to keep PyTorch's CUDA allocator "
+                     "as it is, or unset it", CUDA_ALLOCATOR_ENV, choice)  # fmt: skip
+    if choice == "default":
         if not _CUDA_ALLOCATOR.said:
             _CUDA_ALLOCATOR.said = True
             _log.warning(
