@@ -14,13 +14,14 @@ from torch import nn
 from wsitrain.errors import PlanError
 from wsitrain.memory import PeakMeter, tune_library_allocator
 from wsitrain.sft.budget import MemoryProbe, _device_str, _model_name, _param_dtype, resolve_budget_bytes
+from wsitrain.sft.execution.hooks import ExecHooks, TileObserver
 from wsitrain.sft.execution.host_register import upload_whole
 from wsitrain.sft.execution.runner import NodeRunner
 from wsitrain.sft.execution.runtime import DeviceRuntime, runtime_for
 from wsitrain.sft.execution.segments import run_tiled, tiled_segment
 from wsitrain.sft.execution.staging import HostStager
 from wsitrain.sft.execution.stats import StatsRecorder, StepStats
-from wsitrain.sft.execution.tiled import ExecHooks, TiledSegment, TileObserver
+from wsitrain.sft.execution.tiled import TiledSegment
 from wsitrain.sft.facts import GraphFacts
 from wsitrain.sft.graph import ModelGraph
 from wsitrain.sft.plan_types import Plan
@@ -172,7 +173,9 @@ class SFT(nn.Module):
     ``checkpoints`` forces the checkpoint layers. The input may be uint8 or float and may live on the
     host while the model is on the GPU: tiles are cut on the host. ``tile_peaks`` records each tile's
     peak memory in ``last_stats`` (it restarts the device's peak counter per tile, so leave it off
-    while measuring whole steps). ``runtime`` replaces the device's streams, events and page-locked buffers
+    while measuring whole steps). ``reuse_tiles``: compute background tiles (flat input, halo included) once per
+    sweep and skip tiles whose output gradient is zero; the step is bitwise the same either way. ``runtime``
+    replaces the device's streams, events and page-locked buffers
     (``wsitrain.sft.simulate`` passes its simulated CUDA runtime; by default the model's device decides).
     """
 
@@ -190,6 +193,7 @@ class SFT(nn.Module):
         runtime: DeviceRuntime | None = None,
         time_model: TimeModel | None = None,
         target: TargetDevice | None = None,
+        reuse_tiles: bool = True,
     ) -> None:
         super().__init__()
         self.model = model
@@ -202,6 +206,9 @@ class SFT(nn.Module):
         self.host_checkpoints = host_checkpoints  # "auto" (CUDA may use host memory), "always", "never"
         self._probe = memory_probe  # how the budget is detected when none is given (injectable for tests)
         self.time_model = time_model  # None: the device's default constants; wsitrain fit passes a calibration
+        # background tiles computed once per sweep and skipped zero-gradient tiles (execution/reuse.py); off: every
+        # tile computed, the reference the reuse tests compare against bitwise
+        self.reuse_tiles = reuse_tiles
         self.target = target  # the device's planning facts; None: detected (the simulated device: a preset's)
         self._budget_bytes: int | None = None if memory_budget is None else parse_bytes(memory_budget, "memory_budget")
         self._graph = _graph(model)
@@ -306,7 +313,9 @@ class SFT(nn.Module):
                     "data.level), or train in bf16",
                 )
             segs = tuple(
-                tiled_segment(facts, s, self._runner, device, self._stager, self._hooks) if s.mode == "tiled" else None
+                tiled_segment(facts, s, self._runner, device, self._stager, self._hooks, self.reuse_tiles)
+                if s.mode == "tiled"
+                else None
                 for s in p.segments
             )
         compiled = _Compiled(p, facts, segs)

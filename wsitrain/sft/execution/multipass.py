@@ -43,6 +43,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from wsitrain.sft.execution.autocast import AutocastState
 from wsitrain.sft.execution.barrier_stats import (
     BNStat,
     GRNStat,
@@ -57,10 +58,11 @@ from wsitrain.sft.execution.barrier_stats import (
     finish_batchnorm,
     wide,
 )
+from wsitrain.sft.execution.hooks import ExecHooks
 from wsitrain.sft.execution.owned_regions import multipass_regions, owned_interval
 from wsitrain.sft.execution.runner import NodeRunner
 from wsitrain.sft.execution.staging import HostStager
-from wsitrain.sft.execution.tiled import ExecHooks, TiledSegment, _AutocastState
+from wsitrain.sft.execution.tiled import TiledSegment
 from wsitrain.sft.facts import GraphFacts
 from wsitrain.sft.ops.barriers import BATCHNORM, GRN, SQUEEZE, Barrier, ancestors_in, segment_barriers
 from wsitrain.sft.ops.fused_pool import PoolAccumulator
@@ -88,8 +90,9 @@ class MultiPassSegment(TiledSegment):
         device: torch.device,
         stager: HostStager,
         hooks: ExecHooks,
+        reuse: bool = True,
     ) -> None:
-        super().__init__(facts, seg, runner, device, stager, hooks)
+        super().__init__(facts, seg, runner, device, stager, hooks, reuse)
         self.barriers = segment_barriers(self.specs, self.inputs, self.start, self.end)
         assert self.barriers, "a multi-pass segment holds at least one barrier"
         self.levels = sorted({b.level for b in self.barriers})
@@ -241,9 +244,7 @@ class MultiPassSegment(TiledSegment):
         return outs, gouts
 
     # ---- forward -------------------------------------------------------------------------------
-    def forward_sweeps(
-        self, x: torch.Tensor, keep_graph: bool
-    ) -> tuple[torch.Tensor, Stats, PoolAccumulator | None]:
+    def forward_sweeps(self, x: torch.Tensor, keep_graph: bool) -> tuple[torch.Tensor, Stats, PoolAccumulator | None]:
         """Statistics level by level, then the output sweep. Returns the output (B, C, Ho, Wo), or with a fused
         pool the pooled (B, C) and the accumulator backward needs, and the statistics.
 
@@ -302,7 +303,7 @@ class MultiPassSegment(TiledSegment):
         grad_out: torch.Tensor,
         stats: Stats,
         need_x: bool,
-        autocast: _AutocastState,
+        autocast: AutocastState,
         acc: PoolAccumulator | None = None,
     ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
         """Leaf gradients level by level from the deepest, then parameter and input gradients.
@@ -370,7 +371,7 @@ class MultiPassSegment(TiledSegment):
         stats: Stats,
         totals: Totals,
         need_x: bool,
-        autocast: _AutocastState,
+        autocast: AutocastState,
         acc: PoolAccumulator | None,
     ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
         reg = self.regions

@@ -6,10 +6,12 @@ from typing import Any
 
 import torch
 
+from wsitrain.sft.execution.autocast import AutocastState
+from wsitrain.sft.execution.hooks import ExecHooks
 from wsitrain.sft.execution.multipass import MultiPassSegment
 from wsitrain.sft.execution.runner import NodeRunner
 from wsitrain.sft.execution.staging import HostStager
-from wsitrain.sft.execution.tiled import ExecHooks, TiledSegment, _AutocastState, abandon_on_error, run_segment
+from wsitrain.sft.execution.tiled import TiledSegment, abandon_on_error, run_segment
 from wsitrain.sft.facts import GraphFacts
 from wsitrain.sft.ops.barriers import segment_barriers
 from wsitrain.sft.plan_types import SegmentPlan
@@ -23,7 +25,7 @@ class MultiPassFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, seg: MultiPassSegment, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.seg = seg
-        ctx.autocast = _AutocastState.capture(seg.device.type)
+        ctx.autocast = AutocastState.capture(seg.device.type)
         ctx.save_for_backward(x)
         with torch.no_grad(), ctx.autocast.context(), abandon_on_error(seg):
             out, ctx.stats, ctx.pool = seg.forward_sweeps(x, keep_graph=True)
@@ -45,7 +47,7 @@ def run_tiled(seg: TiledSegment, x: torch.Tensor) -> torch.Tensor:
         return run_segment(seg, x)
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in seg.params)):
         return MultiPassFunction.apply(seg, x, *seg.params)
-    with torch.no_grad(), _AutocastState.capture(seg.device.type).context(), abandon_on_error(seg):
+    with torch.no_grad(), AutocastState.capture(seg.device.type).context(), abandon_on_error(seg):
         return seg.forward_sweeps(x, keep_graph=False)[0]
 
 
@@ -56,10 +58,11 @@ def tiled_segment(
     device: torch.device,
     stager: HostStager,
     hooks: ExecHooks,
+    reuse: bool = True,
 ) -> TiledSegment:
     """The executor for a tiled segment of a plan: multi-pass when it holds barriers."""
     at_segment(seg.start, seg.end)
     specs = {i: facts.nodes[i].spec for i in range(seg.start + 1, seg.end + 1)}
     inputs = {i: facts.nodes[i].inputs for i in specs}
     cls = MultiPassSegment if segment_barriers(specs, inputs, seg.start, seg.end) else TiledSegment
-    return cls(facts, seg, runner, device, stager, hooks)
+    return cls(facts, seg, runner, device, stager, hooks, reuse)

@@ -49,6 +49,10 @@ class StepStats:
     """One step's tiles. On CUDA tiles are timed by events and resolved when first read (after the step)."""
 
     recomputed_tiles: int = 0
+    # background tiles whose cached work was added instead of computing them (execution/reuse.py)
+    reused_forward: int = 0
+    reused_backward: int = 0
+    skipped_backward: int = 0  # tiles whose output gradient is zero (max pooling's losers): no recompute
     _done: list[TileStat] = field(default_factory=list, repr=False)
     _pending: list[_Pending] = field(default_factory=list, repr=False)
 
@@ -84,6 +88,9 @@ class StepStats:
             "tiles_forward": sum(1 for t in tiles if t.phase == "forward"),
             "tiles_backward": sum(1 for t in tiles if t.phase == "backward"),
             "recomputed_tiles": self.recomputed_tiles,
+            "tiles_reused_forward": self.reused_forward,
+            "tiles_reused_backward": self.reused_backward,
+            "tiles_skipped_backward": self.skipped_backward,
             "forward_ms": round(self.forward_ms, 3),
             "backward_ms": round(self.backward_ms, 3),
         }

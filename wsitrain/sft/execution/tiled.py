@@ -13,63 +13,23 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from wsitrain.sft.execution.autocast import AutocastState
+from wsitrain.sft.execution.hooks import ExecHooks, TileObserver
+from wsitrain.sft.execution.reuse import Key, ReuseCache, axis_key
 from wsitrain.sft.execution.runner import NodeRunner
 from wsitrain.sft.execution.staging import HostStager
-from wsitrain.sft.execution.stats import StatsRecorder
 from wsitrain.sft.facts import GraphFacts
-from wsitrain.sft.ops.fused_pool import PoolAccumulator, PoolFusion
+from wsitrain.sft.ops.fused_pool import AMAX, PoolAccumulator, PoolFusion
 from wsitrain.sft.ops.registry import WINDOW
-from wsitrain.sft.ops.space import check_tile_extent, crop
+from wsitrain.sft.ops.space import check_tile_extent, crop, spatial_extent
 from wsitrain.sft.ops.types import TILE_CALL, tile_call
 from wsitrain.sft.plan_types import SegmentPlan
-from wsitrain.sft.regions import AxisTile, SegmentRegions
-
-# fn(tile, rows, cols): a tile of a feature map, detached, with its interval along H and W
-TileObserver = Callable[[torch.Tensor, tuple[int, int], tuple[int, int]], None]
-
-
-@dataclass
-class ExecHooks:
-    """Callbacks the caller registers on an ``SFT`` (read when used, so a ``with`` block can wrap backward)."""
-
-    trunk_observer: TileObserver | None = None  # tiles of the trunk's last feature map, in forward
-    input_grad_sink: TileObserver | None = None  # tiles' shares of the image gradient, in backward
-    stats: StatsRecorder | None = None
-    # fn(segment index, row, col, phase) as each tile starts: where a memory peak happens (the simulated device)
-    on_tile: Callable[[int, int, int, str], None] | None = None
-    # fn(regions) -> the tiles to visit, in order; None visits every tile. Only the simulated device sets it (its
-    # representative tiles, simulate/representative.py): a real step that skipped tiles would be wrong.
-    visit: Callable[[SegmentRegions], list[tuple[int, int]]] | None = None
-
-
-@dataclass(frozen=True)
-class _AutocastState:
-    device_type: str
-    enabled: bool
-    dtype: torch.dtype
-
-    @staticmethod
-    def capture(device_type: str) -> _AutocastState:
-        try:
-            return _AutocastState(
-                device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
-            )
-        except RuntimeError:  # a device type without autocast (the simulated device runs on ``meta``)
-            return _AutocastState(device_type, False, torch.float32)
-
-    def context(self) -> contextlib.AbstractContextManager[object]:
-        if not self.enabled:
-            return contextlib.nullcontext()
-        # Autocast caches the low-precision copy of each weight for the whole outer autocast region.
-        # A copy cast under no_grad (a tile's forward) has no path to the weight, and reusing it in the
-        # recompute would lose that weight's gradient; tiles therefore never use or fill the cache.
-        return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled, cache_enabled=False)
+from wsitrain.sft.regions import AxisTile
 
 
 class TiledSegment:
@@ -83,6 +43,7 @@ class TiledSegment:
         device: torch.device,
         stager: HostStager,
         hooks: ExecHooks,
+        reuse: bool = True,
     ) -> None:
         assert seg.regions is not None, "a tiled segment's plan carries its regions"
         self.seg = seg
@@ -118,6 +79,14 @@ class TiledSegment:
         self.last_user = {
             i: max((u for u in facts.nodes[i].users if u <= seg.end), default=i) for i in [seg.start, *self.nodes]
         }
+        shapes = {v: facts.nodes[v].shape for v in [self.start, *self.nodes]}
+        # (H, W) of the feature maps, wherever their layout holds them (GRN may read a channels-last map)
+        self.sizes = {v: (spatial_extent(self.specs[v], s, 0), spatial_extent(self.specs[v], s, 1))
+                      for v, s in shapes.items() if self.specs[v].spatial_dims is not None}  # fmt: skip
+        # background tiles computed once (reuse.py); a resize placed by position computes differently per tile
+        self.reuse = reuse and not self._stand_ins
+        self._keys: dict[tuple[int, int], Key | None] = {}
+        self._keyed: object = None  # the regions the keys above are for
 
     # ---- one tile ------------------------------------------------------------------------------
     def input_region(self, x: torch.Tensor, rt: AxisTile, ct: AxisTile) -> torch.Tensor:
@@ -188,6 +157,39 @@ class TiledSegment:
         key = (u, self.inputs[u][0]) if self.inputs[u] else (u, u)
         return tile_call(self.specs[u], lambda: (rt.req[key], ct.req[key]))
 
+    def tile_key(self, r: int, c: int) -> Key | None:
+        """Tile (r, c)'s geometry key (``reuse.axis_key`` on both axes), None when it touches a map border."""
+        if self._keyed is not self.regions:
+            self._keys, self._keyed = {}, self.regions
+        if (r, c) not in self._keys:
+            self._keys[(r, c)] = self._key_of(r, c)
+        return self._keys[(r, c)]
+
+    def _key_of(self, r: int, c: int) -> Key | None:
+        reg, nodes = self.regions, self.nodes
+        keys = []
+        for axis, t in ((0, reg.rows[r]), (1, reg.cols[c])):
+            ext = {v: hw[axis] for v, hw in self.sizes.items()}
+            k = axis_key(t, self.start, nodes, self.inputs, self.specs, ext, axis)
+            if k is None:
+                return None
+            keys.append(k)
+        return tuple(keys)
+
+    def reuse_cache(self) -> ReuseCache[Any]:
+        """A sweep's background-tile cache (off when this segment does not reuse)."""
+        return ReuseCache(self.reuse, self.specs[self.start].spatial_dims)
+
+    def staged(self, x: torch.Tensor) -> bool:
+        """Do this segment's input regions come through the stager (a buffer reused for the next tile)?"""
+        return self.in_on_host or x.device != self.device
+
+    def count(self, what: str) -> None:
+        """One more tile reused or skipped in this step's stats ("reused_forward", "reused_backward", ...)."""
+        if self.hooks.stats is not None:
+            st = self.hooks.stats.stats
+            setattr(st, what, getattr(st, what) + 1)
+
     def run_tile(self, region: torch.Tensor, rt: AxisTile, ct: AxisTile) -> torch.Tensor:
         """Run the segment's layers on one tile; returns the tile's exact output. (B, C, th, tw)."""
         env: dict[int, torch.Tensor] = {self.start: region}
@@ -233,11 +235,24 @@ class TiledSegment:
         instead and also returns the accumulator backward needs.
         """
         reg = self.regions
+        cache: ReuseCache[torch.Tensor] = self.reuse_cache()
 
         def produce(r: int, c: int) -> torch.Tensor:
-            return self.run_tile(self.input_region(x, reg.rows[r], reg.cols[c]), reg.rows[r], reg.cols[c])
+            region = self.input_region(x, reg.rows[r], reg.cols[c])
+            key = self.tile_key(r, c)
+            hit = cache.find(key, region)
+            if hit is not None:
+                self.count("reused_forward")
+                return hit.value
+            y = self.run_tile(region, reg.rows[r], reg.cols[c])
+            if key is not None and cache.wants(key, region):
+                cache.keep(key, region, None, y, self.staged(x))
+            return y
 
-        return self.join_tiles(produce, x.dtype)
+        try:
+            return self.join_tiles(produce, x.dtype)
+        finally:
+            cache.clear()
 
     def join_tiles(
         self, produce: Callable[[int, int], torch.Tensor], dtype: torch.dtype
@@ -278,7 +293,7 @@ class TiledSegment:
         x: torch.Tensor,
         grad_out: torch.Tensor,
         need_x: bool,
-        autocast: _AutocastState,
+        autocast: AutocastState,
         acc: PoolAccumulator | None = None,
     ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
         """Recompute and back-propagate tile by tile; returns the input gradient and parameter gradients.
@@ -290,28 +305,57 @@ class TiledSegment:
         sink = self.hooks.input_grad_sink if self.start == 0 else None
         grad_x = torch.zeros_like(x) if need_x and sink is None else None
         grads: list[torch.Tensor | None] = [None] * len(self.params)
+        # entry value: (the tile's output, kept only when its gradient share depends on it; autograd's results)
+        cache: ReuseCache[tuple[torch.Tensor | None, tuple[torch.Tensor | None, ...]]] = self.reuse_cache()
+        keep_y = acc is not None and acc.kind == AMAX
+        computed = 0
         for r, c in self.tiles():
             t0 = self._tick(r, c, "backward")
             rt, ct = reg.rows[r], reg.cols[c]
-            region = self.input_region(x, rt, ct).detach().requires_grad_(need_x)
+            (r0, r1), (c0, c1) = reg.rows_out[r], reg.cols_out[c]
+            g: torch.Tensor | None = None if acc is not None else self.grad_tile(grad_out, r, c)  # staged from host
+            if (acc is not None and not acc.holds_gradient((r0, r1), (c0, c1))) or (g is not None and not g.any()):
+                self.count("skipped_backward")  # a zero output gradient: nothing flows back (max pooling's losers)
+                self._tock(t0, r, c, "backward")
+                continue
+            region = self.input_region(x, rt, ct).detach()
+            key = self.tile_key(r, c)
+            hit = cache.find(key, region)
+            if hit is not None:
+                if acc is not None:
+                    assert pooled_grad is not None
+                    like = hit.value[0] if keep_y else hit.grad  # the share reads only the tile's shape, but amax's
+                    assert like is not None
+                    g = acc.tile_grad(pooled_grad, like, (r0, r1), (c0, c1))
+                if cache.same_grad(hit, g):
+                    self.add_tile_grads(hit.value[1], need_x, rt, ct, sink, grad_x, grads)
+                    self.count("reused_backward")
+                    self._tock(t0, r, c, "backward")
+                    continue
+            region.requires_grad_(need_x)
             with torch.enable_grad(), autocast.context():
                 y = self.run_tile(region, rt, ct)
-            (r0, r1), (c0, c1) = reg.rows_out[r], reg.cols_out[c]
-            targets = ([region] if need_x else []) + self.params
             if acc is not None:
                 assert pooled_grad is not None
                 g = acc.tile_grad(pooled_grad, y.detach(), (r0, r1), (c0, c1))  # this tile's share of the pool's
-            else:
-                g = self.grad_tile(grad_out, r, c)  # from host memory when the output lives there
+            assert g is not None
+            targets = ([region] if need_x else []) + self.params
             if y.requires_grad and targets:
                 res = torch.autograd.grad(y, targets, g, allow_unused=True)
                 self.add_tile_grads(res, need_x, rt, ct, sink, grad_x, grads)
+                if key is not None and cache.wants(key, region):
+                    kept_g = g.clone() if self.out_on_host or grad_out.device != self.device else g
+                    cache.keep(key, region, kept_g, (y.detach() if keep_y else None, res), self.staged(x))
                 del res  # this tile's gradients are summed: holding them into the next tile's recompute costs a tile
             del y, g, region, targets
+            computed += 1
             self._tock(t0, r, c, "backward")
             if self.hooks.stats is not None:
                 self.hooks.stats.stats.recomputed_tiles += 1
+        cache.clear()
         self.stager.drain()  # every input-gradient tile is added into a host grad_x before it is returned
+        if computed == 0:  # every tile skipped: plain autograd's gradients would be zeros, not missing
+            grads = [torch.zeros_like(p) if p.requires_grad else None for p in self.params]
         return grad_x, grads
 
     def add_tile_grads(
@@ -373,7 +417,7 @@ class TiledFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, seg: TiledSegment, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.seg = seg
-        ctx.autocast = _AutocastState.capture(seg.device.type)
+        ctx.autocast = AutocastState.capture(seg.device.type)
         ctx.save_for_backward(x)
         ctx.masks = seg.runner.masks.current  # the recompute replays this step's drop masks
         with torch.no_grad(), ctx.autocast.context(), abandon_on_error(seg):
@@ -392,5 +436,5 @@ def run_segment(seg: TiledSegment, x: torch.Tensor) -> torch.Tensor:
     """Forward one tiled segment, through autograd when gradients are wanted."""
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in seg.params)):
         return TiledFunction.apply(seg, x, *seg.params)
-    with torch.no_grad(), _AutocastState.capture(seg.device.type).context(), abandon_on_error(seg):
+    with torch.no_grad(), AutocastState.capture(seg.device.type).context(), abandon_on_error(seg):
         return seg.forward_all(x)[0]

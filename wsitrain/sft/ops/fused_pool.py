@@ -75,6 +75,9 @@ class PoolAccumulator:
         self.index: torch.Tensor | None = None  # (B, C) int64: global flat index of the maximum (MAX)
         self.count: torch.Tensor | None = None  # (B, C): positions equal to the maximum (AMAX)
         self.dtype: torch.dtype | None = None  # the tiles' dtype: the pooled value's, as plain PyTorch gives it
+        # AMAX: each tile's maximum (B, C) by its output rows and cols, to tell in backward which tiles hold a
+        # maximum without recomputing them (B x C values per tile: 8 KiB at 2048 channels in fp32)
+        self.tile_max: dict[tuple[tuple[int, int], tuple[int, int]], torch.Tensor] = {}
 
     def add(self, y: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> None:
         """One tile ``y`` (B, C, th, tw) covering ``rows`` x ``cols`` of the map."""
@@ -97,6 +100,7 @@ class PoolAccumulator:
             self.index = torch.where(take, gidx, self.index)
             return
         cnt = (y == tile_max[:, :, None, None]).sum((2, 3))
+        self.tile_max[(rows, cols)] = tile_max
         if self.value is None:
             self.value, self.count = tile_max, cnt
             return
@@ -113,6 +117,20 @@ class PoolAccumulator:
         if self.kind == AVG:
             return (self.value / (self.h * self.w)).to(dtype)
         return self.value
+
+    def holds_gradient(self, rows: tuple[int, int], cols: tuple[int, int]) -> bool:
+        """May the tile covering ``rows`` x ``cols`` receive a nonzero share? Under max pooling only the tiles
+        holding a maximum do; the others skip their recompute and backward (``TiledSegment.backward_all``)."""
+        if self.kind == AVG:
+            return True
+        if self.kind == AMAX:
+            assert self.value is not None
+            tile_max = self.tile_max.get((rows, cols))
+            return tile_max is None or bool((tile_max == self.value).any())
+        assert self.index is not None
+        r, c = self.index // self.w, self.index % self.w
+        inside = (r >= rows[0]) & (r < rows[1]) & (c >= cols[0]) & (c < cols[1])
+        return bool(inside.any())
 
     def tile_grad(self, g: torch.Tensor, y: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> torch.Tensor:
         """The share of the pooled gradient ``g`` (B, C) that falls on tile ``y`` (B, C, th, tw)."""
