@@ -55,8 +55,11 @@ def test_predict_writes_probabilities_equal_to_the_plain_model(
     model = build("tiny", 2)
     model.load_state_dict(load_checkpoint(ckpt)["model"])
     model.eval()
+    assert cfg.data.mask_background  # the default: predict masks background as training does
     for row in rows:
-        image = read_slide_region(row["path"], region="whole", pad_multiple=model.stride).image
+        image = read_slide_region(
+            row["path"], region="whole", pad_multiple=model.stride, mask_background=cfg.data.mask_background
+        ).image
         with torch.no_grad():
             expected = torch.softmax(model(image.unsqueeze(0)), dim=1)[0]
         got = torch.tensor([float(row["prob_negative"]), float(row["prob_positive"])])

@@ -127,6 +127,10 @@ class DataConfig(Section):
     # Threads decoding one slide's chunks at once; auto: the cores this process may use, at most 8 (never more than
     # the slide has chunks). Each chunk fills its own part of the output, so any count reads the same bytes.
     read_threads: int | Literal["auto"] = "auto"
+    # Pixels outside the detected tissue (its thumbnail mask grown by one thumbnail pixel, so edges are never cut)
+    # become the background colour, and chunks wholly outside it are not decoded: background is then one constant
+    # colour (pen marks and dust outside tissue go too). Strict: 1, "yes" or "true" in quotes are not taken as true.
+    mask_background: Annotated[bool, Field(strict=True)] = True
 
     @field_validator("read_threads", mode="before")
     @classmethod

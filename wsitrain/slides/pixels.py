@@ -8,6 +8,9 @@ Chunks may be decoded on several threads (``threads``): each chunk writes only i
 preallocated output, and its pixels depend only on its own coordinates, so the result is byte-identical to a
 one-thread read whatever the order. Decoding (OpenSlide's C library through ctypes, tifffile's imagecodecs, PIL's
 resize, numpy and torch copies) releases the GIL, so threads, not processes, are enough.
+
+A ``RegionMask`` (``fill_region_masked``) says which output pixels keep their slide pixels: the others are set to
+the background colour, and a chunk with no kept pixel is filled with that colour without being decoded at all.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import math
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
@@ -75,6 +79,72 @@ def run_chunks(jobs: list[Callable[[], None]], threads: ReadThreads | None) -> i
     return n
 
 
+# What ``RegionMask.chunk`` says of a chunk: every pixel kept, none kept (never decoded), or some kept.
+INSIDE, OUTSIDE, PARTIAL = "inside", "outside", "partial"
+
+
+@dataclass(frozen=True)
+class RegionMask:
+    """Which pixels of a (3, H, W) read keep their slide pixels; the others are set to ``background``.
+
+    ``grid`` is a coarse boolean mask (a tissue mask on a thumbnail) with one extra all-False last row and last
+    column; output row i looks up grid row ``rows[i]`` and output column j grid column ``cols[j]``, so -1 (the
+    extra row or column) marks output pixels outside the grid, which are never kept. The output pixel's mask value
+    is ``grid[rows[i], cols[j]]``: a separable lookup, so no (H, W) mask ever exists (a chunk's is made when needed).
+    """
+
+    grid: np.ndarray  # (gh + 1, gw + 1) bool, last row and column False
+    rows: np.ndarray  # (H,) int64 in [-1, gh)
+    cols: np.ndarray  # (W,) int64 in [-1, gw)
+    background: tuple[int, int, int]
+
+    def chunk(self, y: int, x: int, h: int, w: int) -> str:
+        """INSIDE, OUTSIDE or PARTIAL for output rows [y, y + h) and columns [x, x + w)."""
+        r, c = np.unique(self.rows[y : y + h]), np.unique(self.cols[x : x + w])
+        cells = self.grid[np.ix_(r, c)]  # every grid cell a pixel of the chunk looks up, each once
+        if not cells.any():
+            return OUTSIDE
+        return INSIDE if cells.all() else PARTIAL
+
+    def keep(self, y: int, x: int, h: int, w: int) -> np.ndarray:
+        """(h, w) bool: the chunk's pixels that keep their slide pixels."""
+        # np.take keeps the result C-ordered (``[rows][:, cols]`` gives a Fortran-ordered array, which made the
+        # background writes of a 4096 px chunk 20x slower).
+        return np.take(self.grid[self.rows[y : y + h]], self.cols[x : x + w], axis=1)
+
+    def fraction(self) -> float:
+        """Share of the output's H * W pixels that are kept (exact: counted per grid cell, not sampled)."""
+        gh, gw = self.grid.shape
+        per_row = np.bincount(self.rows % gh, minlength=gh).astype(np.float64)
+        per_col = np.bincount(self.cols % gw, minlength=gw).astype(np.float64)
+        kept = per_row @ self.grid.astype(np.float64) @ per_col
+        return float(kept / (len(self.rows) * len(self.cols)))
+
+    # numpy, not torch, writes the colour: on a strided chunk view of the output, torch's fill_ and masked_fill_
+    # took 24 and 35 ms for a 1024 px chunk, numpy's fill and copyto 0.06 and 2.3 ms (measured on 2 cores).
+    def fill(self, view: torch.Tensor) -> None:
+        """Set every pixel of ``view`` (3, h, w, a CPU uint8 view of the output) to the background colour."""
+        a = view.numpy()
+        for c, value in enumerate(self.background):
+            a[c].fill(value)
+
+    def apply(self, view: torch.Tensor, y: int, x: int) -> None:
+        """Set the pixels of ``view`` (output rows from y, columns from x) outside the mask to the background."""
+        a = view.numpy()
+        drop = ~self.keep(y, x, a.shape[1], a.shape[2])
+        for c, value in enumerate(self.background):
+            np.copyto(a[c], np.uint8(value), where=drop)
+
+
+@dataclass(frozen=True)
+class FillStats:
+    """How a ``fill_region_masked`` call went: threads used, chunks decoded, chunks skipped (never decoded)."""
+
+    threads: int
+    decoded: int
+    skipped: int
+
+
 def fill_region(
     reader: SlideReader,
     out: torch.Tensor,
@@ -89,10 +159,52 @@ def fill_region(
     Output pixel (i, j) covers level pixels [origin + j / scale, origin + (j + 1) / scale). Chunks are decoded on
     up to ``threads`` threads (a positive int or "auto"); returns the number of threads used.
     """
+    return fill_region_masked(reader, out, level, scale, origin, None, chunk, threads).threads
+
+
+def fill_region_masked(
+    reader: SlideReader,
+    out: torch.Tensor,
+    level: int,
+    scale: float,
+    origin: tuple[float, float],
+    mask: RegionMask | None,
+    chunk: int = 4096,
+    threads: ReadThreads | None = 1,
+) -> FillStats:
+    """``fill_region``, then the pixels outside ``mask`` (None: no mask) set to its background colour.
+
+    A chunk wholly outside the mask is filled with the background colour and never read from the slide; a chunk
+    partly inside is decoded, then its outside pixels are overwritten; pixels inside are exactly what an unmasked
+    read gives (the decode does not change: a resized chunk still reads its own source margin).
+    """
     _, H, W = out.shape
     if chunk < 64:
         raise SlideError(f"chunk {chunk} is too small", hint="use data.chunk of at least 64 (default 4096)")
+    if mask is not None and (len(mask.rows), len(mask.cols)) != (H, W):
+        raise ValueError(f"mask is for {len(mask.rows)}x{len(mask.cols)} px, the output is {H}x{W}")
     jobs: list[Callable[[], None]] = []
+    counts = {INSIDE: 0, OUTSIDE: 0, PARTIAL: 0}
+
+    def add(decode: Callable[[int, int, int, int], None], x: int, y: int, h: int, w: int) -> None:
+        # Chunks are classified here, cheaply (a few grid cells); a partial chunk's pixel mask is made in its job.
+        state = INSIDE if mask is None else mask.chunk(y, x, h, w)
+        counts[state] += 1
+        jobs.append(partial(masked_chunk, decode, state, x, y, h, w))
+
+    def masked_chunk(decode: Callable[[int, int, int, int], None], state: str, x: int, y: int, h: int, w: int) -> None:
+        if state == OUTSIDE:
+            assert mask is not None
+            mask.fill(out[:, y : y + h, x : x + w])
+            return
+        decode(x, y, h, w)
+        if state == PARTIAL:
+            assert mask is not None
+            mask.apply(out[:, y : y + h, x : x + w], y, x)
+
+    def stats(used: int) -> FillStats:
+        return FillStats(used, counts[INSIDE] + counts[PARTIAL], counts[OUTSIDE])
+
     if scale >= 1.0:
         ox, oy = int(round(origin[0])), int(round(origin[1]))
 
@@ -102,8 +214,8 @@ def fill_region(
         for y in range(0, H, chunk):
             for x in range(0, W, chunk):
                 h, w = min(chunk, H - y), min(chunk, W - x)
-                jobs.append(partial(read_chunk, x, y, h, w))
-        return run_chunks(jobs, threads)
+                add(read_chunk, x, y, h, w)
+        return stats(run_chunks(jobs, threads))
     # Resize path: keep each chunk's *source* read about chunk x chunk, however strong the downscale.
     step = max(64, int(chunk * scale))
     margin = int(math.ceil(1.0 / scale)) + 2  # bilinear support is 1/scale source px on each side
@@ -122,8 +234,8 @@ def fill_region(
     for y in range(0, H, step):
         for x in range(0, W, step):
             h, w = min(step, H - y), min(step, W - x)
-            jobs.append(partial(resize_chunk, x, y, h, w))
-    return run_chunks(jobs, threads)
+            add(resize_chunk, x, y, h, w)
+    return stats(run_chunks(jobs, threads))
 
 
 def read_thumbnail(reader: SlideReader, max_side: int = 512) -> tuple[np.ndarray, float]:

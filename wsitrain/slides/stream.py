@@ -10,22 +10,30 @@ No full-size intermediate ever exists: each chunk is read (and, off a pyramid le
 antialiased bilinear filter using absolute source coordinates, so chunks join without seams) and copied into
 its place in the output, on ``read_threads`` threads at once. Peak host memory is the output plus a chunk buffer
 per thread.
+
+With ``mask_background`` the pixels outside the detected tissue (its thumbnail mask, dilated by
+``tissue.MASK_DILATION_PX`` thumbnail px) are set to the background colour, and chunks wholly outside it are not
+decoded: background becomes one constant colour, which the engine can compute once and reuse.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
+import zlib
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from wsitrain.errors import SlideError
-from wsitrain.slides.pixels import ReadThreads, fill_region, resolve_read_threads
+from wsitrain.slides.pixels import ReadThreads, fill_region_masked, resolve_read_threads
 from wsitrain.slides.readers import Background, SlideReader, open_slide
 from wsitrain.slides.resolution import Resolution, choose_resolution
-from wsitrain.slides.tissue import detect_tissue
+from wsitrain.slides.tissue import TissueResult, detect_tissue, region_mask
 
 REGIONS = ("whole", "tissue", "fixed")
 
@@ -46,6 +54,11 @@ class ReadResult:
     tissue_box: tuple[int, int, int, int] | None = None
     pinned: bool = False
     threads: int = 1  # decoder threads the read used
+    # mask_background: share of the output's pixels inside the dilated tissue mask (kept); None when masking was
+    # off or no tissue was found (then nothing was masked).
+    tissue_fraction: float | None = None
+    chunks_decoded: int = 0  # chunks read from the slide
+    chunks_skipped: int = 0  # chunks wholly outside the tissue mask: filled with the background colour, not decoded
 
     @property
     def mb_per_s(self) -> float:
@@ -84,19 +97,55 @@ def _allocate(shape: tuple[int, int, int], pin_memory: bool) -> tuple[torch.Tens
     return torch.empty(shape, dtype=torch.uint8), False
 
 
-# Tissue boxes by (path, size, mtime, background): a single-level slide's thumbnail costs a full read, so a slide
-# read every epoch detects its tissue once per process.
-_TISSUE_CACHE: dict[tuple[str, int, int, Background], tuple[int, int, int, int] | None] = {}
+# Tissue detections by (path, size, mtime, background): a single-level slide's thumbnail costs a full read, so a
+# slide read every epoch detects its tissue once per process. Masks are kept bit-packed and zlib-compressed (a
+# 512 px thumbnail's mask: a few KB), least recently used dropped first past either bound.
+_TISSUE_CACHE: OrderedDict[tuple[str, int, int, Background], _StoredTissue] = OrderedDict()
+_TISSUE_CACHE_ENTRIES = 10000
+_TISSUE_CACHE_BYTES = 64 * 2**20
+_TISSUE_LOCK = threading.Lock()  # slides are read on the prefetch thread and the main thread
+
+
+@dataclass(frozen=True)
+class _StoredTissue:
+    packed: bytes
+    shape: tuple[int, int]
+    downsample: float
+    box: tuple[int, int, int, int] | None
+    threshold: int
+
+    @classmethod
+    def of(cls, t: TissueResult) -> _StoredTissue:
+        packed = zlib.compress(np.packbits(t.mask.astype(bool)).tobytes(), 1)
+        return cls(packed, (int(t.mask.shape[0]), int(t.mask.shape[1])), t.downsample, t.box, t.threshold)
+
+    def result(self) -> TissueResult:
+        bits = np.frombuffer(zlib.decompress(self.packed), dtype=np.uint8)
+        mask = np.unpackbits(bits, count=self.shape[0] * self.shape[1]).astype(bool).reshape(self.shape)
+        return TissueResult(mask=mask, downsample=self.downsample, box=self.box, threshold=self.threshold)
+
+
+def _tissue(reader: SlideReader) -> TissueResult:
+    """``detect_tissue(reader)``, once per slide file and background colour in this process."""
+    st = reader.path.stat()
+    key = (str(reader.path.resolve()), st.st_size, st.st_mtime_ns, reader.background)
+    with _TISSUE_LOCK:
+        stored = _TISSUE_CACHE.get(key)
+        if stored is not None:
+            _TISSUE_CACHE.move_to_end(key)
+            return stored.result()
+    result = detect_tissue(reader)  # outside the lock: another thread's detection does not wait for this one
+    with _TISSUE_LOCK:
+        _TISSUE_CACHE[key] = _StoredTissue.of(result)
+        _TISSUE_CACHE.move_to_end(key)
+        total = sum(len(v.packed) for v in _TISSUE_CACHE.values())
+        while len(_TISSUE_CACHE) > 1 and (len(_TISSUE_CACHE) > _TISSUE_CACHE_ENTRIES or total > _TISSUE_CACHE_BYTES):
+            total -= len(_TISSUE_CACHE.popitem(last=False)[1].packed)
+    return result
 
 
 def _tissue_box(reader: SlideReader) -> tuple[int, int, int, int] | None:
-    st = reader.path.stat()
-    key = (str(reader.path.resolve()), st.st_size, st.st_mtime_ns, reader.background)
-    if key not in _TISSUE_CACHE:
-        if len(_TISSUE_CACHE) > 10000:
-            _TISSUE_CACHE.clear()
-        _TISSUE_CACHE[key] = detect_tissue(reader).box
-    return _TISSUE_CACHE[key]
+    return _tissue(reader).box
 
 
 def read_slide_region(
@@ -113,6 +162,7 @@ def read_slide_region(
     pin_memory: bool = False,
     chunk: int = 4096,
     read_threads: ReadThreads | None = "auto",
+    mask_background: bool = False,
 ) -> ReadResult:
     """Read a slide region at the chosen resolution into a (3, H, W) uint8 tensor.
 
@@ -120,9 +170,16 @@ def read_slide_region(
     or "fixed" (``size`` = int or (h, w) output px centred on the tissue: cropped when tissue is larger, padded with
     ``background`` when smaller). The output is padded at the right and bottom to a multiple of ``pad_multiple``.
     ``read_threads``: chunks decoded at once (a positive int, or "auto": the process's cores, at most 8).
+    ``mask_background``: set the pixels outside the detected tissue (dilated by ``tissue.MASK_DILATION_PX``
+    thumbnail px) to the background colour, and skip decoding chunks wholly outside it; when no tissue is found
+    nothing is masked (``tissue_fraction`` None). Off, the read is exactly what it always was.
     """
     t0 = time.perf_counter()
     resolve_read_threads(read_threads)  # a bad value fails before the slide is opened
+    if not isinstance(mask_background, bool):
+        raise SlideError(
+            f"mask_background {mask_background!r} is not true or false", hint="set data.mask_background: true or false"
+        )
     own = not isinstance(path, SlideReader)
     reader = open_slide(path, background) if own else path  # type: ignore[arg-type]
     try:
@@ -145,9 +202,8 @@ def read_slide_region(
             info, level=level, mpp=mpp, magnification=magnification, fallback_mpp=fallback_mpp
         )
         w0, h0 = info.dimensions
-        tissue_box = None
-        if region in ("tissue", "fixed"):
-            tissue_box = _tissue_box(reader)
+        tissue = _tissue(reader) if region in ("tissue", "fixed") or mask_background else None
+        tissue_box = tissue.box if tissue is not None and region in ("tissue", "fixed") else None
         ds = res.downsample
         if region == "fixed":
             assert size is not None
@@ -167,7 +223,12 @@ def read_slide_region(
         if res.scale >= 1.0:  # snap to the level grid so no resampling happens
             bx, by = round(bx / ds_level) * ds_level, round(by / ds_level) * ds_level
         out, pinned = _allocate((3, oh, ow), pin_memory)
-        threads = fill_region(reader, out, res.level, res.scale, (bx / ds_level, by / ds_level), chunk, read_threads)
+        mask = None
+        if mask_background:
+            assert tissue is not None
+            mask = region_mask(tissue, (w0, h0), (bx, by), ds, (oh, ow), reader.background)
+        origin = (bx / ds_level, by / ds_level)
+        filled = fill_region_masked(reader, out, res.level, res.scale, origin, mask, chunk, read_threads)
         seconds = time.perf_counter() - t0
         box = (int(round(bx)), int(round(by)), int(round(ow * ds)), int(round(oh * ds)))
         return ReadResult(
@@ -182,7 +243,10 @@ def read_slide_region(
             seconds=seconds,
             tissue_box=tissue_box,
             pinned=pinned,
-            threads=threads,
+            threads=filled.threads,
+            tissue_fraction=None if mask is None else mask.fraction(),
+            chunks_decoded=filled.decoded,
+            chunks_skipped=filled.skipped,
         )
     finally:
         if own:

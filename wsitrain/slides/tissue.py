@@ -12,11 +12,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from wsitrain.slides.pixels import read_thumbnail
+from wsitrain.slides.pixels import RegionMask, read_thumbnail
 from wsitrain.slides.readers import SlideReader
 
 # Below this saturation (0-255) nothing counts as tissue, even when Otsu splits pure-background noise.
 MIN_SATURATION = 15
+# Background masking grows the tissue mask by this many thumbnail pixels on every side (8-connected) before use.
+# One thumbnail pixel is hundreds of level-0 pixels (a 100,000 px slide's 512 px thumbnail: ~200 px, ~50 µm at
+# 0.25 µm/px), so the mask's blocky outline, and a tissue edge too faint to pass the threshold, are never cut.
+MASK_DILATION_PX = 1
 
 
 @dataclass(frozen=True)
@@ -164,3 +168,48 @@ def detect_tissue(reader: SlideReader, max_side: int = 512) -> TissueResult:
     mask, thr = tissue_mask(thumb)
     box = mask_box(mask, ds, reader.info.dimensions)
     return TissueResult(mask=mask, downsample=ds, box=box, threshold=thr)
+
+
+def dilate_mask(mask: np.ndarray, px: int = MASK_DILATION_PX) -> np.ndarray:
+    """``mask`` grown by ``px`` pixels on every side (a (2 px + 1) square); nothing grows in from beyond its edge."""
+    if px <= 0 or not mask.any():
+        return mask.copy()
+    t = torch.from_numpy(mask.astype(np.float32))[None, None]
+    return _dilate(t, 2 * px + 1)[0, 0].numpy() > 0.5
+
+
+def _grid_index(start: float, n: int, step: float, cell: float, extent: int, cells: int) -> np.ndarray:
+    """Grid cell of each of ``n`` output pixels along one axis (-1: the pixel centre lies outside the slide).
+
+    Output pixel k covers level-0 [start + k * step, start + (k + 1) * step); its centre picks the cell. Centres
+    inside the slide are clamped to the grid, so the thumbnail's rounded size never drops the slide's last pixels.
+    """
+    centre = start + (np.arange(n, dtype=np.float64) + 0.5) * step
+    idx = np.clip(np.floor(centre / cell).astype(np.int64), 0, cells - 1)
+    idx[(centre < 0) | (centre >= extent)] = -1
+    return idx
+
+
+def region_mask(
+    tissue: TissueResult,
+    dims: tuple[int, int],
+    origin: tuple[float, float],
+    downsample: float,
+    shape: tuple[int, int],
+    background: tuple[int, int, int],
+    dilation_px: int = MASK_DILATION_PX,
+) -> RegionMask | None:
+    """The ``RegionMask`` of a (H, W) = ``shape`` read whose output px (0, 0) starts at level-0 ``origin`` (x, y)
+    and covers ``downsample`` level-0 px: the tissue mask, dilated by ``dilation_px`` thumbnail px. None when no
+    tissue was found (then nothing is masked). Pixels whose centre lies outside the slide (``dims`` = (w, h) level
+    0), where a read gives the background colour anyway, count as outside."""
+    if not tissue.found:
+        return None
+    mask = dilate_mask(tissue.mask, dilation_px)
+    gh, gw = mask.shape
+    grid = np.zeros((gh + 1, gw + 1), dtype=bool)
+    grid[:gh, :gw] = mask
+    rows = _grid_index(origin[1], shape[0], downsample, tissue.downsample, dims[1], gh)
+    cols = _grid_index(origin[0], shape[1], downsample, tissue.downsample, dims[0], gw)
+    bg = (int(background[0]), int(background[1]), int(background[2]))
+    return RegionMask(grid=grid, rows=rows, cols=cols, background=bg)

@@ -14,6 +14,7 @@ from wsitrain.errors import ConfigError, SlideError
 from wsitrain.slides.augment import AugmentConfig
 from wsitrain.slides.dataset import SlideRecord, load_labels, split_records
 from wsitrain.slides.synth import write_synthetic_dataset
+from wsitrain.slides.tissue import MASK_DILATION_PX
 
 
 @dataclass
@@ -87,6 +88,19 @@ def read_kwargs(cfg: WsiTrainConfig, stride: int) -> dict[str, Any]:
         background=tuple(d.background),
         pad_multiple=stride,
         read_threads=d.read_threads,
+        mask_background=d.mask_background,
+    )
+
+
+def masking_note(cfg: WsiTrainConfig) -> str:
+    """The start-of-run line on data.mask_background: what it does and how to turn it off (or that it is off)."""
+    d = cfg.data
+    if not d.mask_background:
+        return "background masking: off (data.mask_background: false); slides are read as they are"
+    return (
+        f"background masking: on; pixels outside the detected tissue (grown by {MASK_DILATION_PX} thumbnail px) "
+        f"become data.background {list(d.background)} and chunks wholly outside it are not decoded; "
+        "turn it off with data.mask_background: false"
     )
 
 

@@ -19,12 +19,12 @@ from wsitrain.slides.readers import open_slide
 from wsitrain.slides.stream import read_slide_region
 from wsitrain.slides.suffixes import SLIDE_SUFFIXES, is_slide_name
 from wsitrain.train.checkpoint import load_checkpoint
-from wsitrain.train.data import read_kwargs
+from wsitrain.train.data import masking_note, read_kwargs
 from wsitrain.train.engine import resolve_device, wrap_engine
 from wsitrain.train.loop import Evaluator
 
 # data.* keys that change how a slide is read: predicting with other values reads slides differently from training.
-_READ_KEYS = ("level", "mpp", "magnification", "fallback_mpp", "region", "size")
+_READ_KEYS = ("level", "mpp", "magnification", "fallback_mpp", "region", "size", "mask_background")
 
 
 def list_slides(slides: Path) -> list[Path]:
@@ -121,6 +121,7 @@ def run_predict(
     runner = Evaluator(engine, device=device, precision=cfg.train.precision, loss=cfg.train.loss)
     rk = read_kwargs(cfg, model.stride)
     console.print(f"memory budget: {budget.describe()}", markup=False, highlight=False)
+    console.print(masking_note(cfg), markup=False, highlight=False)
 
     maps = HeatmapWriter(Path(heatmaps), class_names, saliency, runner.autocast) if heatmaps is not None else None
     rows = []

@@ -31,7 +31,7 @@ from wsitrain.slides.dataset import PrefetchLoader, SlideDataset, SlideRecord
 from wsitrain.slides.stream import ReadResult
 from wsitrain.train import distributed as D
 from wsitrain.train.checkpoint import rng_states, save_checkpoint, set_rng_states
-from wsitrain.train.data import FitData, augment_settings, epoch_order, load_fit_data, read_kwargs
+from wsitrain.train.data import FitData, augment_settings, epoch_order, load_fit_data, masking_note, read_kwargs
 from wsitrain.train.engine import batchnorm_note, build_model, resolve_device, seed_everything, wrap_engine
 from wsitrain.train.loop import Trainer
 from wsitrain.train.metrics import classification_metrics
@@ -152,6 +152,7 @@ class FitRecipe:
             + (f"; {self.dist.world_size} ranks" if self.dist.enabled else ""),
             markup=False,
         )
+        self.out.print(masking_note(cfg), markup=False, highlight=False)
 
     # ---- train
     def train(self) -> None:

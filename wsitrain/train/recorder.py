@@ -34,7 +34,8 @@ class RunRecorder:
         self.plans = JsonlWriter(run_dir / "plans.jsonl" if run_dir else None)
         self._plans: dict[tuple[int, ...], Plan] = {}
         self._times: dict[str, list[float]] = {k: [] for k in ("read_s", "wait_s", "forward_s", "backward_s",
-                                                               "optimizer_s", "step_s", "read_mpx_per_s")}
+                                                               "optimizer_s", "step_s", "read_mpx_per_s",
+                                                               "tissue_fraction")}
         self._peak = 0
         self._last_val: dict[str, float] = {}
         self._last_train_loss = math.nan
@@ -85,7 +86,7 @@ class RunRecorder:
         self._last_train_loss = res.loss
         for key, value in (("read_s", read_s), ("wait_s", wait_s), ("forward_s", res.forward_s),
                            ("backward_s", res.backward_s), ("optimizer_s", optimizer_s), ("step_s", step_s),
-                           ("read_mpx_per_s", read.mpx_per_s)):
+                           ("read_mpx_per_s", read.mpx_per_s), ("tissue_fraction", read.tissue_fraction)):
             if value is not None and math.isfinite(value):
                 self._times[key].append(value)
         stats = res.stats
@@ -94,6 +95,10 @@ class RunRecorder:
             "loss": res.loss, "probs": [float(v) for v in res.probs.tolist()], "lr": lr, "step_s": step_s,
             "read_s": read_s, "wait_s": wait_s,
             "read_mb_per_s": read.mb_per_s, "read_mpx_per_s": read.mpx_per_s, "read_threads": read.threads,
+            # data.mask_background: kept share of the input (null: masking off or no tissue found) and chunks
+            # never decoded because they lie wholly outside the tissue mask.
+            "tissue_fraction": read.tissue_fraction, "chunks_decoded": read.chunks_decoded,
+            "chunks_skipped": read.chunks_skipped,
             "forward_s": res.forward_s,
             "backward_s": res.backward_s, "optimizer_s": optimizer_s,
             "grad_norm": opt.grad_norm if opt is not None else None,
@@ -140,6 +145,8 @@ class RunRecorder:
             "mean_read_s": mean("read_s"),
             # Per-slide rates averaged (not total px / total s): the figure a slow slide or format stands out in.
             "mean_read_mpx_per_s": mean("read_mpx_per_s"),
+            # Over the slides that were masked (data.mask_background on and tissue found); NaN when none was.
+            "mean_tissue_fraction": mean("tissue_fraction"),
             "mean_wait_for_read_s": mean("wait_s"),
             "mean_forward_s": mean("forward_s"),
             "mean_backward_s": mean("backward_s"),
