@@ -79,7 +79,7 @@ def test_bnact_net_eval_tiles() -> None:
 
 def test_activation_really_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without the activation after the normalization the comparison fails: the tests above can fail."""
-    import wsitrain.sft.execution.multipass as mp
+    import wsitrain.sft.execution.multipass_tile as mp
 
     monkeypatch.setattr(mp, "act_after_norm", lambda m: None)
     with pytest.raises(AssertionError):

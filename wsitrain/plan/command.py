@@ -22,7 +22,7 @@ from wsitrain.models.registry import resolve_model_name
 from wsitrain.precision import Precision, activation_dtype, check_precision
 from wsitrain.sft import Plan, max_square_size
 from wsitrain.sft import plan as plan_model
-from wsitrain.sft.api import MAX_SQUARE_LIMIT
+from wsitrain.sft.plan_api import MAX_SQUARE_LIMIT
 from wsitrain.sft.planning.calibration import cpu_name, time_model_for
 from wsitrain.sft.planning.costs import DEFAULT_TIME_MODEL
 from wsitrain.sft.simulate import SimulatedStep, simulate_step, simulation_dict, simulation_text

@@ -6,8 +6,9 @@ m = SFT(model, memory_budget="11GiB")
 loss_fn(m(x), t).backward()    # same gradients as plain autograd
 """
 
-from wsitrain.sft.api import SFT, max_square_size, plan
+from wsitrain.sft.api import SFT
 from wsitrain.sft.execution.stats import StepStats, TileStat
+from wsitrain.sft.plan_api import max_square_size, plan
 from wsitrain.sft.plan_types import Plan, SegmentPlan
 
 __all__ = ["SFT", "Plan", "SegmentPlan", "StepStats", "TileStat", "max_square_size", "plan"]

@@ -1,4 +1,4 @@
-"""The public engine API: ``plan(model, input_shape, ...)``, ``max_square_size`` and ``SFT(model, ...)``."""
+"""The public engine: ``SFT(model, ...)``, planning per input shape and executing the plan (``plan_api``: on shapes)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torch import nn
 
 from wsitrain.errors import PlanError
 from wsitrain.memory import PeakMeter, tune_library_allocator
-from wsitrain.sft.budget import MemoryProbe, _device_str, _model_name, _param_dtype, resolve_budget_bytes
+from wsitrain.sft.budget import MemoryProbe, _model_name, _param_dtype, resolve_budget_bytes
 from wsitrain.sft.execution.hooks import ExecHooks, TileObserver
 from wsitrain.sft.execution.host_register import upload_whole
 from wsitrain.sft.execution.runner import NodeRunner
@@ -23,129 +23,17 @@ from wsitrain.sft.execution.staging import HostStager
 from wsitrain.sft.execution.stats import StatsRecorder, StepStats
 from wsitrain.sft.execution.tiled import TiledSegment
 from wsitrain.sft.facts import GraphFacts
-from wsitrain.sft.graph import ModelGraph
+from wsitrain.sft.plan_api import model_graph, node_namer
 from wsitrain.sft.plan_types import Plan
 from wsitrain.sft.planning.costs import TimeModel
-from wsitrain.sft.planning.planner import build_plan, new_session
-from wsitrain.sft.planning.search import fitting_plan, worth_running
+from wsitrain.sft.planning.planner import build_plan
 from wsitrain.sft.target import TargetDevice, detection_device, target_for
 from wsitrain.sft.trail import guarded
 from wsitrain.units import format_bytes, parse_bytes
 
-# max_square_size searches up to this edge: 1M px is ten whole slides at 20x side by side.
-MAX_SQUARE_LIMIT = 1 << 20
-
 # Plans kept per SFT, least recently used evicted. A run with data.region: tissue sees one shape per
 # slide; shape buckets keep that to a few, and a plan is rebuilt in well under a second when evicted.
 PLAN_CACHE_SIZE = 4
-
-
-def plan(
-    model: nn.Module,
-    input_shape: tuple[int, ...],
-    memory_budget: int | float | str | None = None,
-    dtype: torch.dtype | None = None,
-    *,
-    tile_size: int | None = None,
-    checkpoints: list[str] | None = None,
-    optimizer: str | None = None,
-    input_on_host: bool | None = None,
-    input_dtype: torch.dtype | None = None,
-    device: torch.device | str | None = None,
-    host_checkpoints: str = "auto",
-    target: TargetDevice | None = None,
-    time_model: TimeModel | None = None,
-    input_requires_grad: bool = False,
-) -> Plan:
-    """Plan ``model`` on ``input_shape`` (B, C, H, W) within ``memory_budget``, on shapes only.
-
-    ``dtype`` is the activation dtype (bf16/fp16 for autocast). For a CUDA device the image is assumed to stream
-    from host memory as uint8 (``input_on_host``), as ``wsitrain fit`` does. ``time_model``: default constants.
-    Returns a plan with ``fits=False`` when nothing fits; raises PlanError for layers that cannot
-    be tiled where tiling is needed. ``target``: the device's planning facts (default: detected, ``target_for``).
-    ``input_requires_grad``: plan for an image that wants its gradient (saliency; SFT plans so for such an x).
-    """
-    dev = _device_str(device)
-    dtype = dtype or _param_dtype(model)
-    on_host = dev == "cuda" if input_on_host is None else input_on_host
-    in_dtype = input_dtype or (torch.uint8 if on_host else dtype)
-    budget = resolve_budget_bytes(memory_budget, dev)
-    graph = _graph(model)
-    with guarded(f"planning {_model_name(model)} on input {tuple(input_shape)}", _namer(graph)):
-        p, _ = build_plan(
-            graph,
-            _model_name(model),
-            tuple(input_shape),
-            budget,
-            dtype,
-            in_dtype,
-            dev,
-            on_host,
-            input_requires_grad,
-            tile_size=tile_size,
-            checkpoints=checkpoints,
-            optimizer=optimizer,
-            host_checkpoints=host_checkpoints,
-            target=target,
-            time_model=time_model,
-        )
-    return p
-
-
-def _graph(model: nn.Module) -> ModelGraph:
-    """The model's graph; an internal error while building it names the model (``trail.guarded``)."""
-    with guarded(f"tracing {_model_name(model)}", lambda i: f"node {i}"):
-        return ModelGraph(model)
-
-
-def _namer(graph: ModelGraph) -> Any:
-    return lambda i: graph.nodes[i].name  # the layer name of a node index, for internal errors
-
-
-def max_square_size(
-    model: nn.Module,
-    memory_budget: int | float | str,
-    dtype: torch.dtype = torch.float32,
-    batch: int = 1,
-    channels: int = 3,
-    optimizer: str | None = None,
-    device: torch.device | str | None = None,
-    limit: int = MAX_SQUARE_LIMIT,
-    target: TargetDevice | None = None,
-    time_model: TimeModel | None = None,
-) -> int:
-    """Largest square edge (a multiple of the model's stride) whose plan fits; 0 if none."""
-    graph = _graph(model)
-    dev = _device_str(device)
-    budget = resolve_budget_bytes(memory_budget, dev)
-    on_host = dev == "cuda"
-    in_dtype = torch.uint8 if on_host else dtype
-    stride = int(getattr(model, "stride", 32))
-
-    def fits(edge: int) -> bool:
-        try:
-            shape = (batch, channels, edge, edge)
-            sess = new_session(
-                graph, shape, dtype, in_dtype, dev, on_host, False, optimizer, "auto", target, time_model
-            )
-        except PlanError:
-            return False
-        state = fitting_plan(sess, budget)
-        return state is not None and worth_running(sess, state, None)
-
-    # Bisect from the top: with the pool fused, memory stops growing with the image, and plans of large
-    # images are quick (few segmentations fit), while small images make the search try everything.
-    top = limit // stride * stride
-    with guarded(f"sizing {_model_name(model)} for {format_bytes(budget)}", _namer(graph)):
-        if fits(top):
-            return top
-        lo, hi = 0, top  # fits(lo) (0: trivially), not fits(hi)
-        while hi - lo > stride:
-            mid = (lo + hi) // 2 // stride * stride
-            if mid <= lo:
-                break
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        return lo if lo > 0 or fits(stride) else 0
 
 
 def _on_host(x: torch.Tensor, device: torch.device) -> bool:
@@ -211,8 +99,8 @@ class SFT(nn.Module):
         self.reuse_tiles = reuse_tiles
         self.target = target  # the device's planning facts; None: detected (the simulated device: a preset's)
         self._budget_bytes: int | None = None if memory_budget is None else parse_bytes(memory_budget, "memory_budget")
-        self._graph = _graph(model)
-        with guarded(f"compiling {_model_name(model)}", _namer(self._graph)):
+        self._graph = model_graph(model)
+        with guarded(f"compiling {_model_name(model)}", node_namer(self._graph)):
             self._runner = NodeRunner(self._graph)
         self._cache: OrderedDict[tuple[Any, ...], _Compiled] = OrderedDict()
         self._runtime = runtime
@@ -297,11 +185,11 @@ class SFT(nn.Module):
             return hit
         budget = self.budget_bytes
         tune_library_allocator(device)  # CPU: the budget holds only with glibc's threshold fixed (said once)
-        with guarded(f"planning {_model_name(self.model)} on input {shape}", _namer(self._graph)):
+        with guarded(f"planning {_model_name(self.model)} on input {shape}", node_namer(self._graph)):
             p, facts = build_plan(
                 self._graph, _model_name(self.model), shape, budget, act, in_dtype, self._plan_device(device),
                 on_host, x_grad, tile_size=self.tile_size, checkpoints=self.checkpoints, optimizer=self.optimizer,
-                host_checkpoints=self.host_checkpoints, time_model=self.time_model,
+                host_checkpoints=self.host_checkpoints, time_model=self.time_model, reuse_tiles=self.reuse_tiles,
                 target=self.target or target_for(detection_device(device, self._plan_device(device))),
             )  # fmt: skip
             if not p.fits:

@@ -38,10 +38,7 @@ combines them in float32: in bf16 the two nearly cancel.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
-from torch import nn
 
 from wsitrain.sft.execution.autocast import AutocastState
 from wsitrain.sft.execution.barrier_stats import (
@@ -50,198 +47,19 @@ from wsitrain.sft.execution.barrier_stats import (
     Leaves,
     Moments,
     SEStat,
-    SqueezeChain,
     Stats,
     Totals,
-    bn_apply,
-    correction,
     finish_batchnorm,
     wide,
 )
-from wsitrain.sft.execution.hooks import ExecHooks
-from wsitrain.sft.execution.owned_regions import multipass_regions, owned_interval
-from wsitrain.sft.execution.runner import NodeRunner
-from wsitrain.sft.execution.staging import HostStager
-from wsitrain.sft.execution.tiled import TiledSegment
-from wsitrain.sft.facts import GraphFacts
-from wsitrain.sft.ops.barriers import BATCHNORM, GRN, SQUEEZE, Barrier, ancestors_in, segment_barriers
+from wsitrain.sft.execution.multipass_tile import MultiPassTiles
+from wsitrain.sft.execution.reuse import BackwardValue, ReuseCache, backward_hit, keep_backward
+from wsitrain.sft.ops.barriers import BATCHNORM, GRN, Barrier
 from wsitrain.sft.ops.fused_pool import PoolAccumulator
-from wsitrain.sft.ops.grn import grn_apply
-from wsitrain.sft.ops.norm_act import act_after_norm
-from wsitrain.sft.ops.registry import WINDOW
-from wsitrain.sft.ops.space import crop, spatial_extent
-from wsitrain.sft.plan_types import SegmentPlan
-from wsitrain.sft.regions import AxisTile
 
 
-def _wide_key(bn: int) -> int:
-    """Where a tile's environment keeps a BatchNorm's widened input (node indices are never negative)."""
-    return -1 - bn
-
-
-class MultiPassSegment(TiledSegment):
+class MultiPassSegment(MultiPassTiles):
     """A tiled segment with barriers: forward and backward in sweeps over the tiles (see the module doc)."""
-
-    def __init__(
-        self,
-        facts: GraphFacts,
-        seg: SegmentPlan,
-        runner: NodeRunner,
-        device: torch.device,
-        stager: HostStager,
-        hooks: ExecHooks,
-        reuse: bool = True,
-    ) -> None:
-        super().__init__(facts, seg, runner, device, stager, hooks, reuse)
-        self.barriers = segment_barriers(self.specs, self.inputs, self.start, self.end)
-        assert self.barriers, "a multi-pass segment holds at least one barrier"
-        self.levels = sorted({b.level for b in self.barriers})
-        self.bn: dict[int, nn.BatchNorm2d] = {}
-        self.act: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}  # BatchNorm node -> what follows it
-        self.grn: dict[int, nn.Module] = {}  # global response normalizations (ops/grn.py)
-        for b in self.barriers:
-            m = runner.graph.module(b.node)
-            if b.kind == BATCHNORM:
-                assert isinstance(m, nn.BatchNorm2d)
-                self.bn[b.node] = m
-                self.act[b.node] = act_after_norm(m) or nn.Identity()  # BatchNormAct2d: its act after the norm
-            elif b.kind == GRN:
-                assert m is not None
-                self.grn[b.node] = m
-        # squeeze-excitation chains run once per step, outside the tiles; tiles read their exits
-        self.chain = {i for b in self.barriers for i in b.chain} | {b.node for b in self.barriers if b.kind == SQUEEZE}
-        self.tile_nodes = [i for i in self.nodes if i not in self.chain]
-        sources = {b.source for b in self.barriers}
-        self.regions = multipass_regions(facts, seg, sources, self.chain)
-        anc = ancestors_in(self.inputs, self.start, self.end)
-        # per level: the layers its barrier inputs depend on (a stats sweep computes nothing else)
-        self.sweep_nodes = {
-            lv: sorted(set().union(*(anc.get(b.source, frozenset()) for b in self.at(lv))) - self.chain)
-            for lv in self.levels
-        }
-        shapes = {v: facts.nodes[v].shape for v in [self.start, *self.nodes]}
-        # (H, W) of the feature maps, wherever their layout holds them (GRN may read a channels-last map)
-        self.sizes = {v: (spatial_extent(self.specs[v], s, 0), spatial_extent(self.specs[v], s, 1))
-                      for v, s in shapes.items()}  # fmt: skip
-        self.se = {b.node: SqueezeChain(runner, b, shapes) for b in self.barriers if b.kind == SQUEEZE}
-
-    def at(self, level: int) -> list[Barrier]:
-        return [b for b in self.barriers if b.level == level]
-
-    # ---- one tile ------------------------------------------------------------------------------
-    def _run_nodes(
-        self,
-        region: torch.Tensor,
-        rt: AxisTile,
-        ct: AxisTile,
-        nodes: list[int],
-        stats: Stats,
-        leaves: Leaves,
-        keep: set[int],
-    ) -> dict[int, torch.Tensor]:
-        """Run ``nodes`` (in order) on one tile, barriers applied with their fixed statistics."""
-        env: dict[int, torch.Tensor] = {self.start: region}
-        exits = self._exit_values(stats, leaves)
-        last: dict[int, int] = {}
-        for u in nodes:
-            for v in self.inputs[u]:
-                last[v] = u
-        for u in nodes:
-
-            def fetch(v: int, u: int = u) -> torch.Tensor:
-                if v in exits:  # a squeeze-excitation result: (B, C, 1, 1), broadcast over the tile
-                    return exits[v]
-                (rl, rh), (cl, ch) = rt.req[(u, v)], ct.req[(u, v)]
-                nr, nc = rt.need[v][0], ct.need[v][0]
-                return crop(env[v], self.specs[v].spatial_dims, (rl - nr, rh - nr), (cl - nc, ch - nc))
-
-            if u in self.bn:
-                st = stats[u]
-                assert isinstance(st, BNStat)
-                mean, inv = leaves[u] if u in leaves else (st.mean, st.inv)
-                v = self.inputs[u][0]
-                # the layer's input in at least float32, kept: the statistic's gradient correction joins
-                # the explicit gradient there, as BatchNorm's own backward combines them in float32
-                env[_wide_key(u)] = wide(env[v])
-                (rl, rh), (cl, ch) = rt.req[(u, v)], ct.req[(u, v)]
-                nr, nc = rt.need[v][0], ct.need[v][0]
-                x_in = env[_wide_key(u)][:, :, rl - nr : rh - nr, cl - nc : ch - nc]
-                out = self.act[u](bn_apply(self.bn[u], mean, inv, x_in).to(env[v].dtype))
-            elif u in self.grn:
-                st = stats[u]
-                assert isinstance(st, GRNStat)
-                out = grn_apply(self.grn[u], fetch(self.inputs[u][0]), leaves[u][0] if u in leaves else st.x_n)
-            else:
-                out = self.runner.run(u, env, out_of_place=True, fetch=fetch, call=self.stand_in(u, rt, ct))
-            spec = self.specs[u]
-            if spec.kind == WINDOW:  # the layer produced outputs from its crop's first aligned position
-                assert spec.windows is not None
-                v = self.inputs[u][0]
-                g0r = spec.windows[0].first_output(rt.req[(u, v)][0])
-                g0c = spec.windows[1].first_output(ct.req[(u, v)][0])
-                (a, b), (c, d) = rt.need[u], ct.need[u]
-                out = out[:, :, a - g0r : b - g0r, c - g0c : d - g0c]
-            env[u] = out
-            for v in self.inputs[u]:
-                if last.get(v) == u and v not in keep:
-                    env.pop(v, None)
-        return env
-
-    def _exit_values(self, stats: Stats, leaves: Leaves) -> dict[int, torch.Tensor]:
-        """What tiles read for each squeeze-excitation exit: the sweep's leaf, else a detached constant."""
-        out: dict[int, torch.Tensor] = {}
-        for b in self.barriers:
-            st = stats.get(b.node)
-            if b.kind != SQUEEZE or st is None:
-                continue
-            assert isinstance(st, SEStat)
-            for k, e in enumerate(b.exits):
-                out[e] = leaves[b.node][k] if b.node in leaves else st.exits[e].detach()
-        return out
-
-    def _owned(self, value: torch.Tensor, v: int, r: int, c: int) -> torch.Tensor:
-        """The part of node v's tile value that tile (r, c) owns. (B, C, oh, ow) in v's layout, a view."""
-        reg = self.regions
-        rt, ct = reg.rows[r], reg.cols[c]
-        h, w = self.sizes[v]
-        r0, r1 = owned_interval(reg.rows_out[r], self.sizes[self.end][0], h)
-        c0, c1 = owned_interval(reg.cols_out[c], self.sizes[self.end][1], w)
-        nr, nc = rt.need[v][0], ct.need[v][0]
-        return crop(value, self.specs[v].spatial_dims, (r0 - nr, r1 - nr), (c0 - nc, c1 - nc))
-
-    def _outputs(
-        self,
-        env: dict[int, torch.Tensor],
-        r: int,
-        c: int,
-        grad_out: torch.Tensor,
-        stats: Stats,
-        totals: Totals,
-        acc: PoolAccumulator | None,
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """What a tile back-propagates: its output with its share of grad_out (of the pooled gradient (B, C) with
-        a fused pool), and owned barrier inputs with the statistic's part of their gradient (for the barriers in
-        ``totals``)."""
-        reg = self.regions
-        (r0, r1), (c0, c1) = reg.rows_out[r], reg.cols_out[c]
-        outs, gouts = [], []
-        y = env[self.end]
-        if y.requires_grad:
-            outs.append(y)
-            if acc is not None:
-                gouts.append(acc.tile_grad(grad_out, y.detach(), (r0, r1), (c0, c1)))
-            else:
-                gouts.append(self.grad_tile(grad_out, r, c))  # staged up when the output lives in host memory
-        for b in self.barriers:
-            if b.node not in totals:
-                continue
-            xo = self._owned(env.get(_wide_key(b.node), env[b.source]), b.source, r, c)
-            if xo.numel() == 0 or not xo.requires_grad:
-                continue
-            corr = correction(stats[b.node], totals[b.node], xo.detach())
-            outs.append(xo)
-            gouts.append(corr)
-        return outs, gouts
 
     # ---- forward -------------------------------------------------------------------------------
     def forward_sweeps(self, x: torch.Tensor, keep_graph: bool) -> tuple[torch.Tensor, Stats, PoolAccumulator | None]:
@@ -258,27 +76,31 @@ class MultiPassSegment(TiledSegment):
             moments: dict[int, Moments] = {}
             sums: dict[int, torch.Tensor] = {}  # squeeze-excitation: (B, C, 1, 1) sums over owned positions
             dtypes: dict[int, torch.dtype] = {}  # the pooled map's dtype: its input's
+            cache: ReuseCache[dict[int, Moments | torch.Tensor]] = self.reuse_cache()
             for r, c in self.tiles():
                 t0 = self._tick(r, c, f"statistics sweep {lv}")
                 rt, ct = reg.rows[r], reg.cols[c]
-                env = self._run_nodes(self.input_region(x, rt, ct), rt, ct, self.sweep_nodes[lv], stats, {}, sources)
+                region = self.input_region(x, rt, ct)
+                key = self.tile_key(r, c)
+                hit = cache.find(key, region)
+                if hit is not None:
+                    parts = hit.value
+                    self.count("reused_forward")
+                else:
+                    parts = self._stat_parts(self._run_nodes(region, rt, ct, self.sweep_nodes[lv], stats, {}, sources),
+                                             here, r, c)  # fmt: skip
+                    if key is not None and cache.wants(key, region):
+                        cache.keep(key, region, None, parts, self.staged(x))
                 for b in here:
-                    part = self._owned(env[b.source], b.source, r, c)
-                    if part.numel() == 0:
-                        continue
-                    if b.kind == BATCHNORM:
-                        mom = Moments.of(part)
-                        moments[b.node] = moments[b.node].add(mom) if b.node in moments else mom
-                    elif b.kind == GRN:  # per-(sample, channel) sums of squares over the owned positions
-                        dims = self.specs[b.source].spatial_dims
-                        ps = wide(part).square().sum(dim=dims, keepdim=True)
-                        sums[b.node] = sums[b.node] + ps if b.node in sums else ps
-                    else:
-                        ps = wide(part).sum(dim=(2, 3), keepdim=True)
-                        dtypes[b.node] = part.dtype
-                        sums[b.node] = sums[b.node] + ps if b.node in sums else ps
-                del env
+                    part = parts.get(b.node)
+                    if isinstance(part, Moments):
+                        moments[b.node] = moments[b.node].add(part) if b.node in moments else part
+                    elif part is not None:
+                        dtypes[b.node] = self._in_dtype[b.node]
+                        sums[b.node] = sums[b.node] + part if b.node in sums else part
+                del parts
                 self._tock(t0, r, c, "forward")
+            cache.clear()
             for b in here:
                 if b.kind == BATCHNORM:
                     stats[b.node] = finish_batchnorm(self.bn[b.node], moments[b.node])
@@ -289,11 +111,25 @@ class MultiPassSegment(TiledSegment):
                 else:
                     stats[b.node] = self.se[b.node].run(sums[b.node], dtypes[b.node], keep_graph)
 
+        cache: ReuseCache[torch.Tensor] = self.reuse_cache()
+
         def produce(r: int, c: int) -> torch.Tensor:
             rt, ct = reg.rows[r], reg.cols[c]
-            return self._run_nodes(self.input_region(x, rt, ct), rt, ct, self.tile_nodes, stats, {}, set())[self.end]
+            region = self.input_region(x, rt, ct)
+            key = self.tile_key(r, c)
+            hit = cache.find(key, region)
+            if hit is not None:
+                self.count("reused_forward")
+                return hit.value
+            y = self._run_nodes(region, rt, ct, self.tile_nodes, stats, {}, set())[self.end]
+            if key is not None and cache.wants(key, region):
+                cache.keep(key, region, None, y, self.staged(x))
+            return y
 
-        out, acc = self.join_tiles(produce, x.dtype)
+        try:
+            out, acc = self.join_tiles(produce, x.dtype)
+        finally:
+            cache.clear()
         return out, stats, acc
 
     # ---- backward ------------------------------------------------------------------------------
@@ -322,22 +158,34 @@ class MultiPassSegment(TiledSegment):
             flat = [t for b in here for t in leaves[b.node]]
             # sums over tiles in at least float32: bf16 leaves (SE exits under autocast) would round each add
             sums: list[torch.Tensor] = [torch.zeros_like(wide(t)) for t in flat]
+            cache: ReuseCache[BackwardValue] = self.reuse_cache()
             for r, c in self.tiles():
                 t0 = self._tick(r, c, f"statistics backward {lv}")
                 rt, ct = reg.rows[r], reg.cols[c]
-                with torch.enable_grad(), autocast.context():
-                    env = self._run_nodes(
-                        self.input_region(x, rt, ct).detach(), rt, ct, self.tile_nodes, stats, leaves, sources
-                    )
-                    outs, gouts = self._outputs(env, r, c, grad_out, stats, totals, acc)
-                if outs:
-                    res = torch.autograd.grad(outs, flat, gouts, allow_unused=True)
-                    for k, g in enumerate(res):
-                        if g is not None:
-                            sums[k] += g
-                    res = g = None  # summed: not held into the next tile's recompute
-                del env, outs, gouts
+                g = None if acc is not None else self.grad_tile(grad_out, r, c)  # staged when the output is on host
+                region = self.input_region(x, rt, ct).detach()
+                key = self.tile_key(r, c)
+                hit = backward_hit(cache, key, region, g, acc, grad_out, reg.rows_out[r], reg.cols_out[c])
+                if hit is not None:
+                    res: tuple[torch.Tensor | None, ...] = hit.value[1]
+                    self.count("reused_backward")
+                else:
+                    with torch.enable_grad(), autocast.context():
+                        env = self._run_nodes(region, rt, ct, self.tile_nodes, stats, leaves, sources)
+                        outs, gouts = self._outputs(env, r, c, grad_out, stats, totals, acc, g)
+                    res = torch.autograd.grad(outs, flat, gouts, allow_unused=True) if outs else ()
+                    if key is not None and cache.wants(key, region):
+                        y_out = env[self.end] if env[self.end].requires_grad else None
+                        gy = gouts[0] if y_out is not None else None
+                        keep_backward(cache, key, region, gy, y_out, res, acc, self.grad_staged(acc, g), self.staged(x))
+                    del env, outs, gouts
+                for k, gk in enumerate(res):
+                    if gk is not None:
+                        sums[k] += gk
+                res = ()  # summed: not held into the next tile's recompute
+                del g, region
                 self._tock(t0, r, c, "backward")
+            cache.clear()
             k = 0
             for b in here:
                 n = len(leaves[b.node])
@@ -379,21 +227,36 @@ class MultiPassSegment(TiledSegment):
         grad_x = torch.zeros_like(x) if need_x and sink is None else None
         grads: list[torch.Tensor | None] = [None] * len(self.params)
         sources = {b.source for b in self.barriers}
+        cache: ReuseCache[BackwardValue] = self.reuse_cache()
         for r, c in self.tiles():
             t0 = self._tick(r, c, "backward")
             rt, ct = reg.rows[r], reg.cols[c]
-            region = self.input_region(x, rt, ct).detach().requires_grad_(need_x)
+            g = None if acc is not None else self.grad_tile(grad_out, r, c)  # staged when the output is on host
+            region = self.input_region(x, rt, ct).detach()
+            key = self.tile_key(r, c)
+            hit = backward_hit(cache, key, region, g, acc, grad_out, reg.rows_out[r], reg.cols_out[c])
+            if hit is not None:
+                self.add_tile_grads(hit.value[1], need_x, rt, ct, sink, grad_x, grads)
+                self.count("reused_backward")
+                self._tock(t0, r, c, "backward")
+                continue
+            region.requires_grad_(need_x)
             with torch.enable_grad(), autocast.context():
                 env = self._run_nodes(region, rt, ct, self.tile_nodes, stats, {}, sources)
-                outs, gouts = self._outputs(env, r, c, grad_out, stats, totals, acc)  # slices must be in the graph
+                outs, gouts = self._outputs(env, r, c, grad_out, stats, totals, acc, g)  # slices must be in the graph
             targets = ([region] if need_x else []) + self.params
             if outs and targets:
                 res = torch.autograd.grad(outs, targets, gouts, allow_unused=True)
                 self.add_tile_grads(res, need_x, rt, ct, sink, grad_x, grads)
+                if key is not None and cache.wants(key, region):
+                    y_out = env[self.end] if env[self.end].requires_grad else None
+                    gy = gouts[0] if y_out is not None else None
+                    keep_backward(cache, key, region, gy, y_out, res, acc, self.grad_staged(acc, g), self.staged(x))
                 del res  # summed: not held into the next tile's recompute
-            del env, outs, gouts, region, targets
+            del env, outs, gouts, region, targets, g
             self._tock(t0, r, c, "backward")
             if self.hooks.stats is not None:
                 self.hooks.stats.stats.recomputed_tiles += 1
+        cache.clear()
         self.stager.drain()  # every input-gradient tile is added into a host grad_x before it is returned
         return grad_x, grads

@@ -29,11 +29,14 @@ from typing import Generic, TypeVar
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from wsitrain.sft.ops.fused_pool import AMAX, PoolAccumulator
 from wsitrain.sft.ops.registry import WINDOW, OpSpec
-from wsitrain.sft.regions import AxisTile
+from wsitrain.sft.regions import AxisTile, SegmentRegions
 
 Key = tuple[object, ...]
 T = TypeVar("T")
+# a backward entry's value: the tile's output (kept only when amax's gradient share reads it), autograd's results
+BackwardValue = tuple[torch.Tensor | None, tuple[torch.Tensor | None, ...]]
 
 
 def axis_key(
@@ -67,6 +70,44 @@ def axis_key(
     return tuple(parts)
 
 
+class TileKeys:
+    """Every tile's geometry key in a segment (both axes' ``axis_key``), computed once per regions."""
+
+    def __init__(
+        self,
+        start: int,
+        nodes: Sequence[int],
+        inputs: Mapping[int, tuple[int, ...]],
+        specs: Mapping[int, OpSpec],
+        sizes: Mapping[int, tuple[int, int]],
+    ) -> None:
+        self.start, self.nodes, self.inputs, self.specs, self.sizes = start, list(nodes), inputs, specs, sizes
+        self._keys: dict[tuple[int, int], Key | None] = {}
+        self._for: object = None  # the regions the keys are for
+
+    def key(self, regions: SegmentRegions, r: int, c: int, extra: Key = ()) -> Key | None:
+        """Tile (r, c)'s key, None when it touches a border. ``extra``: what else its work depends on (the parts
+        of barrier inputs a multi-pass tile owns)."""
+        if self._for is not regions:
+            self._keys, self._for = {}, regions
+        if (r, c) not in self._keys:
+            keys: list[Key] = []
+            for axis, t in ((0, regions.rows[r]), (1, regions.cols[c])):
+                ext = {v: hw[axis] for v, hw in self.sizes.items()}
+                k = axis_key(t, self.start, self.nodes, self.inputs, self.specs, ext, axis)
+                if k is None:
+                    break
+                keys.append(k)
+            self._keys[(r, c)] = tuple(keys) if len(keys) == 2 else None
+        k = self._keys[(r, c)]
+        return None if k is None else (*k, *extra)
+
+
+def all_zero(t: torch.Tensor) -> bool:
+    """Is every element of ``t`` zero? Never for fake tensors (no content): the simulated device computes them."""
+    return not is_fake(t) and not bool(t.any())
+
+
 def is_flat(region: torch.Tensor, dims: tuple[int, int]) -> bool:
     """Is ``region`` one value per (sample, channel) over its image axes ``dims``?"""
     first = region.narrow(dims[0], 0, 1).narrow(dims[1], 0, 1)
@@ -74,7 +115,7 @@ def is_flat(region: torch.Tensor, dims: tuple[int, int]) -> bool:
 
 
 @dataclass
-class _Entry(Generic[T]):
+class Entry(Generic[T]):
     key: Key
     region: torch.Tensor
     grad: torch.Tensor | None
@@ -87,9 +128,9 @@ class ReuseCache(Generic[T]):
     def __init__(self, enabled: bool, dims: tuple[int, int] | None) -> None:
         self.enabled = enabled and dims is not None  # a segment input without image axes has nothing to compare
         self.dims = dims or (2, 3)
-        self.entry: _Entry[T] | None = None
+        self.entry: Entry[T] | None = None
 
-    def find(self, key: Key | None, region: torch.Tensor) -> _Entry[T] | None:
+    def find(self, key: Key | None, region: torch.Tensor) -> Entry[T] | None:
         """The entry this tile may reuse: same key and an equal input region (its gradient is compared apart)."""
         e = self.entry
         if e is None or key is None or key != e.key or e.region.shape != region.shape or is_fake(region):
@@ -104,12 +145,51 @@ class ReuseCache(Generic[T]):
 
     def keep(self, key: Key, region: torch.Tensor, grad: torch.Tensor | None, value: T, staged: bool) -> None:
         """Fill the entry; a staged region is copied (its staging buffer carries the next tile)."""
-        self.entry = _Entry(key, region.detach().clone() if staged else region.detach(), grad, value)
+        self.entry = Entry(key, region.detach().clone() if staged else region.detach(), grad, value)
 
-    def same_grad(self, e: _Entry[T], grad: torch.Tensor | None) -> bool:
+    def same_grad(self, e: Entry[T], grad: torch.Tensor | None) -> bool:
         if e.grad is None or grad is None:
             return e.grad is None and grad is None
         return e.grad.shape == grad.shape and bool(torch.equal(grad, e.grad))
 
     def clear(self) -> None:
         self.entry = None
+
+
+def backward_hit(
+    cache: ReuseCache[BackwardValue],
+    key: Key | None,
+    region: torch.Tensor,
+    g: torch.Tensor | None,
+    acc: PoolAccumulator | None,
+    pooled_grad: torch.Tensor | None,
+    rows: tuple[int, int],
+    cols: tuple[int, int],
+) -> Entry[BackwardValue] | None:
+    """The cached tile a tile covering ``rows`` x ``cols`` of the output may reuse in backward: an equal input region
+    and an equal output-gradient tile (``g``; with a fused pool its share of ``pooled_grad``, computed from the
+    cached tile's shape, or from its output for amax)."""
+    hit = cache.find(key, region)
+    if hit is None or hit.grad is None:  # no output gradient: only a multi-pass tile's corrections, equal
+        return hit
+    if acc is not None:
+        assert pooled_grad is not None
+        like = hit.value[0] if hit.value[0] is not None else hit.grad
+        g = acc.tile_grad(pooled_grad, like, rows, cols)
+    return hit if cache.same_grad(hit, g) else None
+
+
+def keep_backward(
+    cache: ReuseCache[BackwardValue],
+    key: Key,
+    region: torch.Tensor,
+    g: torch.Tensor | None,
+    y: torch.Tensor | None,
+    res: tuple[torch.Tensor | None, ...],
+    acc: PoolAccumulator | None,
+    grad_staged: bool,
+    region_staged: bool,
+) -> None:
+    """Fill a backward entry: the output is kept only when amax's share reads it; a staged gradient is copied."""
+    kept_y = y.detach() if y is not None and acc is not None and acc.kind == AMAX else None
+    cache.keep(key, region, g.clone() if g is not None and grad_staged else g, (kept_y, res), region_staged)

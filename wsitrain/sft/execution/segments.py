@@ -1,7 +1,9 @@
-"""The autograd node of a multi-pass segment, and the choice of executor for a tiled segment."""
+"""The autograd nodes of tiled and multi-pass segments, and the choice of executor for a tiled segment."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -11,11 +13,50 @@ from wsitrain.sft.execution.hooks import ExecHooks
 from wsitrain.sft.execution.multipass import MultiPassSegment
 from wsitrain.sft.execution.runner import NodeRunner
 from wsitrain.sft.execution.staging import HostStager
-from wsitrain.sft.execution.tiled import TiledSegment, abandon_on_error, run_segment
+from wsitrain.sft.execution.tiled import TiledSegment
 from wsitrain.sft.facts import GraphFacts
 from wsitrain.sft.ops.barriers import segment_barriers
 from wsitrain.sft.plan_types import SegmentPlan
 from wsitrain.sft.trail import at_segment
+
+
+@contextlib.contextmanager
+def abandon_on_error(seg: TiledSegment) -> Iterator[None]:
+    """An error inside a segment leaves no copy in flight or prefetched tile behind for the next step."""
+    try:
+        yield
+    except BaseException:
+        seg.stager.abandon()
+        raise
+
+
+class TiledFunction(torch.autograd.Function):
+    """Autograd node of one tiled segment: saves only the segment input (the checkpoint)."""
+
+    @staticmethod
+    def forward(ctx: Any, seg: TiledSegment, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.seg = seg
+        ctx.autocast = AutocastState.capture(seg.device.type)
+        ctx.save_for_backward(x)
+        ctx.masks = seg.runner.masks.current  # the recompute replays this step's drop masks
+        with torch.no_grad(), ctx.autocast.context(), abandon_on_error(seg):
+            out, ctx.pool = seg.forward_all(x)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        with ctx.seg.runner.masks.replaying(ctx.masks), abandon_on_error(ctx.seg):
+            grad_x, grads = ctx.seg.backward_all(x, grad_out, ctx.needs_input_grad[1], ctx.autocast, ctx.pool)
+        return (None, grad_x, *grads)
+
+
+def run_segment(seg: TiledSegment, x: torch.Tensor) -> torch.Tensor:
+    """Forward one tiled segment, through autograd when gradients are wanted."""
+    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in seg.params)):
+        return TiledFunction.apply(seg, x, *seg.params)
+    with torch.no_grad(), AutocastState.capture(seg.device.type).context(), abandon_on_error(seg):
+        return seg.forward_all(x)[0]
 
 
 class MultiPassFunction(torch.autograd.Function):

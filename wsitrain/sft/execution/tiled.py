@@ -11,8 +11,7 @@ The executor reads plans (``SegmentPlan`` with its ``regions``) and frozen facts
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,11 +19,11 @@ from torch import nn
 
 from wsitrain.sft.execution.autocast import AutocastState
 from wsitrain.sft.execution.hooks import ExecHooks, TileObserver
-from wsitrain.sft.execution.reuse import Key, ReuseCache, axis_key
+from wsitrain.sft.execution.reuse import BackwardValue, Key, ReuseCache, TileKeys, all_zero, backward_hit, keep_backward
 from wsitrain.sft.execution.runner import NodeRunner
 from wsitrain.sft.execution.staging import HostStager
 from wsitrain.sft.facts import GraphFacts
-from wsitrain.sft.ops.fused_pool import AMAX, PoolAccumulator, PoolFusion
+from wsitrain.sft.ops.fused_pool import PoolAccumulator, PoolFusion
 from wsitrain.sft.ops.registry import WINDOW
 from wsitrain.sft.ops.space import check_tile_extent, crop, spatial_extent
 from wsitrain.sft.ops.types import TILE_CALL, tile_call
@@ -85,8 +84,7 @@ class TiledSegment:
                       for v, s in shapes.items() if self.specs[v].spatial_dims is not None}  # fmt: skip
         # background tiles computed once (reuse.py); a resize placed by position computes differently per tile
         self.reuse = reuse and not self._stand_ins
-        self._keys: dict[tuple[int, int], Key | None] = {}
-        self._keyed: object = None  # the regions the keys above are for
+        self._keys = TileKeys(self.start, self.nodes, self.inputs, self.specs, self.sizes)
 
     # ---- one tile ------------------------------------------------------------------------------
     def input_region(self, x: torch.Tensor, rt: AxisTile, ct: AxisTile) -> torch.Tensor:
@@ -158,23 +156,8 @@ class TiledSegment:
         return tile_call(self.specs[u], lambda: (rt.req[key], ct.req[key]))
 
     def tile_key(self, r: int, c: int) -> Key | None:
-        """Tile (r, c)'s geometry key (``reuse.axis_key`` on both axes), None when it touches a map border."""
-        if self._keyed is not self.regions:
-            self._keys, self._keyed = {}, self.regions
-        if (r, c) not in self._keys:
-            self._keys[(r, c)] = self._key_of(r, c)
-        return self._keys[(r, c)]
-
-    def _key_of(self, r: int, c: int) -> Key | None:
-        reg, nodes = self.regions, self.nodes
-        keys = []
-        for axis, t in ((0, reg.rows[r]), (1, reg.cols[c])):
-            ext = {v: hw[axis] for v, hw in self.sizes.items()}
-            k = axis_key(t, self.start, nodes, self.inputs, self.specs, ext, axis)
-            if k is None:
-                return None
-            keys.append(k)
-        return tuple(keys)
+        """Tile (r, c)'s geometry key (``reuse.TileKeys``), None when it touches a map border."""
+        return self._keys.key(self.regions, r, c)
 
     def reuse_cache(self) -> ReuseCache[Any]:
         """A sweep's background-tile cache (off when this segment does not reuse)."""
@@ -183,6 +166,10 @@ class TiledSegment:
     def staged(self, x: torch.Tensor) -> bool:
         """Do this segment's input regions come through the stager (a buffer reused for the next tile)?"""
         return self.in_on_host or x.device != self.device
+
+    def grad_staged(self, acc: PoolAccumulator | None, g: torch.Tensor | None) -> bool:
+        """Did the output-gradient tile ``g`` come through the stager (a buffer reused for the next tile)?"""
+        return g is not None and acc is None and (self.out_on_host or g.device != self.device)
 
     def count(self, what: str) -> None:
         """One more tile reused or skipped in this step's stats ("reused_forward", "reused_backward", ...)."""
@@ -306,32 +293,25 @@ class TiledSegment:
         grad_x = torch.zeros_like(x) if need_x and sink is None else None
         grads: list[torch.Tensor | None] = [None] * len(self.params)
         # entry value: (the tile's output, kept only when its gradient share depends on it; autograd's results)
-        cache: ReuseCache[tuple[torch.Tensor | None, tuple[torch.Tensor | None, ...]]] = self.reuse_cache()
-        keep_y = acc is not None and acc.kind == AMAX
+        cache: ReuseCache[BackwardValue] = self.reuse_cache()
         computed = 0
         for r, c in self.tiles():
             t0 = self._tick(r, c, "backward")
             rt, ct = reg.rows[r], reg.cols[c]
             (r0, r1), (c0, c1) = reg.rows_out[r], reg.cols_out[c]
             g: torch.Tensor | None = None if acc is not None else self.grad_tile(grad_out, r, c)  # staged from host
-            if (acc is not None and not acc.holds_gradient((r0, r1), (c0, c1))) or (g is not None and not g.any()):
+            if (acc is not None and not acc.holds_gradient((r0, r1), (c0, c1))) or (g is not None and all_zero(g)):
                 self.count("skipped_backward")  # a zero output gradient: nothing flows back (max pooling's losers)
                 self._tock(t0, r, c, "backward")
                 continue
             region = self.input_region(x, rt, ct).detach()
             key = self.tile_key(r, c)
-            hit = cache.find(key, region)
+            hit = backward_hit(cache, key, region, g, acc, pooled_grad, reg.rows_out[r], reg.cols_out[c])
             if hit is not None:
-                if acc is not None:
-                    assert pooled_grad is not None
-                    like = hit.value[0] if keep_y else hit.grad  # the share reads only the tile's shape, but amax's
-                    assert like is not None
-                    g = acc.tile_grad(pooled_grad, like, (r0, r1), (c0, c1))
-                if cache.same_grad(hit, g):
-                    self.add_tile_grads(hit.value[1], need_x, rt, ct, sink, grad_x, grads)
-                    self.count("reused_backward")
-                    self._tock(t0, r, c, "backward")
-                    continue
+                self.add_tile_grads(hit.value[1], need_x, rt, ct, sink, grad_x, grads)
+                self.count("reused_backward")
+                self._tock(t0, r, c, "backward")
+                continue
             region.requires_grad_(need_x)
             with torch.enable_grad(), autocast.context():
                 y = self.run_tile(region, rt, ct)
@@ -344,8 +324,7 @@ class TiledSegment:
                 res = torch.autograd.grad(y, targets, g, allow_unused=True)
                 self.add_tile_grads(res, need_x, rt, ct, sink, grad_x, grads)
                 if key is not None and cache.wants(key, region):
-                    kept_g = g.clone() if self.out_on_host or grad_out.device != self.device else g
-                    cache.keep(key, region, kept_g, (y.detach() if keep_y else None, res), self.staged(x))
+                    keep_backward(cache, key, region, g, y, res, acc, self.grad_staged(acc, g), self.staged(x))
                 del res  # this tile's gradients are summed: holding them into the next tile's recompute costs a tile
             del y, g, region, targets
             computed += 1
@@ -399,42 +378,3 @@ class TiledSegment:
     def _tock(self, t0: float, r: int, c: int, phase: str) -> None:
         if self.hooks.stats is not None:
             self.hooks.stats.tock(t0, self.seg.index, r, c, phase)
-
-
-@contextlib.contextmanager
-def abandon_on_error(seg: TiledSegment) -> Iterator[None]:
-    """An error inside a segment leaves no copy in flight or prefetched tile behind for the next step."""
-    try:
-        yield
-    except BaseException:
-        seg.stager.abandon()
-        raise
-
-
-class TiledFunction(torch.autograd.Function):
-    """Autograd node of one tiled segment: saves only the segment input (the checkpoint)."""
-
-    @staticmethod
-    def forward(ctx: Any, seg: TiledSegment, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.seg = seg
-        ctx.autocast = AutocastState.capture(seg.device.type)
-        ctx.save_for_backward(x)
-        ctx.masks = seg.runner.masks.current  # the recompute replays this step's drop masks
-        with torch.no_grad(), ctx.autocast.context(), abandon_on_error(seg):
-            out, ctx.pool = seg.forward_all(x)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        (x,) = ctx.saved_tensors
-        with ctx.seg.runner.masks.replaying(ctx.masks), abandon_on_error(ctx.seg):
-            grad_x, grads = ctx.seg.backward_all(x, grad_out, ctx.needs_input_grad[1], ctx.autocast, ctx.pool)
-        return (None, grad_x, *grads)
-
-
-def run_segment(seg: TiledSegment, x: torch.Tensor) -> torch.Tensor:
-    """Forward one tiled segment, through autograd when gradients are wanted."""
-    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in seg.params)):
-        return TiledFunction.apply(seg, x, *seg.params)
-    with torch.no_grad(), AutocastState.capture(seg.device.type).context(), abandon_on_error(seg):
-        return seg.forward_all(x)[0]

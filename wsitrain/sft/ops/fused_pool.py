@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
+from torch._subclasses.fake_tensor import is_fake
 
 AVG, MAX, AMAX = "avg", "max", "amax"
 _SPATIAL_DIMS = ({2, 3}, {-2, -1})
@@ -121,7 +122,7 @@ class PoolAccumulator:
     def holds_gradient(self, rows: tuple[int, int], cols: tuple[int, int]) -> bool:
         """May the tile covering ``rows`` x ``cols`` receive a nonzero share? Under max pooling only the tiles
         holding a maximum do; the others skip their recompute and backward (``TiledSegment.backward_all``)."""
-        if self.kind == AVG:
+        if self.kind == AVG or is_fake(self.value):  # fake tensors (the simulated device): computed, no content
             return True
         if self.kind == AMAX:
             assert self.value is not None

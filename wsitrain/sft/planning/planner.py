@@ -51,6 +51,7 @@ def new_session(
     host_checkpoints: str = "auto",
     target: TargetDevice | None = None,
     time_model: TimeModel | None = None,
+    reuse_tiles: bool = True,
 ) -> PlanSession:
     """``target``: the device's planning facts (default: by ``device``'s kind, detected where it is a GPU here)."""
     if host_checkpoints not in ("auto", "always", "never"):
@@ -60,7 +61,7 @@ def new_session(
         raise PlanError(f"a {tgt.kind} target for a {device} plan", hint="plan for the target's own device kind")
     facts = annotate(graph, input_shape, act_dtype, input_dtype, input_requires_grad)
     terms = memory_terms(facts, tgt, optimizer)
-    return PlanSession(facts, terms, device, input_on_host, host_checkpoints, tgt, time_model)
+    return PlanSession(facts, terms, device, input_on_host, host_checkpoints, tgt, time_model, reuse_tiles)
 
 
 def build_plan(
@@ -79,13 +80,14 @@ def build_plan(
     host_checkpoints: str = "auto",
     target: TargetDevice | None = None,
     time_model: TimeModel | None = None,
+    reuse_tiles: bool = True,
 ) -> tuple[Plan, GraphFacts]:
     """Plan ``graph`` on ``input_shape`` within ``budget`` bytes; also returns the facts it planned on."""
     if tile_size is not None and tile_size <= 0:
         raise PlanError(f"tile_size {tile_size} must be a positive number of pixels", hint="engine.tile_size")
     sess = new_session(
         graph, input_shape, act_dtype, input_dtype, device, input_on_host, input_requires_grad, optimizer,
-        host_checkpoints, target, time_model,
+        host_checkpoints, target, time_model, reuse_tiles,
     )
     forced_cuts = _resolve_checkpoints(sess.facts, checkpoints) if checkpoints is not None else None
     state = fitting_plan(sess, budget, tile_size, forced_cuts)

@@ -28,6 +28,8 @@ class PlanSession:
     host_checkpoints: str = "auto"
     target: TargetDevice = CPU_TARGET  # the device's planning facts: workspaces, convolution limit, link price
     time_model: TimeModel | None = None  # None: the device's default constants (costs.default_time_model)
+    # the executor keeps one background tile per sweep (execution/reuse.py): its bytes count in each tile's peak
+    reuse_tiles: bool = True
     _plain: dict[tuple[int, int], tuple[SimResult, float]] = field(default_factory=dict, repr=False)
     _tiles: dict[tuple[int, ...], object] = field(default_factory=dict, repr=False)  # memo of tile_memory
     _sweeps: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)  # memo of multipass

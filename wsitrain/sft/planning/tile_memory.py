@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from wsitrain.sft.facts import GraphFacts
+from wsitrain.sft.ops.fused_pool import AMAX, AVG
 from wsitrain.sft.ops.space import spatial_extent, tile_numel
 from wsitrain.sft.planning.costs import Work
 from wsitrain.sft.planning.memory_model import SimOp, simulate
@@ -157,6 +158,9 @@ def tile_choice(sess: PlanSession, start: int, end: int, edge: int, staged: bool
     # input-gradient tiles of a host checkpoint alive until their copies down are done
     fwd += crop
     bwd += crop + (2 * tb[start] if staged and f.nodes[start].requires_grad else 0)
+    if sess.reuse_tiles:
+        kept_fwd, kept_bwd = reuse_bytes(sess, start, end, tb, crop)
+        fwd, bwd = fwd + kept_fwd, bwd + kept_bwd
     work = Work()
     sums = {i: (sum(_extent(t, i) * m for t, m in rows), sum(_extent(t, i) * m for t, m in cols)) for i in tb}
 
@@ -171,6 +175,23 @@ def tile_choice(sess: PlanSession, start: int, end: int, edge: int, staged: bool
     choice = TileChoice(edge, fwd, bwd, work.flops, work.time, (mx_h[start], mx_w[start]), geo.halo, geo.core, tb[end])
     sess._tiles[key] = choice
     return choice
+
+
+def reuse_bytes(sess: PlanSession, start: int, end: int, tb: dict[int, int], crop: int) -> tuple[int, int]:
+    """What the executor's background-tile entry (execution/reuse.py, one per sweep) holds, forward and backward.
+
+    Forward: the output tile and a copy of a staged input region (``crop``). Backward: that copy, the input-gradient
+    tile, the segment's parameter gradients and the output-gradient tile (a view of the segment's output gradient
+    under average pooling; a tile of its own under max pooling, plus the output amax's share reads; a copy when
+    staged from host memory).
+    """
+    f = sess.facts
+    params = sum(f.nodes[i].param_bytes for i in range(start + 1, end + 1))
+    fused = end == f.trunk_end and f.fusion is not None
+    kind = f.fusion.kind if fused and f.fusion is not None else None
+    g = 0 if kind == AVG else 2 * tb[end] if kind == AMAX else tb[end]
+    grad_in = tb[start] if f.nodes[start].requires_grad else 0
+    return tb[end] + crop, crop + grad_in + params + g
 
 
 def edge_candidates(sess: PlanSession, end: int, forced_tile: int | None) -> list[int]:
