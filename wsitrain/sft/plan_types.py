@@ -83,6 +83,9 @@ class Plan:
     # the step in the planner's time model (FLOPs, memory traffic, per-call costs; costs.py), FLOP-equivalents
     time_plain: float = 0.0
     time_sft: float = 0.0
+    # the tiled segments' share of ``time_sft``: what background reuse (execution/reuse.py) saves on background
+    # tiles; 0 when reuse is off
+    time_tiles: float = 0.0
     # the device's planning facts: generation, kernel workspaces, the convolution size limit, the link's price
     target: TargetDevice = field(default=CPU_TARGET, compare=False)
 
@@ -95,6 +98,15 @@ class Plan:
     def slowdown(self) -> float:
         """Predicted step time over plain training's (1.0 when plain runs), from the time model."""
         return self.time_sft / self.time_plain if self.time_plain else 1.0
+
+    def slowdown_at(self, tissue: float) -> float:
+        """Predicted step time over plain training's when ``tissue`` (0..1) of the tiles hold tissue and the rest are
+        masked background computed once per sweep: the tiled work scales with the tissue, the rest does not. Tiles
+        on the tissue's edge compute too, so the share of tiles computed is somewhat above the pixels' tissue
+        fraction (``wsitrain fit`` logs the measured share: ``computed_tile_share``)."""
+        if not self.time_plain:
+            return 1.0
+        return (self.time_sft - (1.0 - min(1.0, max(0.0, tissue))) * self.time_tiles) / self.time_plain
 
     @property
     def tiled_segments(self) -> tuple[SegmentPlan, ...]:
@@ -119,6 +131,7 @@ class Plan:
             "flops_sft": self.flops_sft,
             "overhead": self.overhead,
             "slowdown": self.slowdown,
+            "slowdown_at_half_tissue": self.slowdown_at(0.5),
             "recomputed_tiles": self.recomputed_tiles,
             "breakdown": dict(self.breakdown),
             "segments": [s.to_dict() for s in self.segments],
@@ -147,6 +160,11 @@ class Plan:
             f"  predicted step time vs plain: {self.slowdown:.2f}x ({self.device} time model: FLOPs, memory traffic, "
             "calls; scripts/calibrate_costs.py)",
         ]
+        if self.time_tiles:
+            lines.append(
+                f"  with background reuse, a slide whose tissue fills half the tiles: {self.slowdown_at(0.5):.2f}x "
+                "(masked background tiles compute once per sweep; data.mask_background)"
+            )
         for s in self.segments:
             first, last = s.layers[0], s.layers[-1]
             span = first if first == last else f"{first} .. {last}"

@@ -35,7 +35,7 @@ class RunRecorder:
         self._plans: dict[tuple[int, ...], Plan] = {}
         self._times: dict[str, list[float]] = {k: [] for k in ("read_s", "wait_s", "forward_s", "backward_s",
                                                                "optimizer_s", "step_s", "read_mpx_per_s",
-                                                               "tissue_fraction")}
+                                                               "tissue_fraction", "computed_tile_share")}
         self._peak = 0
         self._last_val: dict[str, float] = {}
         self._last_train_loss = math.nan
@@ -90,6 +90,11 @@ class RunRecorder:
             if value is not None and math.isfinite(value):
                 self._times[key].append(value)
         stats = res.stats
+        visits = stats.tile_count
+        reused = stats.reused_forward + stats.reused_backward
+        computed_share = (visits - reused - stats.skipped_backward) / visits if visits else None
+        if computed_share is not None:
+            self._times["computed_tile_share"].append(computed_share)
         self.metrics.write({
             "kind": "train", "epoch": epoch + 1, "step": step, "index": index, "slide": sid, "label": record.label,
             "loss": res.loss, "probs": [float(v) for v in res.probs.tolist()], "lr": lr, "step_s": step_s,
@@ -104,6 +109,9 @@ class RunRecorder:
             "grad_norm": opt.grad_norm if opt is not None else None,
             "peak_bytes": res.peak_bytes, "shape": list(read.image.shape[-2:]),
             "tiles": len(stats.tiles), "recomputed_tiles": stats.recomputed_tiles,
+            # background tiles whose cached work was added, and tiles max pooling gives no gradient (not computed)
+            "tiles_reused_forward": stats.reused_forward, "tiles_reused_backward": stats.reused_backward,
+            "tiles_skipped_backward": stats.skipped_backward, "computed_tile_share": computed_share,
         })
         if self.tiles_mode == "all":
             for t in stats.tiles:
@@ -147,6 +155,8 @@ class RunRecorder:
             "mean_read_mpx_per_s": mean("read_mpx_per_s"),
             # Over the slides that were masked (data.mask_background on and tissue found); NaN when none was.
             "mean_tissue_fraction": mean("tissue_fraction"),
+            # tile visits that computed (not reused background, not skipped under max pooling), per step averaged
+            "mean_computed_tile_share": mean("computed_tile_share"),
             "mean_wait_for_read_s": mean("wait_s"),
             "mean_forward_s": mean("forward_s"),
             "mean_backward_s": mean("backward_s"),

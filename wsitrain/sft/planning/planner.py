@@ -254,6 +254,7 @@ def _assemble(
         tiling=_tiling(sess, segments),
         time_plain=plain_time(sess),
         time_sft=plan_time(sess, state),
+        time_tiles=sum(o.cost for o in state.path if o.mode == TILED) if sess.reuse_tiles else 0.0,
         transfer_bytes=_staged_bytes(sess, segments)
         + sum(5 * s.checkpoint_bytes for s in segments if s.start and s.checkpoint_location == "host"),
         notes=tuple(notes),

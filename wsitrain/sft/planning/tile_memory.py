@@ -91,6 +91,7 @@ class TileGeometry:
     n_tiles: int
     core: tuple[int, int]  # the tile's own output, in segment-input pixels
     halo: tuple[int, int]  # per side, of an interior tile, in segment-input pixels
+    grid: tuple[int, int] = (1, 1)  # tiles along H and W
 
     @property
     def worth_running(self) -> bool:
@@ -122,7 +123,7 @@ def tile_geometry(sess: PlanSession, start: int, end: int, edge: int) -> TileGeo
     core_w = min(in_w, edge * in_w // max(1, f.nodes[end].shape[3]))
     halo_h = max(0, (_extent(rows[len(rows) // 2][0], start) - core_h + 1) // 2)
     halo_w = max(0, (_extent(cols[len(cols) // 2][0], start) - core_w + 1) // 2)
-    geo = TileGeometry(rows, cols, nr * nc, (core_h, core_w), (halo_h, halo_w))
+    geo = TileGeometry(rows, cols, nr * nc, (core_h, core_w), (halo_h, halo_w), (nr, nc))
     sess._tiles[key] = geo
     return geo
 
@@ -158,7 +159,7 @@ def tile_choice(sess: PlanSession, start: int, end: int, edge: int, staged: bool
     # input-gradient tiles of a host checkpoint alive until their copies down are done
     fwd += crop
     bwd += crop + (2 * tb[start] if staged and f.nodes[start].requires_grad else 0)
-    if sess.reuse_tiles:
+    if sess.reuse_tiles and min(geo.grid) >= 3:  # only a tile touching no border is ever kept
         kept_fwd, kept_bwd = reuse_bytes(sess, start, end, tb, crop)
         fwd, bwd = fwd + kept_fwd, bwd + kept_bwd
     work = Work()
