@@ -197,6 +197,20 @@ def test_plan_command_prints_the_plan_and_its_envelope() -> None:
         assert text in result.stdout, text
 
 
+def test_plan_tissue_predicts_the_step_with_background_reused() -> None:
+    """--tissue: the tiled segments' time scales with the tissue; a bad share is exit 2 naming the option."""
+    args = ("plan", "--model", "tiny", "--size", "2048", "--memory", "256MiB", "--tissue")
+    out = invoke("--quiet", *args, "0.3", "--json")
+    assert out.exit_code == 0, out.output
+    d = json.loads(out.stdout)
+    assert d["tissue"] == 0.3 and 0 < d["slowdown_at_tissue"] < d["plan"]["slowdown"]
+    assert d["plan"]["slowdown_at_half_tissue"] > d["slowdown_at_tissue"]
+    text = invoke("plan", "--model", "tiny", "--size", "2048", "--memory", "256MiB", "--tissue", "0.3")
+    assert "with tissue in 30% of the tiles" in text.stdout
+    bad = invoke("--quiet", "plan", "--model", "tiny", "--size", "2048", "--memory", "256MiB", "--tissue", "1.5")
+    assert bad.exit_code == 2 and "--tissue" in bad.stderr
+
+
 def _import_graph(package: Path) -> dict[str, set[str]]:
     """Module -> the wsitrain modules it imports, at the top or inside functions alike (a lazy import is an edge)."""
     import ast

@@ -38,8 +38,12 @@ def test_fit_on_real_slides_end_to_end(shared_slides: Path, tmp_path: Path) -> N
         assert r["read_mpx_per_s"] == pytest.approx(r["shape"][0] * r["shape"][1] / 1e6 / r["read_s"])
         # data.mask_background is on by default: both slides have tissue, so each row says how much was kept.
         assert 0 < r["tissue_fraction"] <= 1 and r["chunks_skipped"] >= 0 and r["chunks_decoded"] >= 1
+        # the engine's tile counts: what computed, what was reused background, what max pooling skipped
+        assert r["tiles_reused_forward"] >= 0 and r["tiles_reused_backward"] >= 0 and r["tiles_skipped_backward"] == 0
+        assert 0 < r["computed_tile_share"] <= 1 and r["predicted_slowdown"] > 0
     summary = json.loads((run / "summary.json").read_text())
     assert summary["mean_read_mpx_per_s"] == pytest.approx(sum(r["read_mpx_per_s"] for r in rows) / len(rows))
+    assert summary["mean_computed_tile_share"] == pytest.approx(sum(r["computed_tile_share"] for r in rows) / 2)
     assert summary["mean_tissue_fraction"] == pytest.approx(sum(r["tissue_fraction"] for r in rows) / len(rows))
     assert "background masking: on" in buf.getvalue() and "data.mask_background: false" in buf.getvalue()
     assert {r["slide"] for r in rows} == {"cmu-1-small-region", "tcga-cr-7395-01a-01-ts1"}

@@ -219,6 +219,10 @@ def plan(
     every_tile: bool = typer.Option(
         False, "--every-tile", help="With --simulate: visit every tile, not only one of each kind (same peaks, slower)."
     ),
+    tissue: float | None = typer.Option(
+        None, "--tissue", min=0.0, max=1.0, help="Also predict the step time when this share of the tiles holds "
+        "tissue (masked background computed once), e.g. 0.4.",
+    ),
 ) -> None:
     """Show how the SFT engine would tile a model for an image size and memory budget (allocates nothing).
 
@@ -231,6 +235,8 @@ def plan(
       wsitrain plan --model resnet50 --size 40000 --memory 80GiB --precision bf16 --json
 
       wsitrain plan --model vgg16 --size 20480 --gpu 2080ti --simulate
+
+      wsitrain plan --model resnet50 --size 40000 --gpu a100-80 --tissue 0.4
     """
     run_plan = _entry("wsitrain.plan.command", "run_plan", "plan")
     code = run_plan(
@@ -245,6 +251,7 @@ def plan(
         console=_console(),
         simulate=simulate,
         every_tile=every_tile,
+        tissue=tissue,
     )
     if code:
         raise typer.Exit(int(code))

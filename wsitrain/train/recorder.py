@@ -93,6 +93,10 @@ class RunRecorder:
         visits = stats.tile_count
         reused = stats.reused_forward + stats.reused_backward
         computed_share = (visits - reused - stats.skipped_backward) / visits if visits else None
+        # the time model's step over plain training's at this slide's tissue fraction (background computed once)
+        plan = self._plans.get((1, *read.image.shape[-3:]))
+        tissue = read.tissue_fraction if read.tissue_fraction is not None else 1.0
+        predicted = plan.slowdown_at(tissue) if plan is not None else None
         if computed_share is not None:
             self._times["computed_tile_share"].append(computed_share)
         self.metrics.write({
@@ -112,6 +116,7 @@ class RunRecorder:
             # background tiles whose cached work was added, and tiles max pooling gives no gradient (not computed)
             "tiles_reused_forward": stats.reused_forward, "tiles_reused_backward": stats.reused_backward,
             "tiles_skipped_backward": stats.skipped_backward, "computed_tile_share": computed_share,
+            "predicted_slowdown": predicted,
         })
         if self.tiles_mode == "all":
             for t in stats.tiles:
