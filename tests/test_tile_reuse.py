@@ -21,6 +21,7 @@ from torchvision.models.resnet import BasicBlock
 from wsitrain.models.normalize import InputNormalization
 from wsitrain.sft import SFT
 from wsitrain.sft.execution.reuse import ReuseCache, is_flat
+from wsitrain.sft.planning.tissue_share import tissue_tile_share
 
 F64 = {"rtol": 1e-10, "atol": 1e-11}
 BACKGROUND = 0.7  # the masked colour, normalized: any constant works
@@ -217,6 +218,11 @@ def test_a_tile_near_tissue_within_its_halo_is_never_reused() -> None:
         flat_same += int(key == first_key)
     assert near >= 1, "the pixel must sit in some tile's halo only"
     assert sft.last_stats.reused_forward == flat_same - 1
+    # the fit log's prediction counts the same tiles on the image: all but the flat interior ones compute
+    n = len(reg.rows) * len(reg.cols)
+    share = tissue_tile_share(x[0], compiled.plan)
+    assert share is not None and share * n == n - flat_same
+    assert tissue_tile_share(torch.rand(1, 3, 160, 160, dtype=torch.float64), compiled.plan) == 1.0
 
 
 def test_cache_holds_one_entry_and_compares_content() -> None:

@@ -13,6 +13,7 @@ from rich.console import Console
 from wsitrain.config import LogConfig
 from wsitrain.precision import activation_dtype
 from wsitrain.sft import SFT, Plan
+from wsitrain.sft.planning.tissue_share import tissue_tile_share
 from wsitrain.slides.dataset import SlideRecord
 from wsitrain.slides.stream import ReadResult
 from wsitrain.train.loop import OptimizerStep, SlideStep
@@ -93,10 +94,11 @@ class RunRecorder:
         visits = stats.tile_count
         reused = stats.reused_forward + stats.reused_backward
         computed_share = (visits - reused - stats.skipped_backward) / visits if visits else None
-        # the time model's step over plain training's at this slide's tissue fraction (background computed once)
+        # the time model's step over plain training's at this slide's share of tiles holding tissue (the rest is
+        # flat background, computed once): counted on the image at the first tiled segment's tiles
         plan = self._plans.get((1, *read.image.shape[-3:]))
-        tissue = read.tissue_fraction if read.tissue_fraction is not None else 1.0
-        predicted = plan.slowdown_at(tissue) if plan is not None else None
+        tile_share = tissue_tile_share(read.image, plan) if plan is not None else None
+        predicted = plan.slowdown_at(1.0 if tile_share is None else tile_share) if plan is not None else None
         if computed_share is not None:
             self._times["computed_tile_share"].append(computed_share)
         self.metrics.write({
@@ -116,7 +118,7 @@ class RunRecorder:
             # background tiles whose cached work was added, and tiles max pooling gives no gradient (not computed)
             "tiles_reused_forward": stats.reused_forward, "tiles_reused_backward": stats.reused_backward,
             "tiles_skipped_backward": stats.skipped_backward, "computed_tile_share": computed_share,
-            "predicted_slowdown": predicted,
+            "tissue_tile_share": tile_share, "predicted_slowdown": predicted,
         })
         if self.tiles_mode == "all":
             for t in stats.tiles:
