@@ -201,7 +201,7 @@ class SFT(nn.Module):
                     "data.level), or train in bf16",
                 )
             segs = tuple(
-                tiled_segment(facts, s, self._runner, device, self._stager, self._hooks, self.reuse_tiles)
+                tiled_segment(facts, s, self._runner, device, self._stager, self._hooks, p.reuse_tiles)
                 if s.mode == "tiled"
                 else None
                 for s in p.segments

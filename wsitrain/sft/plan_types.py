@@ -86,6 +86,9 @@ class Plan:
     # the tiled segments' share of ``time_sft``: what background reuse (execution/reuse.py) saves on background
     # tiles; 0 when reuse is off
     time_tiles: float = 0.0
+    # whether the executor may keep a background tile per sweep: planned with its cache, or off where only a plan
+    # without it fits the budget
+    reuse_tiles: bool = False
     # the device's planning facts: generation, kernel workspaces, the convolution size limit, the link's price
     target: TargetDevice = field(default=CPU_TARGET, compare=False)
 
@@ -132,6 +135,7 @@ class Plan:
             "overhead": self.overhead,
             "slowdown": self.slowdown,
             "slowdown_at_half_tissue": self.slowdown_at(0.5),
+            "reuse_tiles": self.reuse_tiles,
             "recomputed_tiles": self.recomputed_tiles,
             "breakdown": dict(self.breakdown),
             "segments": [s.to_dict() for s in self.segments],

@@ -93,6 +93,21 @@ def build_plan(
     state = fitting_plan(sess, budget, tile_size, forced_cuts)
     notes: list[str] = []
     limiting: str | None = None
+    if reuse_tiles and (state is None or not worth_running(sess, state, tile_size)):
+        # The background entry (execution/reuse.py) costs an output tile and the segment's parameter gradients per
+        # tile; where that is what does not fit, every tile computes instead: the budget is kept, the saving given
+        # up (VGG-16, 20480 px, a 2080 Ti's 500 MiB: one tile 202 MiB with the entry). A plan that fits neither way
+        # reports the budget it needs without the entry, the least that runs.
+        sess = new_session(
+            graph, input_shape, act_dtype, input_dtype, device, input_on_host, input_requires_grad, optimizer,
+            host_checkpoints, target, time_model, reuse_tiles=False,
+        )
+        state = fitting_plan(sess, budget, tile_size, forced_cuts)
+        if state is not None and worth_running(sess, state, tile_size):
+            notes.append(
+                "background reuse off for this shape: its cache (an output tile and the segment's parameter "
+                "gradients) does not fit the budget, so every tile computes"
+            )
     if state is not None and not worth_running(sess, state, tile_size):
         t = max((o.tile for o in state.path if o.tile is not None), key=lambda c: c.bwd_peak, default=None)
         edge = t.core[0] if t else "?"
@@ -255,6 +270,7 @@ def _assemble(
         time_plain=plain_time(sess),
         time_sft=plan_time(sess, state),
         time_tiles=sum(o.cost for o in state.path if o.mode == TILED) if sess.reuse_tiles else 0.0,
+        reuse_tiles=sess.reuse_tiles,
         transfer_bytes=_staged_bytes(sess, segments)
         + sum(5 * s.checkpoint_bytes for s in segments if s.start and s.checkpoint_location == "host"),
         notes=tuple(notes),
