@@ -238,3 +238,15 @@ def test_cache_holds_one_entry_and_compares_content() -> None:
     assert cache.find(("j",), flat) is None, "another geometry never matches"
     assert not ReuseCache(True, (2, 3)).wants(("k",), other), "a textured tile never fills the entry"
     assert not ReuseCache(False, (2, 3)).wants(("k",), flat), "off: nothing cached"
+
+
+def test_a_budget_the_entry_does_not_fit_plans_without_it() -> None:
+    """The background entry counts in the plan; where it is what does not fit, the plan computes every tile instead
+    (and says so), so the budget holds either way; with room, the plan keeps it and costs more than without."""
+    from test_sft_least_budget import meta_model, planned
+
+    model = meta_model("vgg16")
+    tight, roomy = planned(model, 20480, "680MiB", "cuda"), planned(model, 20480, "2GiB", "cuda")
+    assert tight.fits and not tight.reuse_tiles and "background reuse off" in tight.notes[0]
+    assert tight.time_tiles == 0 and tight.slowdown_at(0.3) == tight.slowdown
+    assert roomy.fits and roomy.reuse_tiles and roomy.slowdown_at(0.3) < roomy.slowdown
