@@ -84,6 +84,7 @@ class TiledSegment:
                       for v, s in shapes.items() if self.specs[v].spatial_dims is not None}  # fmt: skip
         # background tiles computed once (reuse.py); a resize placed by position computes differently per tile
         self.reuse = reuse and not self._stand_ins
+        self.skip_zero = reuse  # tiles with a zero output gradient skip recompute and backward (exact anywhere)
         self._keys = TileKeys(self.start, self.nodes, self.inputs, self.specs, self.sizes)
 
     # ---- one tile ------------------------------------------------------------------------------
@@ -300,7 +301,9 @@ class TiledSegment:
             rt, ct = reg.rows[r], reg.cols[c]
             (r0, r1), (c0, c1) = reg.rows_out[r], reg.cols_out[c]
             g: torch.Tensor | None = None if acc is not None else self.grad_tile(grad_out, r, c)  # staged from host
-            if (acc is not None and not acc.holds_gradient((r0, r1), (c0, c1))) or (g is not None and all_zero(g)):
+            if self.skip_zero and (
+                (acc is not None and not acc.holds_gradient((r0, r1), (c0, c1))) or (g is not None and all_zero(g))
+            ):
                 self.count("skipped_backward")  # a zero output gradient: nothing flows back (max pooling's losers)
                 self._tock(t0, r, c, "backward")
                 continue
