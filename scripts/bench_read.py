@@ -7,7 +7,9 @@
 Each configuration is read ``--runs`` times after one warm-up read (which fills the page cache, so the figures are
 decoding, not the disk); the best and the median Mpx/s are printed. The threaded reads must give the same bytes as
 the one-thread read, and the script says so. Readers: wsitrain's OpenSlide reader and tifffile reader (chunks via
-``fill_region``) and ``openslide.OpenSlide.read_region`` of the whole area in one call (one thread, RGBA via PIL).
+``fill_region``), ``openslide.OpenSlide.read_region`` of the whole area in one call (one thread, RGBA via PIL), and
+pyvips (libvips' own TIFF loader and thread pool, the file opened and decoded whole per read, its cache off) when
+``import pyvips`` works. ``measure`` returns the figures as rows (scripts/bench_throughput.py reports them too).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,6 +38,11 @@ def write_synthetic(path: Path, size: int, compression: str, tile: int = 256) ->
         band = 150 + 60 * np.sin(f * xx + c) * np.cos(f * yy - c) + rng.normal(0, 12, (size, size))
         img[..., c] = np.clip(band, 0, 255).astype(np.uint8)
     del yy, xx
+    write_tiff(path, img, compression, tile)
+
+
+def write_tiff(path: Path, img: np.ndarray, compression: str, tile: int = 256) -> None:
+    """``img`` (H, W, 3) uint8 as a tiled RGB TIFF (JPEG at quality 90, or zlib)."""
     import tifffile
 
     kwargs = {"compressionargs": {"level": 90}} if compression == "jpeg" else {}
@@ -65,6 +73,97 @@ def bench_reader(reader: SlideReader, threads: list[int], runs: int, chunk: int)
     return results
 
 
+def pyvips_or_reason() -> tuple[Any, str | None]:
+    """The pyvips module, or None and why it cannot be used (it is optional: ``pip install pyvips-binary pyvips``)."""
+    try:
+        import pyvips
+    except Exception as e:  # ImportError, or an OSError when the module is there but libvips is not
+        return None, f"{type(e).__name__}: {e}"
+    return pyvips, None
+
+
+def bench_pyvips(pyvips: Any, path: Path, threads: list[int], runs: int) -> dict[int, tuple[list[float], torch.Tensor]]:
+    """Seconds per whole-area read with libvips on ``n`` threads (``concurrency_set``), and the bytes read (3, H, W).
+
+    Each read opens the file and decodes every tile (libvips' operation cache is off, so no run reuses another's
+    pixels); libvips runs its own thread pool, not ``fill_region``."""
+    pyvips.cache_set_max(0)
+    before = pyvips.concurrency_get()
+    results: dict[int, tuple[list[float], torch.Tensor]] = {}
+    try:
+        for n in threads:
+            pyvips.concurrency_set(n)
+            got: list[bytes] = []
+
+            def read(got: list[bytes] = got) -> None:
+                img = pyvips.Image.new_from_file(str(path), access="sequential")
+                got[:] = [img.extract_band(0, n=3).write_to_memory()]
+
+            secs = timed(read, runs)
+            img = pyvips.Image.new_from_file(str(path))
+            hwc = np.frombuffer(got[0], dtype=np.uint8).reshape(img.height, img.width, 3)
+            results[n] = (secs, torch.from_numpy(hwc.copy()).permute(2, 0, 1))
+    finally:
+        pyvips.concurrency_set(before)
+    return results
+
+
+def measure(path: Path, threads: list[int], runs: int, chunk: int) -> list[dict[str, Any]]:
+    """Every reader on ``path``: one row per (reader, threads) with Mpx/s best and median, the threads' speed-up
+    over the first thread count, and whether the bytes equal the first reader's. A reader that cannot open the
+    file, or pyvips when it is not installed, gives a row with ``error``."""
+    rows: list[dict[str, Any]] = []
+    readers: list[SlideReader] = [OpenSlideReader(path)]
+    if path.suffix.lower() in (".tif", ".tiff"):
+        readers.append(TiffFileReader(path))
+    reference: torch.Tensor | None = None
+
+    def row(reader: str, n: int, secs: list[float], mpx: float, base: float, **kw: Any) -> dict[str, Any]:
+        return {
+            "reader": reader,
+            "threads": n,
+            "mpx": round(mpx, 3),
+            "runs": len(secs),
+            "mpx_per_s_best": round(mpx / min(secs), 2),
+            "mpx_per_s_median": round(mpx / statistics.median(secs), 2),
+            "speedup": round(base / min(secs), 3),
+            **kw,
+        }
+
+    for reader in readers:
+        try:
+            w, h = reader.info.dimensions
+        except Exception as e:  # e.g. OpenSlide rejects a plain TIFF
+            rows.append({"reader": f"{reader.reader_name} fill_region", "error": f"cannot read ({e})"})
+            continue
+        mpx = w * h / 1e6
+        res = bench_reader(reader, threads, runs, chunk)  # raises when threads read different bytes
+        out = torch.empty((3, h, w), dtype=torch.uint8)
+        fill_region(reader, out, 0, 1.0, (0, 0), chunk, 1)
+        same = None if reference is None else bool(torch.equal(out, reference))
+        reference = out if reference is None else reference
+        base = min(res[threads[0]])
+        for n, secs in res.items():
+            rows.append(row(f"{reader.reader_name} fill_region", n, secs, mpx, base, bytes_equal_first=same))
+        if isinstance(reader, OpenSlideReader):
+            slide = reader.handle
+            secs = timed(lambda slide=slide, w=w, h=h: slide.read_region((0, 0), 0, (w, h)), runs)
+            rows.append(row("openslide read_region (one call)", 1, secs, mpx, min(secs)))
+        reader.close()
+    pyvips, why = pyvips_or_reason()
+    if pyvips is None:
+        rows.append({"reader": "pyvips", "error": f"not installed ({why})"})
+        return rows
+    res_v = bench_pyvips(pyvips, path, threads, runs)
+    base = min(res_v[threads[0]][0])
+    for n, (secs, got) in res_v.items():
+        mpx = got.shape[1] * got.shape[2] / 1e6
+        same = None if reference is None else bool(torch.equal(got, reference))
+        version = f"pyvips {pyvips.__version__}, libvips {pyvips.version(0)}.{pyvips.version(1)}.{pyvips.version(2)}"
+        rows.append(row("pyvips", n, secs, mpx, base, bytes_equal_first=same, version=version))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--slide", type=Path, help="a slide to read (default: write a synthetic tiled TIFF)")
@@ -82,30 +181,20 @@ def main() -> None:
             t0 = time.perf_counter()
             write_synthetic(path, args.size, args.compression)
             print(f"wrote {path.name} ({path.stat().st_size / 1e6:.0f} MB) in {time.perf_counter() - t0:.1f} s")
-        print(f"cores available: {available_cores()}; torch intra-op threads: {torch.get_num_threads()}; "
-              f"chunk {args.chunk} px; best and median of {args.runs} runs after a warm-up")
-        readers: list[SlideReader] = [OpenSlideReader(path)]
-        if path.suffix.lower() in (".tif", ".tiff"):
-            readers.append(TiffFileReader(path))
-        for reader in readers:
-            try:
-                w, h = reader.info.dimensions
-            except Exception as e:  # e.g. OpenSlide rejects a plain TIFF
-                print(f"{reader.reader_name}: cannot read ({e})")
+        print(
+            f"cores available: {available_cores()}; torch intra-op threads: {torch.get_num_threads()}; "
+            f"chunk {args.chunk} px; best and median of {args.runs} runs after a warm-up"
+        )
+        for r in measure(path, args.threads, args.runs, args.chunk):
+            if "error" in r:
+                print(f"{r['reader']}: {r['error']}")
                 continue
-            mpx = w * h / 1e6
-            res = bench_reader(reader, args.threads, args.runs, args.chunk)
-            base = min(res[args.threads[0]])
-            for n, secs in res.items():
-                print(f"{reader.reader_name:>9} fill_region {n} thread(s): {mpx / min(secs):7.1f} Mpx/s best, "
-                      f"{mpx / statistics.median(secs):7.1f} median; speed-up {base / min(secs):.2f}x "
-                      f"({w} x {h} px, bytes identical)")
-            if isinstance(reader, OpenSlideReader):
-                slide = reader.handle
-                secs = timed(lambda slide=slide, w=w, h=h: slide.read_region((0, 0), 0, (w, h)), args.runs)
-                print(f"openslide read_region, one call: {mpx / min(secs):7.1f} Mpx/s best, "
-                      f"{mpx / statistics.median(secs):7.1f} median")
-            reader.close()
+            same = {None: "", True: ", bytes identical to the first reader's", False: ", bytes DIFFER from the first"}
+            print(
+                f"{r['reader']:>32} {r['threads']} thread(s): {r['mpx_per_s_best']:7.1f} Mpx/s best, "
+                f"{r['mpx_per_s_median']:7.1f} median; speed-up {r['speedup']:.2f}x"
+                f"{same[r.get('bytes_equal_first')]}"
+            )
 
 
 if __name__ == "__main__":
