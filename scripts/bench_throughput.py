@@ -20,8 +20,7 @@ cross-entropy, backward; no optimizer), the variants interleaved, in a fresh pro
 
 - ``avg``: the model's global average pool. *Without* = ``SFT(reuse_tiles=False)``, *with* = ``reuse_tiles=True``.
 - ``max``: the pool swapped for ``AdaptiveMaxPool2d(1)``, fused at the trunk end: tiles holding no maximum skip their
-  recompute and backward. ``reuse_tiles=False`` still skips them (the engine's skip is not behind that flag), so
-  *without* also turns the skip off, in this benchmark only (``PoolAccumulator.holds_gradient`` answers True).
+  recompute and backward with ``reuse_tiles=True``; ``reuse_tiles=False`` computes every tile.
 
 The warm-up steps' logits and every parameter gradient with and without must be equal (``torch.equal``), or the
 script stops: it never reports a speed-up of a different computation.
@@ -55,7 +54,6 @@ every row).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -65,7 +63,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +73,6 @@ from torch import nn
 
 from wsitrain.models import build
 from wsitrain.sft import SFT
-from wsitrain.sft.ops.fused_pool import PoolAccumulator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is no package: bench_read beside this file
 import bench_read  # noqa: E402
@@ -133,18 +129,6 @@ def masked_slide(size: int, seed: int = 0, tissue: tuple[float, float] = (0.3, 0
 
 
 # ---- one case ---------------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def no_zero_gradient_skip() -> Iterator[None]:
-    """Every tile of a fused max pool recomputed and back-propagated: the reference without skipping (benchmark
-    only; ``reuse_tiles=False`` does not turn the engine's skip off)."""
-    orig = PoolAccumulator.holds_gradient
-    PoolAccumulator.holds_gradient = lambda self, rows, cols: True  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        PoolAccumulator.holds_gradient = orig  # type: ignore[method-assign]
-
-
 def make_model(name: str, pool: str) -> nn.Sequential:
     """``wsitrain.models.build(name, 2)`` (BatchNorm frozen, seed 0); ``pool="max"`` swaps in AdaptiveMaxPool2d(1)."""
     torch.manual_seed(0)
@@ -185,13 +169,9 @@ def bench_case(name: str, size: int, pool: str, x: torch.Tensor, tissue: float, 
     nets = {False: SFT(model, memory_budget=BUDGET, reuse_tiles=False, **tiling),
             True: SFT(model, memory_budget=BUDGET, reuse_tiles=True, **tiling)}  # fmt: skip
 
-    def off(reuse: bool) -> contextlib.AbstractContextManager[None]:
-        return no_zero_gradient_skip() if pool == "max" and not reuse else contextlib.nullcontext()
-
     logits, grads = {}, {}
     for reuse, net in nets.items():
-        with off(reuse):
-            _, logits[reuse] = step(net, x, target)
+        _, logits[reuse] = step(net, x, target)
         grads[reuse] = grads_of(model)
     equal = torch.equal(logits[False], logits[True]) and all(
         torch.equal(a, b) for a, b in zip(grads[False], grads[True], strict=True)
@@ -202,8 +182,7 @@ def bench_case(name: str, size: int, pool: str, x: torch.Tensor, tissue: float, 
     stats: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
     for _ in range(runs):
         for reuse, net in nets.items():
-            with off(reuse):
-                s, _ = step(net, x, target)
+            s, _ = step(net, x, target)
             secs[reuse].append(s)
             stats[reuse].append(net.last_stats.summary())
     s0, s1 = stats[False][-1], stats[True][-1]  # counts are the same every step; times are averaged below

@@ -12,9 +12,10 @@ step is bitwise the one that computes every tile (tests/test_tile_reuse.py). In 
 its output-gradient tile also equals the cached one (under average pooling it does).
 
 Bound: one entry per sweep, filled by the first flat tile with a key and dropped when the sweep ends; a flat tile
-with another key is computed. What an entry holds (``planning/reuse_memory.py`` prices it): forward, the output tile;
-backward, the output tile, its gradient, the input-gradient tile and the segment's parameter gradients; a copy of the
-input region when it was staged from host memory (the staging buffer is reused for the next tile).
+with another key is computed. What an entry holds (``planning/tile_memory.reuse_bytes`` prices it): forward, the
+output tile; backward, the input-gradient tile, the segment's parameter gradients and the output-gradient tile (the
+output too under amax); a copy of the input region when it was staged from host memory (the staging buffer is reused
+for the next tile). Where the entry is what does not fit, the planner plans without it (``Plan.reuse_tiles``).
 
 Fake tensors (the simulated device) have no content: there the first tile with a key fills the entry and no tile
 ever matches it, so every later tile computes while the entry is held, the worst case for memory.
@@ -192,4 +193,7 @@ def keep_backward(
 ) -> None:
     """Fill a backward entry: the output is kept only when amax's share reads it; a staged gradient is copied."""
     kept_y = y.detach() if y is not None and acc is not None and acc.kind == AMAX else None
-    cache.keep(key, region, g.clone() if g is not None and grad_staged else g, (kept_y, res), region_staged)
+    # owned copies: a tensor autograd returned may share memory with what it reuses for later tiles (bf16 weight
+    # gradients summed in place turned to NaN, TiledSegment.add_tile_grads); the entry outlives many tiles
+    owned = tuple(t.clone() if t is not None else None for t in res)
+    cache.keep(key, region, g.clone() if g is not None and grad_staged else g, (kept_y, owned), region_staged)
