@@ -53,7 +53,7 @@ from wsitrain.sft.execution.barrier_stats import (
     wide,
 )
 from wsitrain.sft.execution.multipass_tile import MultiPassTiles
-from wsitrain.sft.execution.reuse import BackwardValue, ReuseCache, backward_hit, keep_backward
+from wsitrain.sft.execution.reuse import BackwardValue, ReuseCache, backward_hit, keep_backward, through
 from wsitrain.sft.ops.barriers import BATCHNORM, GRN, Barrier
 from wsitrain.sft.ops.fused_pool import PoolAccumulator
 
@@ -116,14 +116,11 @@ class MultiPassSegment(MultiPassTiles):
         def produce(r: int, c: int) -> torch.Tensor:
             rt, ct = reg.rows[r], reg.cols[c]
             region = self.input_region(x, rt, ct)
-            key = self.tile_key(r, c)
-            hit = cache.find(key, region)
-            if hit is not None:
+            y, reused = through(cache, self.tile_key(r, c), region,
+                                lambda: self._run_nodes(region, rt, ct, self.tile_nodes, stats, {}, set())[self.end],
+                                self.staged(x))  # fmt: skip
+            if reused:
                 self.count("reused_forward")
-                return hit.value
-            y = self._run_nodes(region, rt, ct, self.tile_nodes, stats, {}, set())[self.end]
-            if key is not None and cache.wants(key, region):
-                cache.keep(key, region, None, y, self.staged(x))
             return y
 
         try:
@@ -234,10 +231,7 @@ class MultiPassSegment(MultiPassTiles):
             g = None if acc is not None else self.grad_tile(grad_out, r, c)  # staged when the output is on host
             region = self.input_region(x, rt, ct).detach()
             key = self.tile_key(r, c)
-            hit = backward_hit(cache, key, region, g, acc, grad_out, reg.rows_out[r], reg.cols_out[c])
-            if hit is not None:
-                self.add_tile_grads(hit.value[1], need_x, rt, ct, sink, grad_x, grads)
-                self.count("reused_backward")
+            if self.add_cached(cache, key, region, g, acc, grad_out, r, c, need_x, sink, grad_x, grads):
                 self._tock(t0, r, c, "backward")
                 continue
             region.requires_grad_(need_x)

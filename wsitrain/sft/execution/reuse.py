@@ -23,7 +23,7 @@ ever matches it, so every later tile computes while the entry is held, the worst
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -155,6 +155,19 @@ class ReuseCache(Generic[T]):
 
     def clear(self) -> None:
         self.entry = None
+
+
+def through(cache: ReuseCache[T], key: Key | None, region: torch.Tensor, compute: Callable[[], T], staged: bool
+            ) -> tuple[T, bool]:  # fmt: skip
+    """A tile's forward work: the cached value when it may reuse it (and True), else ``compute()``, kept when this tile
+    fills the entry (``staged``: its region came through the stager and is copied)."""
+    hit = cache.find(key, region)
+    if hit is not None:
+        return hit.value, True
+    value = compute()
+    if key is not None and cache.wants(key, region):
+        cache.keep(key, region, None, value, staged)
+    return value, False
 
 
 def backward_hit(

@@ -19,9 +19,19 @@ from torch import nn
 
 from wsitrain.sft.execution.autocast import AutocastState
 from wsitrain.sft.execution.hooks import ExecHooks, TileObserver
-from wsitrain.sft.execution.reuse import BackwardValue, Key, ReuseCache, TileKeys, all_zero, backward_hit, keep_backward
+from wsitrain.sft.execution.reuse import (
+    BackwardValue,
+    Key,
+    ReuseCache,
+    TileKeys,
+    all_zero,
+    backward_hit,
+    keep_backward,
+    through,
+)
 from wsitrain.sft.execution.runner import NodeRunner
 from wsitrain.sft.execution.staging import HostStager
+from wsitrain.sft.execution.tile_io import TileIO
 from wsitrain.sft.facts import GraphFacts
 from wsitrain.sft.ops.fused_pool import PoolAccumulator, PoolFusion
 from wsitrain.sft.ops.registry import WINDOW
@@ -31,7 +41,7 @@ from wsitrain.sft.plan_types import SegmentPlan
 from wsitrain.sft.regions import AxisTile
 
 
-class TiledSegment:
+class TiledSegment(TileIO):
     """Executes one tiled segment of a plan; holds its regions and layer list (no tensors)."""
 
     def __init__(
@@ -44,26 +54,10 @@ class TiledSegment:
         hooks: ExecHooks,
         reuse: bool = True,
     ) -> None:
-        assert seg.regions is not None, "a tiled segment's plan carries its regions"
-        self.seg = seg
-        self.regions = seg.regions
+        super().__init__(seg, device, stager, hooks)
         self.runner = runner
-        self.device = device
-        self.stager = stager
-        self.hooks = hooks
-        self.start, self.end = seg.start, seg.end
         self.is_trunk_end = seg.end == facts.trunk_end
         self.fusion: PoolFusion | None = facts.fusion if seg.fused_pool else None
-        self.out_on_host = seg.output_location == "host"  # the next checkpoint lives in host memory
-        # the input lives in host memory (a host checkpoint, or the image streamed from the host): its tiles are
-        # staged up and its gradient tiles added back on the host, through the stager even on CPU
-        self.in_on_host = seg.checkpoint_location == "host"
-        self._indexed: object = None  # the regions the tile index below was built for
-        self._row_of: dict[int, int] = {}
-        self._col_of: dict[int, int] = {}
-        self._order_key: tuple[object, object] = (None, None)  # the regions and visit hook the order is for
-        self._order: list[tuple[int, int]] = []
-        self._after: dict[tuple[int, int], tuple[int, int]] = {}
         self.nodes = list(range(seg.start + 1, seg.end + 1))
         self.specs = {i: facts.nodes[i].spec for i in [seg.start, *self.nodes]}
         self.inputs = {i: facts.nodes[i].inputs for i in self.nodes}
@@ -88,66 +82,6 @@ class TiledSegment:
         self._keys = TileKeys(self.start, self.nodes, self.inputs, self.specs, self.sizes)
 
     # ---- one tile ------------------------------------------------------------------------------
-    def input_region(self, x: torch.Tensor, rt: AxisTile, ct: AxisTile) -> torch.Tensor:
-        """The tile's input with its halo, cut from the checkpoint. (B, C, th + halo, tw + halo).
-
-        From host memory, the tile comes through the stager, which also starts uploading the next tile's
-        region in tile order (loops visit tiles in ``tiles()`` order; any other order is still exact).
-        """
-        rows, cols = rt.need[self.start], ct.need[self.start]
-        if not self.in_on_host and x.device == self.device:
-            return x[:, :, rows[0] : rows[1], cols[0] : cols[1]]  # a view
-        nxt = self._next_tile(*self._tile_of(rt, ct))
-        reg = self.regions
-        ahead = None if nxt is None else (reg.rows[nxt[0]].need[self.start], reg.cols[nxt[1]].need[self.start])
-        return self.stager.fetch("input", x, rows, cols, self.device, ahead)
-
-    def grad_tile(self, grad_out: torch.Tensor, r: int, c: int) -> torch.Tensor:
-        """Tile (r, c)'s share of the output gradient, on the device. (B, C, th, tw).
-
-        From host memory (the output is a host checkpoint), staged like input regions, next tile prefetched.
-        """
-        reg = self.regions
-        rows, cols = reg.rows_out[r], reg.cols_out[c]
-        if not self.out_on_host and grad_out.device == self.device:
-            return grad_out[:, :, rows[0] : rows[1], cols[0] : cols[1]]  # a view
-        nxt = self._next_tile(r, c)
-        ahead = None if nxt is None else (reg.rows_out[nxt[0]], reg.cols_out[nxt[1]])
-        return self.stager.fetch("grad", grad_out, rows, cols, self.device, ahead)
-
-    def new_output(self, y: torch.Tensor) -> torch.Tensor:
-        """The joined output (B, C, Ho, Wo) for tiles like ``y``: on the device, or in host memory.
-
-        Host memory here is pageable: tiles reach it through the stager's page-locked buffers (a strided tile
-        of a pinned tensor would still be copied through a pageable temporary), so pinning it would only cost.
-        """
-        reg = self.regions
-        shape = (y.shape[0], y.shape[1], reg.rows_out[-1][1], reg.cols_out[-1][1])
-        if self.out_on_host:
-            return torch.empty(shape, dtype=y.dtype)
-        return y.new_empty(shape)
-
-    def store_tile(self, out: torch.Tensor, y: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> None:
-        """``out[:, :, rows, cols] = y``; into host memory through the stager (complete after ``stager.drain()``)."""
-        dst = out[:, :, rows[0] : rows[1], cols[0] : cols[1]]
-        if self.out_on_host or out.device != y.device:
-            self.stager.store(dst, y, f"output tile rows {rows[0]}:{rows[1]} cols {cols[0]}:{cols[1]}")
-        else:
-            dst.copy_(y)
-
-    def _tile_of(self, rt: AxisTile, ct: AxisTile) -> tuple[int, int]:
-        """The grid indices of a tile's row and column regions (by identity; the index is built once per regions)."""
-        if self._indexed is not self.regions:
-            self._row_of = {id(t): i for i, t in enumerate(self.regions.rows)}
-            self._col_of = {id(t): i for i, t in enumerate(self.regions.cols)}
-            self._indexed = self.regions
-        return self._row_of[id(rt)], self._col_of[id(ct)]
-
-    def _next_tile(self, r: int, c: int) -> tuple[int, int] | None:
-        """The tile after (r, c) in ``tiles()`` order, None after the last."""
-        self.tiles()
-        return self._after.get((r, c))
-
     def stand_in(self, u: int, rt: AxisTile, ct: AxisTile) -> Callable[..., torch.Tensor] | None:
         """What this tile runs in node ``u``'s place (``OpSpec.extra[TILE_CALL]``), or None for the layer itself;
         a stand-in placed on the tile reads where the crop of the node's first input lies in the map."""
@@ -163,14 +97,6 @@ class TiledSegment:
     def reuse_cache(self) -> ReuseCache[Any]:
         """A sweep's background-tile cache (off when this segment does not reuse)."""
         return ReuseCache(self.reuse, self.specs[self.start].spatial_dims)
-
-    def staged(self, x: torch.Tensor) -> bool:
-        """Do this segment's input regions come through the stager (a buffer reused for the next tile)?"""
-        return self.in_on_host or x.device != self.device
-
-    def grad_staged(self, acc: PoolAccumulator | None, g: torch.Tensor | None) -> bool:
-        """Did the output-gradient tile ``g`` come through the stager (a buffer reused for the next tile)?"""
-        return g is not None and acc is None and (self.out_on_host or g.device != self.device)
 
     def count(self, what: str) -> None:
         """One more tile reused or skipped in this step's stats ("reused_forward", "reused_backward", ...)."""
@@ -205,16 +131,6 @@ class TiledSegment:
                     env.pop(v, None)
         return env[self.end]
 
-    def tiles(self) -> list[tuple[int, int]]:
-        """The tiles every loop visits, in order: row by row, or the ``visit`` hook's (the simulated device)."""
-        visit = self.hooks.visit
-        if self._order_key[0] is not self.regions or self._order_key[1] is not visit:
-            rows, cols = self.regions.grid
-            self._order = [(r, c) for r in range(rows) for c in range(cols)] if visit is None else visit(self.regions)
-            self._after = dict(zip(self._order, self._order[1:], strict=False))
-            self._order_key = (self.regions, visit)
-        return self._order
-
     # ---- the whole segment ---------------------------------------------------------------------
     def forward_all(self, x: torch.Tensor) -> tuple[torch.Tensor, PoolAccumulator | None]:
         """Forward tile by tile without keeping activations.
@@ -226,15 +142,13 @@ class TiledSegment:
         cache: ReuseCache[torch.Tensor] = self.reuse_cache()
 
         def produce(r: int, c: int) -> torch.Tensor:
-            region = self.input_region(x, reg.rows[r], reg.cols[c])
-            key = self.tile_key(r, c)
-            hit = cache.find(key, region)
-            if hit is not None:
+            rt, ct = reg.rows[r], reg.cols[c]
+            region = self.input_region(x, rt, ct)
+            y, reused = through(
+                cache, self.tile_key(r, c), region, lambda: self.run_tile(region, rt, ct), self.staged(x)
+            )
+            if reused:
                 self.count("reused_forward")
-                return hit.value
-            y = self.run_tile(region, reg.rows[r], reg.cols[c])
-            if key is not None and cache.wants(key, region):
-                cache.keep(key, region, None, y, self.staged(x))
             return y
 
         try:
@@ -309,10 +223,7 @@ class TiledSegment:
                 continue
             region = self.input_region(x, rt, ct).detach()
             key = self.tile_key(r, c)
-            hit = backward_hit(cache, key, region, g, acc, pooled_grad, reg.rows_out[r], reg.cols_out[c])
-            if hit is not None:
-                self.add_tile_grads(hit.value[1], need_x, rt, ct, sink, grad_x, grads)
-                self.count("reused_backward")
+            if self.add_cached(cache, key, region, g, acc, pooled_grad, r, c, need_x, sink, grad_x, grads):
                 self._tock(t0, r, c, "backward")
                 continue
             region.requires_grad_(need_x)
@@ -339,6 +250,30 @@ class TiledSegment:
         if computed == 0:  # every tile skipped: plain autograd's gradients would be zeros, not missing
             grads = [torch.zeros_like(p) if p.requires_grad else None for p in self.params]
         return grad_x, grads
+
+    def add_cached(
+        self,
+        cache: ReuseCache[BackwardValue],
+        key: Key | None,
+        region: torch.Tensor,
+        g: torch.Tensor | None,
+        acc: PoolAccumulator | None,
+        pooled_grad: torch.Tensor | None,
+        r: int,
+        c: int,
+        need_x: bool,
+        sink: TileObserver | None,
+        grad_x: torch.Tensor | None,
+        grads: list[torch.Tensor | None],
+    ) -> bool:
+        """Add tile (r, c)'s cached backward contribution when it may reuse one (``reuse.backward_hit``)."""
+        reg = self.regions
+        hit = backward_hit(cache, key, region, g, acc, pooled_grad, reg.rows_out[r], reg.cols_out[c])
+        if hit is None:
+            return False
+        self.add_tile_grads(hit.value[1], need_x, reg.rows[r], reg.cols[c], sink, grad_x, grads)
+        self.count("reused_backward")
+        return True
 
     def add_tile_grads(
         self,
