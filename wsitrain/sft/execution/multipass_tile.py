@@ -35,7 +35,7 @@ from wsitrain.sft.ops.fused_pool import PoolAccumulator
 from wsitrain.sft.ops.grn import grn_apply
 from wsitrain.sft.ops.norm_act import act_after_norm
 from wsitrain.sft.ops.registry import WINDOW
-from wsitrain.sft.ops.space import crop, spatial_extent
+from wsitrain.sft.ops.space import crop
 from wsitrain.sft.plan_types import SegmentPlan
 from wsitrain.sft.regions import AxisTile
 
@@ -86,9 +86,6 @@ class MultiPassTiles(TiledSegment):
             for lv in self.levels
         }
         shapes = {v: facts.nodes[v].shape for v in [self.start, *self.nodes]}
-        # (H, W) of the feature maps, wherever their layout holds them (GRN may read a channels-last map)
-        self.sizes = {v: (spatial_extent(self.specs[v], s, 0), spatial_extent(self.specs[v], s, 1))
-                      for v, s in shapes.items()}  # fmt: skip
         self.se = {b.node: SqueezeChain(runner, b, shapes) for b in self.barriers if b.kind == SQUEEZE}
         self._in_dtype: dict[int, torch.dtype] = {}  # a barrier input's dtype, as a statistics sweep found it
 

@@ -17,13 +17,14 @@ from wsitrain.sft.plan_types import Plan
 def tissue_tile_share(image: torch.Tensor, plan: Plan) -> float | None:
     """Share of the first tiled segment's tiles that compute on ``image`` (C, H, W) or (1, C, H, W), the image that
     segment reads: a tile computes when its input region is not one colour or touches the image border. None when
-    the plan tiles nothing or does not start tiling at the image.
+    the plan does not reuse background (then every tile computes: nothing to count), tiles nothing, or does not start
+    tiling at the image.
 
     One read of the image (each tile's region, halos included): about the image's bytes, a second per 10^9 px on one
     core, once per slide.
     """
     tiled = plan.tiled_segments
-    if not tiled or tiled[0].start != 0 or tiled[0].regions is None:
+    if not plan.reuse_tiles or not tiled or tiled[0].start != 0 or tiled[0].regions is None:
         return None
     reg, img = tiled[0].regions, image.reshape(-1, *image.shape[-2:])  # (C, H, W)
     h, w = img.shape[-2:]
