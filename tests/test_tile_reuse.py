@@ -250,3 +250,14 @@ def test_a_budget_the_entry_does_not_fit_plans_without_it() -> None:
     assert tight.fits and not tight.reuse_tiles and "background reuse off" in tight.notes[0]
     assert tight.time_tiles == 0 and tight.slowdown_at(0.3) == tight.slowdown
     assert roomy.fits and roomy.reuse_tiles and roomy.slowdown_at(0.3) < roomy.slowdown
+
+
+def test_reuse_off_computes_every_tile() -> None:
+    """``reuse_tiles=False`` is the reference the bitwise tests compare against: nothing reused, nothing skipped."""
+    x = masked_image((1, 3, 200, 232), FRAME)
+    torch.manual_seed(1)
+    sft = SFT(vgg("max", nn.MaxPool2d).double(), memory_budget="1GiB", tile_size=32, reuse_tiles=False)
+    sft(x.clone().requires_grad_()).sum().backward()
+    s = sft.last_stats
+    assert (s.reused_forward, s.reused_backward, s.skipped_backward) == (0, 0, 0)
+    assert s.recomputed_tiles == s.summary()["tiles_backward"] > 0
