@@ -376,15 +376,23 @@ def synth(
     positive_fraction: float = typer.Option(
         0.5, "--positive-fraction", min=0.0, max=1.0, help="Fraction of slides labelled positive."
     ),
+    lesions: str = typer.Option(
+        "none", "--lesions", metavar="[none|small]",
+        help="small: 1-3 small lesions per positive slide and look-alike distractors, at 2.5 um/px (lesions.json).",
+    ),  # fmt: skip
 ) -> None:
     """Write a synthetic labelled dataset of pyramidal SVS slides (for demos and tests).
 
     Example:
 
       wsitrain synth data/synthetic --n 24 --size 2048
+      wsitrain synth data/lesions --n 48 --size 2048 --lesions small
     """
+    if lesions not in ("none", "small"):
+        raise typer.BadParameter(f"{lesions!r} is not one of none, small", param_hint="'--lesions'")
     write = _entry("wsitrain.slides.synth", "write_synthetic_dataset", "synth")
-    csv_path = write(out_dir, n=n, size=size, seed=seed, positive_fraction=positive_fraction)
+    extra = {"lesions": lesions} if lesions != "none" else {}  # the default call stays as it was
+    csv_path = write(out_dir, n=n, size=size, seed=seed, positive_fraction=positive_fraction, **extra)
     _console().print(f"wrote {n} slides; labels: {csv_path}", soft_wrap=True)
 
 

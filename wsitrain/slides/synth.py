@@ -13,10 +13,11 @@ import csv
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from wsitrain.errors import SlideError
+from wsitrain.errors import SlideError, WsiTrainError
 
 TILE = 256
 LEVEL_MIN_SIDE = 512  # stop adding pyramid levels below this
@@ -164,14 +165,18 @@ def write_synthetic_slide(
     mpp: float = 0.5,
     app_mag: float = 20.0,
     quality: int = 90,
+    scene: Any = None,
 ) -> Path:
-    """Write one pyramidal Aperio-style SVS (tiled JPEG, 2x levels down to ~512 px) and return its path."""
+    """Write one pyramidal Aperio-style SVS (tiled JPEG, 2x levels down to ~512 px) and return its path.
+
+    ``scene``: another renderer with ``_Scene``'s ``band(y0, y1)`` and ``background`` (``synth_lesions``), built
+    for this ``size``; ``positive`` and ``seed`` are then its own."""
     import tifffile
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     w, h = _as_wh(size)
-    scene = _Scene(w, h, positive, seed)
+    scene = _Scene(w, h, positive, seed) if scene is None else scene
     bg = scene.background.astype(np.uint8)
     level1 = np.empty((h // 2, w // 2, 3), dtype=np.uint8) if min(w, h) // 2 >= LEVEL_MIN_SIDE // 2 else None
 
@@ -231,10 +236,14 @@ def write_synthetic_dataset(
     size: int = 4096,
     seed: int = 0,
     positive_fraction: float = 0.5,
-    mpp: float = 0.5,
-    app_mag: float = 20.0,
+    mpp: float | None = None,
+    app_mag: float | None = None,
+    lesions: str = "none",
 ) -> Path:
     """Write ``out_dir/slide_000.svs ...`` and ``out_dir/labels.csv`` (slide,label); return the CSV path.
+
+    ``lesions="small"``: the scenes of ``synth_lesions`` (small lesions and look-alike distractors, at its own mpp
+    and magnification unless given), with their boxes in ``lesions.json``; ``"none"``: the scenes above.
 
     Labels are "negative"/"positive", ``round(n * positive_fraction)`` positives in a seeded order. A folder that
     already holds a dataset with the same parameters (``synth_manifest.json``) and all its files is reused.
@@ -243,6 +252,14 @@ def write_synthetic_dataset(
         raise SlideError(f"synth: n={n} must be at least 1", hint="e.g. --n 8")
     if not 0.0 <= positive_fraction <= 1.0:
         raise SlideError(f"synth: positive_fraction {positive_fraction} must be within 0..1", hint="e.g. 0.5")
+    if lesions not in ("none", "small"):
+        raise WsiTrainError(f"synth: lesions {lesions!r} is not one of none, small", hint="e.g. --lesions small")
+    if lesions != "none":
+        from wsitrain.slides import synth_lesions as SL
+
+        mpp, app_mag = mpp or SL.LESION_MPP, app_mag or SL.LESION_APP_MAG
+        SL.check_size(*_as_wh(size), mpp)  # before any folder is made
+    mpp, app_mag = mpp or 0.5, app_mag or 20.0
     out = Path(out_dir)
     params = {
         "version": _VERSION,
@@ -253,10 +270,13 @@ def write_synthetic_dataset(
         "mpp": mpp,
         "app_mag": app_mag,
     }
+    if lesions != "none":  # the default's manifest stays as it was, so existing caches are reused
+        params["lesions"] = lesions
     csv_path = out / "labels.csv"
     names = [f"slide_{i:03d}.svs" for i in range(n)]
     manifest = out / MANIFEST
-    if manifest.exists() and csv_path.exists() and all((out / nm).exists() for nm in names):
+    extra = [out / "lesions.json"] if lesions != "none" else []
+    if manifest.exists() and csv_path.exists() and all(p.exists() for p in [*(out / nm for nm in names), *extra]):
         try:
             if json.loads(manifest.read_text()).get("params") == params:
                 return csv_path
@@ -267,11 +287,20 @@ def write_synthetic_dataset(
     labels = np.array([1] * n_pos + [0] * (n - n_pos))
     np.random.default_rng(seed).shuffle(labels)
     rows = []
+    boxes: dict[str, dict[str, Any]] = {}
     for i, (name, lab) in enumerate(zip(names, labels, strict=True)):
+        scene = None
+        if lesions != "none":
+            scene = SL.LesionScene(*_as_wh(size), bool(lab), seed * 100_003 + i, mpp)
+            boxes[name] = {"label": "positive" if lab else "negative", "tissue_px": scene.tissue_px,
+                           "boxes": scene.boxes}  # fmt: skip
         write_synthetic_slide(
-            out / name, size=size, positive=bool(lab), seed=seed * 100_003 + i, mpp=mpp, app_mag=app_mag
-        )
+            out / name, size=size, positive=bool(lab), seed=seed * 100_003 + i, mpp=mpp, app_mag=app_mag,
+            scene=scene,
+        )  # fmt: skip
         rows.append({"slide": name, "label": "positive" if lab else "negative"})
+    if lesions != "none":
+        SL.write_sidecar(out, boxes)
     with csv_path.open("w", newline="") as f:
         wr = csv.DictWriter(f, fieldnames=["slide", "label"])
         wr.writeheader()
