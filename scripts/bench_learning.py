@@ -1,0 +1,323 @@
+"""Why whole slides: a learning benchmark. Small lesions that only full resolution shows, against a thumbnail.
+
+    python scripts/bench_learning.py --out docs                       # the documented run (~30-40 min, 2-core CPU)
+    python scripts/bench_learning.py --out /tmp/bl --quick            # a smoke run: 16 slides of 1024 px, 1 seed
+    python scripts/bench_learning.py --out docs --pools avg,max,attention
+    python scripts/bench_learning.py --out docs --plot-only           # rewrite the table and plot from the JSONL
+
+The cohort is ``wsitrain synth --lesions small`` (``--n`` slides of ``--size`` px at 2.5 um/px, half positive,
+written once into ``--cohort``): positive slides carry one to three lesions of 200 um (atypical nuclei, well under
+1% of the tissue), every slide carries look-alike distractors whose thumbnail is the same as a lesion's, so nothing
+at thumbnail scale separates the classes.
+
+For each seed, the slides are split, stratified by label, into ``--train`` training slides and the rest held out
+(the CSV's ``split`` column: ``train`` / ``val``; the held-out slides are never used to choose anything: the AUC
+reported is the last epoch's, not the best). Then the *same product run* trains the ``tiny`` built-in model, through
+``wsitrain fit``'s Python API (``run_fit``) with the config below and the seed's ``seed``, on two inputs:
+
+- **whole slide**: level 0 (every pixel, 2.5 um/px), cropped to the tissue, once per ``--pools`` entry
+  (``model.pool``: ``avg``, ``max``, and ``attention`` where this wsitrain has it);
+- **thumbnail**: ``data.mpp`` = 4 x 2.5 = 10 um/px, pyramid level 2: the 512 px thumbnail of a 2048 px slide,
+  cropped to the tissue, with the same pools.
+
+Reported per (input, pool): held-out ROC AUC over the seeds (mean, std, each seed), and each run's wall time.
+Every figure is *measured* on the machine that runs the script (nproc, torch version and thread count are in every
+row). Writes ``bench_learning.jsonl``, ``bench_learning.md`` and ``bench_learning.png`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+
+from wsitrain.config import load_config
+from wsitrain.slides.synth import write_synthetic_dataset
+from wsitrain.slides.synth_lesions import BLOCK, LESION_MPP, read_sidecar
+
+THUMB_MPP = LESION_MPP * BLOCK  # pyramid level 2: 512 px for a 2048 px slide
+
+
+def available_pools() -> list[str]:
+    """``model.pool`` values this wsitrain accepts (attention pooling lands separately)."""
+    from wsitrain.models import zoo
+
+    return list(zoo.POOLS)
+
+
+def base_config(labels: Path, cohort: Path, runs: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The fit config both inputs share; the input and pool are overrides (see ``run_one``)."""
+    return {
+        "seed": 0,
+        "data": {
+            "labels": str(labels),
+            "slides_dir": str(cohort),
+            "region": "tissue",
+            "read_threads": 1,
+            "augment": {"flips": True, "rot90": True},
+        },
+        "model": {"name": "tiny", "pool": "max"},
+        # Large enough that the tiny model runs plain at 2048 px (no tiling: the fastest on a CPU); the engine
+        # still plans every slide.
+        "engine": {"memory_budget": "6GiB", "device": "cpu"},
+        "train": {
+            "epochs": args.epochs,
+            "optimizer": "adamw",
+            "lr": args.lr,
+            "schedule": args.schedule,
+            "val_every": args.epochs,  # held-out slides are read once, after the last epoch
+        },
+        "log": {"dir": str(runs), "tiles": "off"},
+    }
+
+
+def split_csv(cohort: Path, labels_csv: Path, seed: int, n_train: int, out: Path) -> Path:
+    """The cohort's labels with a seeded, label-stratified split: ``n_train`` slides train, the rest ``val``."""
+    with labels_csv.open() as f:
+        rows = list(csv.DictReader(f))
+    rng = np.random.default_rng(1000 + seed)
+    train: set[str] = set()
+    for label in sorted({r["label"] for r in rows}):
+        names = sorted(r["slide"] for r in rows if r["label"] == label)
+        take = round(n_train * len(names) / len(rows))
+        train.update(rng.permutation(names)[:take].tolist())
+    path = out / f"labels_seed{seed}.csv"
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["slide", "label", "split"])
+        w.writeheader()
+        for r in rows:
+            w.writerow({"slide": r["slide"], "label": r["label"], "split": "train" if r["slide"] in train else "val"})
+    return path
+
+
+def run_one(base: dict[str, Any], work: Path, labels: Path, seed: int, pool: str, thumbnail: bool) -> dict[str, Any]:
+    """One ``wsitrain fit`` run; its held-out metrics from the run folder's summary.json."""
+    from rich.console import Console
+
+    from wsitrain.train.fit import run_fit
+
+    cfg_path = work / "base.yaml"
+    cfg_path.write_text(yaml.safe_dump(base))
+    name = f"{'thumb' if thumbnail else 'whole'}-{pool}-seed{seed}"
+    overrides = [f"seed={seed}", f"model.pool={pool}", f"data.labels={labels}", f"name={name}"]
+    if thumbnail:
+        overrides.append(f"data.mpp={THUMB_MPP}")
+    cfg = load_config(cfg_path, overrides)
+    t0 = time.perf_counter()
+    with open(os.devnull, "w") as sink:
+        run_dir = run_fit(cfg, console=Console(file=sink), quiet=True)
+    wall = time.perf_counter() - t0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    val = [m for m in metrics if m.get("kind") == "val"]
+    last = val[-1] if val else {}
+    sizes = [m.get("shape") for m in metrics if m.get("kind") == "train"]
+    return {
+        "kind": "run",
+        "input": "thumbnail" if thumbnail else "whole slide",
+        "mpp": THUMB_MPP if thumbnail else LESION_MPP,
+        "pool": pool,
+        "seed": seed,
+        "roc_auc": _num(summary.get("val_roc_auc", last.get("roc_auc"))),
+        "accuracy": _num(last.get("accuracy")),
+        "val_loss": _num(last.get("loss")),
+        "first_train_loss": _num(summary.get("first_epoch_train_loss")),
+        "last_train_loss": _num(summary.get("last_epoch_train_loss")),
+        "mean_slide_s": _num(summary.get("mean_slide_s")),
+        "wall_s": round(wall, 1),
+        "example_input": sizes[0] if sizes else None,
+        "run_dir": str(run_dir),
+    }
+
+
+def _num(x: Any) -> float | None:
+    return None if x is None or (isinstance(x, float) and np.isnan(x)) else float(x)
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "torch": torch.__version__,
+        "nproc": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "cpu": platform.processor() or platform.machine(),
+        "date": datetime.date.today().isoformat(),
+    }
+
+
+# ---- reporting ----------------------------------------------------------------------------------------------------
+def groups(rows: list[dict[str, Any]]) -> list[tuple[str, str, list[dict[str, Any]]]]:
+    runs = [r for r in rows if r["kind"] == "run"]
+    keys: list[tuple[str, str]] = []
+    for r in runs:
+        if (r["input"], r["pool"]) not in keys:
+            keys.append((r["input"], r["pool"]))
+    keys.sort(key=lambda k: (k[0] != "whole slide", k[1]))
+    return [(i, p, [r for r in runs if (r["input"], r["pool"]) == (i, p)]) for i, p in keys]
+
+
+def _mean_std(xs: list[float]) -> str:
+    if not xs:
+        return "-"
+    sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
+    return f"{statistics.mean(xs):.3f} ± {sd:.3f}"
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    head = next(r for r in rows if r["kind"] == "setup")
+    m = head["machine"]
+    lines = [
+        "# Why whole slides: a learning benchmark (measured)",
+        "",
+        f"Measured on a {m['nproc']}-core CPU (no GPU), {m['torch_threads']} intra-op thread, torch {m['torch']}, "
+        f"{m['date']}; `python scripts/bench_learning.py {head['argv']}` (total wall time "
+        f"{head.get('total_wall_s', 0) / 60:.1f} min).",
+        "",
+        f"Cohort: `wsitrain synth --lesions small`, {head['n']} slides of {head['size']} px at {LESION_MPP} um/px "
+        f"(seed {head['cohort_seed']}), half positive; per seed {head['n_train']} training and "
+        f"{head['n'] - head['n_train']} held-out slides (stratified). Lesions: {head['lesion_share']}. "
+        f"Model `tiny`, {head['epochs']} epochs, AdamW lr {head['lr']}, {head.get('schedule', 'cosine')} schedule, "
+        "flips and rot90; held-out AUC of the last epoch (no model selection on held-out slides).",
+        "",
+        "| input | pool | held-out ROC AUC (mean ± std) | per seed | accuracy (mean) | wall per run (mean) |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for inp, pool, rs in groups(rows):
+        aucs = [r["roc_auc"] for r in rs if r["roc_auc"] is not None]
+        accs = [r["accuracy"] for r in rs if r["accuracy"] is not None]
+        per = ", ".join(f"{r['roc_auc']:.2f}" if r["roc_auc"] is not None else "nan" for r in rs)
+        what = f"whole slide ({LESION_MPP} um/px)" if inp == "whole slide" else f"thumbnail ({THUMB_MPP:g} um/px)"
+        lines.append(
+            f"| {what} | {pool} | {_mean_std(aucs)} | {per} | {statistics.mean(accs) if accs else float('nan'):.2f} "
+            f"| {statistics.mean(r['wall_s'] for r in rs):.0f} s |"
+        )
+    lines += ["", f"Seeds: {', '.join(str(s) for s in head['seeds'])}. Every figure above is measured."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only
+    import matplotlib.pyplot as plt
+
+    gs = groups(rows)
+    if not gs:
+        return
+    head = next(r for r in rows if r["kind"] == "setup")
+    m = head["machine"]
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(gs) + 2), 4.5))
+    for i, (inp, _pool, rs) in enumerate(gs):
+        aucs = [r["roc_auc"] for r in rs if r["roc_auc"] is not None]
+        colour = "tab:blue" if inp == "whole slide" else "tab:orange"
+        if aucs:
+            ax.bar(i, statistics.mean(aucs), 0.6, color=colour, alpha=0.6,
+                   yerr=statistics.stdev(aucs) if len(aucs) > 1 else 0, capsize=4)  # fmt: skip
+            ax.scatter([i] * len(aucs), aucs, color="k", s=14, zorder=3)
+    ax.axhline(0.5, color="grey", lw=0.8, ls="--")
+    ax.set_xticks(range(len(gs)), [f"{'whole slide' if i == 'whole slide' else 'thumbnail'}\n{p}" for i, p, _ in gs])
+    ax.set(ylabel="held-out ROC AUC", ylim=(0, 1.05),
+           title=f"small lesions: whole slide ({head['size']} px) vs 512 px thumbnail (measured)")  # fmt: skip
+    fig.suptitle(f"measured on a {m['nproc']}-core CPU, {m['torch_threads']} thread, torch {m['torch']}; "
+                 f"{len(head['seeds'])} seeds, dots = seeds", fontsize=8, y=0.02)  # fmt: skip
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(rows: list[dict[str, Any]], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "bench_learning.jsonl").open("w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    (out / "bench_learning.md").write_text(markdown(rows))
+    plot(rows, out / "bench_learning.png")
+
+
+# ---- main -------------------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True, help="folder for bench_learning.{jsonl,md,png}")
+    ap.add_argument("--cohort", type=Path, default=Path(".cache/wsitrain/lesions"), help="where the slides go")
+    ap.add_argument("--work", type=Path, default=Path(".cache/wsitrain/bench_learning"), help="run folders, CSVs")
+    ap.add_argument("--n", type=int, default=64, help="slides in the cohort")
+    ap.add_argument("--size", type=int, default=2048, help="slide edge, px (the thumbnail is size / 4)")
+    ap.add_argument("--train", type=int, default=32, help="training slides per seed (the rest are held out)")
+    ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (split, weights, order)")
+    ap.add_argument("--pools", default=None, help="comma-separated model.pool values (default: all available)")
+    ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--schedule", choices=("cosine", "constant"), default="cosine", help="train.schedule")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (the machine is shared)")
+    ap.add_argument("--no-thumbnail", action="store_true", help="skip the thumbnail baseline")
+    ap.add_argument("--quick", action="store_true", help="16 slides of 1024 px, 8 train, 1 seed, 2 epochs")
+    ap.add_argument("--plot-only", action="store_true", help="rewrite the table and plot from --out's JSONL")
+    args = ap.parse_args(argv)
+    if args.plot_only:
+        rows = [json.loads(x) for x in (args.out / "bench_learning.jsonl").read_text().splitlines() if x.strip()]
+        write(rows, args.out)
+        return 0
+    if args.quick:
+        args.n, args.size, args.train, args.seeds, args.epochs = 16, 1024, 8, "0", 2
+    pools = args.pools.split(",") if args.pools else available_pools()
+    unknown = [p for p in pools if p not in available_pools()]
+    if unknown:
+        print(f"error: --pools {','.join(unknown)} not available in this wsitrain (have: "
+              f"{', '.join(available_pools())})", file=sys.stderr)  # fmt: skip
+        return 2
+    if not 2 <= args.train <= args.n - 2:
+        print(f"error: --train {args.train} must leave at least 2 of --n {args.n} slides on each side", file=sys.stderr)
+        return 2
+    seeds = [int(s) for s in args.seeds.split(",")]
+    torch.set_num_threads(args.threads)
+    t_start = time.perf_counter()
+
+    cohort = args.cohort / f"n{args.n}-s{args.size}"
+    labels = write_synthetic_dataset(cohort, n=args.n, size=args.size, seed=0, lesions="small")
+    side = read_sidecar(cohort)["slides"]
+    shares = [sum(b["area_px"] for b in s["boxes"] if b["kind"] == "lesion") / s["tissue_px"]
+              for s in side.values() if s["label"] == "positive"]  # fmt: skip
+    setup = {
+        "kind": "setup", "n": args.n, "size": args.size, "n_train": args.train, "seeds": seeds, "pools": pools,
+        "epochs": args.epochs, "lr": args.lr, "schedule": args.schedule, "cohort_seed": 0, "machine": machine(),
+        "argv": " ".join(sys.argv[1:] if argv is None else argv),
+        "lesion_share": f"{100 * min(shares):.2f}-{100 * max(shares):.2f}% of the tissue per positive slide",
+        "cohort_s": round(time.perf_counter() - t_start, 1),
+    }  # fmt: skip
+    print(f"cohort {cohort} ready ({setup['cohort_s']} s); lesions {setup['lesion_share']}", flush=True)
+    work = args.work
+    (work / "runs").mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = [setup]
+    for seed in seeds:
+        csv_path = split_csv(cohort, labels, seed, args.train, work)
+        base = base_config(csv_path, cohort, work / "runs", args)
+        inputs = [False] + ([] if args.no_thumbnail else [True])
+        for thumbnail in inputs:
+            for pool in pools:
+                row = run_one(base, work, csv_path, seed, pool, thumbnail)
+                row.update(torch=torch.__version__, nproc=os.cpu_count(), torch_threads=torch.get_num_threads())
+                rows.append(row)
+                print(f"seed {seed} {row['input']:11s} {pool:9s} AUC {row['roc_auc']} acc {row['accuracy']} "
+                      f"({row['wall_s']} s)", flush=True)  # fmt: skip
+                setup["total_wall_s"] = round(time.perf_counter() - t_start, 1)
+                write(rows, args.out)  # after every run: a cut-off benchmark keeps what it measured
+    setup["total_wall_s"] = round(time.perf_counter() - t_start, 1)
+    write(rows, args.out)
+    print((args.out / "bench_learning.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
