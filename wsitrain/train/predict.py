@@ -14,10 +14,12 @@ from wsitrain.errors import SlideError, WsiTrainError
 from wsitrain.gpus import run_budget
 from wsitrain.memory import tune_owned_process
 from wsitrain.models import build
+from wsitrain.models.heads import AttentionSpec
 from wsitrain.report.heatmap_files import HeatmapWriter
 from wsitrain.slides.readers import open_slide
 from wsitrain.slides.stream import read_slide_region
 from wsitrain.slides.suffixes import SLIDE_SUFFIXES, is_slide_name
+from wsitrain.train.attention_mask import attention_masked
 from wsitrain.train.checkpoint import load_checkpoint
 from wsitrain.train.data import masking_note, read_kwargs
 from wsitrain.train.engine import resolve_device, wrap_engine
@@ -112,7 +114,8 @@ def run_predict(
                       "predictions read slides differently from training[/yellow]")
     # The architecture is the checkpoint's (what its weights fit); model.name was checked to agree above.
     m = {**config_to_dict(cfg)["model"], **(trained.get("model") or {})}
-    model = build(m["name"], len(class_names), weights=None, pool=m["pool"], freeze_bn=m["freeze_bn"])
+    model = build(m["name"], len(class_names), weights=None, pool=m["pool"], freeze_bn=m["freeze_bn"],
+                  attention=AttentionSpec.from_dict(m.get("attention")))  # fmt: skip
     model.load_state_dict(ckpt["model"])
     device = resolve_device(cfg.engine.device)
     budget = run_budget(cfg.engine.memory_budget, device)
@@ -128,7 +131,8 @@ def run_predict(
     t0 = time.perf_counter()
     for i, p in enumerate(paths, 1):
         read = read_slide_region(p, **rk)
-        res = runner.eval_slide(read.image, None)
+        with attention_masked(model, read):
+            res = runner.eval_slide(read.image, None)
         probs = res.probs.tolist()
         pred = class_names[int(max(range(len(probs)), key=probs.__getitem__))]
         rows.append([p.name, str(p), *(f"{v:.6f}" for v in probs), pred])
