@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", type=int, default=2048, help="slide edge, px (the thumbnail is size / 4)")
     ap.add_argument("--train", type=int, default=32, help="training slides per seed (the rest are held out)")
     ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (split, weights, order)")
-    ap.add_argument("--pools", default=None, help="comma-separated model.pool values (default: all available)")
+    ap.add_argument("--pools", default=None, help="comma-separated model.pool values (default: avg,max,attention)")
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--schedule", choices=("cosine", "constant"), default="cosine", help="train.schedule")
@@ -271,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.quick:
         args.n, args.size, args.train, args.seeds, args.epochs = 16, 1024, 8, "0", 2
-    pools = args.pools.split(",") if args.pools else available_pools()
+    default = [p for p in ("avg", "max", "attention") if p in available_pools()]
+    pools = args.pools.split(",") if args.pools else default
     unknown = [p for p in pools if p not in available_pools()]
     if unknown:
         print(f"error: --pools {','.join(unknown)} not available in this wsitrain (have: "
