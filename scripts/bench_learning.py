@@ -207,6 +207,34 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def example_crops(cohort: Path) -> list[tuple[str, np.ndarray]] | None:
+    """A lesion and a distractor of the cohort at level 0 and on the thumbnail (4x4 block means, shown 4x)."""
+    import openslide
+
+    try:
+        side = read_sidecar(cohort)["slides"]
+    except OSError:
+        return None
+    picks: dict[str, tuple[str, dict[str, Any]]] = {}
+    for name, entry in sorted(side.items()):
+        for b in entry["boxes"]:
+            picks.setdefault(b["kind"], (name, b))
+    if set(picks) != {"lesion", "distractor"}:
+        return None
+    out = []
+    for kind in ("lesion", "distractor"):
+        name, b = picks[kind]
+        pad = 40
+        x0, y0 = max(0, b["x0"] - pad), max(0, b["y0"] - pad)
+        w, h = b["x1"] - b["x0"] + 2 * pad, b["y1"] - b["y0"] + 2 * pad
+        img = np.asarray(openslide.OpenSlide(str(cohort / name)).read_region((x0, y0), 0, (w, h)).convert("RGB"))
+        hb, wb = h // BLOCK * BLOCK, w // BLOCK * BLOCK
+        thumb = img[:hb, :wb].reshape(hb // BLOCK, BLOCK, wb // BLOCK, BLOCK, 3).mean(axis=(1, 3)).astype(np.uint8)
+        out.append((f"{kind}, level 0 ({LESION_MPP:g} um/px)", img))
+        out.append((f"{kind}, thumbnail ({THUMB_MPP:g} um/px)", np.repeat(np.repeat(thumb, BLOCK, 0), BLOCK, 1)))
+    return out
+
+
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -218,7 +246,10 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         return
     head = next(r for r in rows if r["kind"] == "setup")
     m = head["machine"]
-    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(gs) + 2), 4.5))
+    crops = example_crops(Path(head["cohort"])) if head.get("cohort") else None
+    fig = plt.figure(figsize=(max(7, 1.3 * len(gs) + 2) + (4.5 if crops else 0), 5))
+    grid = fig.add_gridspec(2, 3 if crops else 1, width_ratios=(2.6, 1, 1) if crops else (1,))
+    ax = fig.add_subplot(grid[:, 0])
     for i, (inp, _pool, rs) in enumerate(gs):
         aucs = [r["roc_auc"] for r in rs if r["roc_auc"] is not None]
         colour = "tab:blue" if inp == "whole slide" else "tab:orange"
@@ -227,11 +258,18 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
                    yerr=statistics.stdev(aucs) if len(aucs) > 1 else 0, capsize=4)  # fmt: skip
             ax.scatter([i] * len(aucs), aucs, color="k", s=14, zorder=3)
     ax.axhline(0.5, color="grey", lw=0.8, ls="--")
-    ax.set_xticks(range(len(gs)), [f"{'whole slide' if i == 'whole slide' else 'thumbnail'}\n{p}" for i, p, _ in gs])
+    ax.set_xticks(range(len(gs)), [f"{'whole slide' if i == 'whole slide' else 'thumbnail'}\n{p}" for i, p, _ in gs],
+                  fontsize=8)  # fmt: skip
     ax.set(ylabel="held-out ROC AUC", ylim=(0, 1.05),
-           title=f"small lesions: whole slide ({head['size']} px) vs 512 px thumbnail (measured)")  # fmt: skip
+           title=f"whole slide ({head['size']} px) vs {head['size'] // BLOCK} px thumbnail (measured)")  # fmt: skip
+    if crops:
+        for k, (title, img) in enumerate(crops):
+            a = fig.add_subplot(grid[k % 2, 1 + k // 2])
+            a.imshow(img, interpolation="nearest")
+            a.set_title(title, fontsize=7)
+            a.axis("off")
     fig.suptitle(f"measured on a {m['nproc']}-core CPU, {m['torch_threads']} thread, torch {m['torch']}; "
-                 f"{len(head['seeds'])} seeds, dots = seeds", fontsize=8, y=0.02)  # fmt: skip
+                 f"{len(head['seeds'])} seeds (dots), bars: mean ± std", fontsize=8, y=0.02)  # fmt: skip
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -293,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     setup = {
         "kind": "setup", "n": args.n, "size": args.size, "n_train": args.train, "seeds": seeds, "pools": pools,
         "epochs": args.epochs, "lr": args.lr, "schedule": args.schedule, "cohort_seed": 0, "machine": machine(),
+        "cohort": str(cohort),
         "argv": " ".join(sys.argv[1:] if argv is None else argv),
         "lesion_share": f"{100 * min(shares):.2f}-{100 * max(shares):.2f}% of the tissue per positive slide",
         "cohort_s": round(time.perf_counter() - t_start, 1),
