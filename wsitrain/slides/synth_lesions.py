@@ -30,7 +30,6 @@ from typing import Any
 import numpy as np
 
 from wsitrain.errors import WsiTrainError
-from wsitrain.slides.synth import _smooth_noise, _upsample
 
 LESION_MODES = ("none", "small")
 LESION_MPP = 2.5  # um per level-0 pixel (a 4x scan): a 2048 px slide is 5 mm of tissue, nuclei are 3-8 px
@@ -284,12 +283,31 @@ def _distractor_from(
 
 def render_lesion_slide(size: int | tuple[int, int], positive: bool, seed: int) -> tuple[np.ndarray, LesionScene]:
     """The full level-0 image the dataset writer writes for one slide, and its scene (boxes, tissue area)."""
-    from wsitrain.slides.synth import TILE, _as_wh
-
-    w, h = _as_wh(size)
+    w, h = (size, size) if isinstance(size, int) else (size[1], size[0])
     scene = LesionScene(w, h, positive, seed)
-    img = np.concatenate([scene.band(y, min(h, y + TILE)) for y in range(0, h, TILE)], axis=0)
+    img = np.concatenate([scene.band(y, min(h, y + 256)) for y in range(0, h, 256)], axis=0)
     return img, scene
+
+
+# The two field helpers are synth.py's; copied, not imported, because synth.py imports this module for its
+# ``lesions`` hook and the package keeps its imports free of circles (tests/test_cli.py).
+def _smooth_noise(rng: np.random.Generator, shape: tuple[int, int], grid: int) -> np.ndarray:
+    """Bilinear upsampling of a ``grid`` x ``grid`` field of uniform [-1, 1] values to ``shape``."""
+    g = rng.uniform(-1, 1, size=(grid, grid)).astype(np.float32)
+    h, w = shape
+    ys, xs = np.linspace(0, grid - 1, h), np.linspace(0, grid - 1, w)
+    y0, x0 = np.minimum(ys.astype(int), grid - 2), np.minimum(xs.astype(int), grid - 2)
+    fy, fx = (ys - y0)[:, None], (xs - x0)[None, :]
+    top = g[y0][:, x0] * (1 - fx) + g[y0][:, x0 + 1] * fx
+    bot = g[y0 + 1][:, x0] * (1 - fx) + g[y0 + 1][:, x0 + 1] * fx
+    return (top * (1 - fy) + bot * fy).astype(np.float32)
+
+
+def _upsample(a: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    from PIL import Image
+
+    img = Image.fromarray(np.ascontiguousarray(a, dtype=np.float32), mode="F")
+    return np.asarray(img.resize((shape[1], shape[0]), Image.Resampling.BILINEAR), dtype=np.float32)
 
 
 def write_sidecar(out: Path, slides: dict[str, dict[str, Any]]) -> Path:
