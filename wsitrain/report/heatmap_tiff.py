@@ -20,7 +20,8 @@ Content: one map (predict writes the predicted class's CAM) colour-mapped like t
 
 Cost, measured on a 100,000 x 100,000 px slide geometry (0.25 um/px; 2 shared CPU cores; a random-walk map, every
 cell its own colour, so almost no tile is one colour: the worst case): a stride-32 map read at downsample 4 (781 x
-781 cells of 128 px) writes in 53 s, 369 MB, 10 levels. The time is the Deflate encoding of 152,000 level-0 tiles
+781 cells of 128 px) writes in 53 s, 369 MB, 10 levels. Read at level 0 (3125 x 3125 cells of 32 px): 153 s,
+777 MB (measured while another job shared the cores). The time is the Deflate encoding of 152,000 level-0 tiles
 (zlib releases the GIL, so more cores help); a map with large uniform areas (background, cells >= 256 px) costs
 far less, its tiles being encoded once per colour.
 """
