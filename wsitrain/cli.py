@@ -168,6 +168,14 @@ def predict(
         None, "--heatmaps", help="Folder for per-slide class activation maps (.npy and .png over the thumbnail)."
     ),
     saliency: bool = typer.Option(False, "--saliency", help="With --heatmaps: add the exact input-gradient map."),
+    viewer_files: bool = typer.Option(
+        True, "--viewer-files/--no-viewer-files",
+        help="With --heatmaps: also write NAME.geojson (QuPath detections) and NAME.heatmap.tif (slide-sized TIFF).",
+    ),
+    geojson_cell: int | None = typer.Option(
+        None, "--geojson-cell", min=1, metavar="K",
+        help="GeoJSON detections of K x K map cells (default: the smallest K leaving at most 150,000 detections).",
+    ),
 ) -> None:
     """Predict slide-level class probabilities with a trained checkpoint.
 
@@ -180,7 +188,7 @@ def predict(
     cfg = _load_config(config, set_)
     run_predict = _entry("wsitrain.train.predict", "run_predict", "predict")
     run_predict(cfg, checkpoint=checkpoint, slides=slides, out=out, console=_console(), heatmaps=heatmaps,
-                saliency=saliency)
+                saliency=saliency, viewer_files=viewer_files, geojson_cell=geojson_cell)
 
 
 @app.command()

@@ -92,8 +92,13 @@ def run_predict(
     console: Console | None = None,
     heatmaps: Path | None = None,
     saliency: bool = False,
+    viewer_files: bool = True,
+    geojson_cell: int | None = None,
 ) -> Path:
-    """Write ``out`` (CSV: slide, path, one probability column per class, predicted class); return its path."""
+    """Write ``out`` (CSV: slide, path, one probability column per class, predicted class); return its path.
+
+    With ``heatmaps``: the maps of every slide there; ``viewer_files`` adds NAME.geojson (QuPath detections of
+    ``geojson_cell`` x ``geojson_cell`` map cells; None: automatic) and NAME.heatmap.tif (HeatmapWriter)."""
     console = console or Console()
     out = Path(out)
     ckpt = load_checkpoint(Path(checkpoint))
@@ -126,7 +131,8 @@ def run_predict(
     console.print(f"memory budget: {budget.describe()}", markup=False, highlight=False)
     console.print(masking_note(cfg), markup=False, highlight=False)
 
-    maps = HeatmapWriter(Path(heatmaps), class_names, saliency, runner.autocast) if heatmaps is not None else None
+    maps = (HeatmapWriter(Path(heatmaps), class_names, saliency, runner.autocast, viewer=viewer_files,
+                          geojson_k=geojson_cell) if heatmaps is not None else None)
     rows = []
     t0 = time.perf_counter()
     for i, p in enumerate(paths, 1):
