@@ -18,7 +18,7 @@ import torch
 import yaml
 
 import wsitrain
-from wsitrain.config import check_run_name, diff_configs
+from wsitrain.config import TaskConfig, check_run_name, diff_configs
 from wsitrain.errors import WsiTrainError
 from wsitrain.train.checkpoint import NO_SPACE, load_checkpoint
 from wsitrain.train.data import FitData
@@ -193,6 +193,8 @@ def load_resume(resume: Path, cfg_dict: dict[str, Any], force: bool) -> tuple[di
         )
     ckpt = load_checkpoint(path)
     old = ckpt.get("config", {})
+    if "task" not in old:  # written before the task section existed: such a run was the default classification
+        old = {**old, "task": TaskConfig().model_dump(mode="json")}
     changed = [k for k in diff_configs(old, cfg_dict) if k != "name"]
     fixed = [k for k in changed if k in ARCHITECTURE_KEYS]
     if fixed:
