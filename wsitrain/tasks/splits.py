@@ -52,3 +52,12 @@ def grouped_stratified_folds(
             count[f] += len(members[g])
             total[f] += len(members[g])
     return fold_of
+
+
+def grouped_holdout(strata: Sequence[str], groups: Sequence[str], fraction: float, seed: int) -> list[bool]:
+    """Which rows go to validation when patients are known: one fold of ``round(1 / fraction)`` grouped, stratified
+    folds, so about ``fraction`` of the slides and never part of a patient (0.25: one fold of 4; 0.3: one of 3)."""
+    if fraction <= 0 or len(set(groups)) < 2:
+        return [False] * len(strata)
+    k = min(len(set(groups)), max(2, round(1 / fraction)))
+    return [f == 0 for f in grouped_stratified_folds(strata, groups, k, seed)]

@@ -229,6 +229,11 @@ def write_run_files(
         write_json(run_dir / "data.json", {
             "labels": str(data.labels_csv), "classes": data.class_names,
             "train": [r.slide_id for r in data.train], "val": [r.slide_id for r in data.val],
+            # only where there is something to say, so a plain classification run's data.json is as before
+            **({"test": [r.slide_id for r in data.test]} if data.test else {}),
+            **({"task": data.objective.state()} if data.objective is not None else {}),
+            **({"patients": {r.slide_id: r.patient for r in data.train + data.val + data.test if r.patient}}
+               if any(r.patient for r in data.train + data.val + data.test) else {}),
         })  # fmt: skip
         return
     saved = run_dir / "config.yaml"
