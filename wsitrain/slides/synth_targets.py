@@ -1,10 +1,10 @@
 """Synthetic cohorts for regression, survival and multi-label tasks, whose targets depend on what the slides show.
 
 Each patient has a hidden grade g in [0, 1]; its slides carry about 16 * g clusters of large dark nuclei (the same
-texture the classification demo uses). Regression's ``score`` is 10 * g plus a little noise; survival draws an
-exponential time whose hazard grows with g (exp(3 g)), censored by an independent uniform follow-up; multi-label
-gives each patient independent 0/1 labels, each shown by clusters of its own colour. A model that learns to see
-the clusters therefore learns the targets, which is what the tests and the demo check.
+texture the classification demo uses). Regression's ``score`` is 10 * g plus a little noise; survival draws a
+log-normal time that shortens with g (20 exp(-3 g), 25% noise), censored by an independent uniform follow-up;
+multi-label gives each patient independent 0/1 labels, each shown by clusters of its own colour. A model that
+learns to see the clusters therefore learns the targets, which is what the tests and the demo check.
 """
 
 from __future__ import annotations
@@ -77,9 +77,10 @@ def write_task_dataset(
     n_patients = -(-n // slides_per_patient)
     grade = rng.uniform(0, 1, size=n_patients)
     labels = rng.integers(0, 2, size=(n_patients, len(LABEL_COLOURS)))
-    hazard = 0.1 * np.exp(3.0 * grade)
-    event_time = rng.exponential(1.0 / hazard)
-    follow_up = rng.uniform(5.0, 25.0, size=n_patients)  # censoring independent of the slide
+    # log-normal times, 20 * exp(-3 g) with 25% noise: the grade orders them (a perfect model's c-index is
+    # about 0.93 on 16 patients), and about 15% are censored by a follow-up independent of the slide
+    event_time = 20.0 * np.exp(-3.0 * grade + rng.normal(0, 0.25, size=n_patients))
+    follow_up = rng.uniform(3.0, 30.0, size=n_patients)
     score = 10.0 * grade + rng.normal(0, 0.3, size=n_patients)
     n_test = int(round(n_patients * test_fraction))
     n_val = int(round((n_patients - n_test) * val_fraction)) if n_test else 0
