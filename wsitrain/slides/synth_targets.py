@@ -21,7 +21,9 @@ from wsitrain.slides.synth import MANIFEST, _as_wh, _make_out_dir, _Scene, write
 TARGET_TASKS = ("regression", "survival", "multilabel")
 # multilabel: one nucleus colour per label (purple, brown, teal), all far from the pink tissue and pale nuclei
 LABEL_COLOURS = {"purple": (75, 35, 125), "brown": (135, 75, 25), "teal": (25, 105, 115)}
-_VERSION = 1
+# regression and survival: cluster nuclei from pale to dark purple with the grade
+PALE, DARK = (170, 120, 185), (60, 25, 115)
+_VERSION = 2
 
 
 def _add_clusters(scene: _Scene, rng: np.random.Generator, n: int, colour: tuple[int, int, int]) -> None:
@@ -94,7 +96,10 @@ def write_task_dataset(
             for j, colour in enumerate(LABEL_COLOURS.values()):
                 _add_clusters(scene, slide_rng, 6 * int(labels[p, j]), colour)
         else:
-            _add_clusters(scene, slide_rng, int(round(16 * grade[p])), (75, 35, 125))
+            # the grade shows twice: more clusters, and darker nuclei in them (pale purple at 0, dark at 1), so
+            # both average pooling (how many) and max pooling (how dark) can read it
+            shade = tuple(int(round(v)) for v in np.array(PALE) + grade[p] * (np.array(DARK) - np.array(PALE)))
+            _add_clusters(scene, slide_rng, 2 + int(round(14 * grade[p])), shade)
         write_synthetic_slide(out / name, size=size, scene=scene)
         row: dict[str, str] = {"slide": name, "patient": f"P{p:03d}"}
         if task == "regression":

@@ -343,6 +343,10 @@ class FitRecipe:
             write_json(self.run_dir / name, {"kind": kind, "task": objective.kind if objective else "classification",
                                              "outputs": names, "patients_averaged": "mean of the slides' outputs",
                                              "metrics": metrics, "slides": rows})  # fmt: skip
+            if objective is not None:  # Kaplan-Meier, predicted against true, ROC per label
+                from wsitrain.report.task_figures import write_task_figures
+
+                write_task_figures(self.run_dir)
             if objective is None and kind == "val":  # the classification figures, as before
                 labels = y[:, 0].astype(int)
                 write_validation_figures(self.run_dir, labels, out, self.data.class_names,
