@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +91,20 @@ def test_task_run_outputs_predict_and_report(root: Path, tmp_path: Path) -> None
     assert len(rows) == 48 and set(rows[0]) == {"slide", "path", "risk"}
     patients = list(csv.DictReader(out.with_name("pred.patients.csv").open()))
     assert len(patients) == 48 and set(patients[0]) == {"patient", "slides", "risk"}
+
+    # heatmaps work for a task: survival's is the risk map (one panel), from the per-bin hazard maps
+    few = tmp_path / "few"
+    few.mkdir()
+    for name in ("slide_000.svs", "slide_001.svs"):
+        shutil.copy(root / "data-survival" / name, few / name)
+    run_predict(cfg, checkpoint=run / "best.pt", slides=few, out=tmp_path / "few.csv",
+                console=Console(file=io.StringIO()), heatmaps=tmp_path / "maps")  # fmt: skip
+    index = json.loads((tmp_path / "maps" / "heatmaps.json").read_text())
+    assert index["classes"] == ["risk"] and len(index["slides"]) == 2
+    risks = [float(r["risk"]) for r in csv.DictReader((tmp_path / "few.csv").open())]
+    for rec, risk in zip(index["slides"], risks, strict=True):
+        assert rec["cam_shape"][0] == 1 and (tmp_path / "maps" / rec["png"]).is_file()
+        assert rec["probs"]["risk"] == pytest.approx(risk, abs=1e-5)  # the map's slide risk is predict's
 
     page = write_report(run, heatmaps=False).read_text()
     assert "Task results" in page and "test_c_index (held-out test)" in page

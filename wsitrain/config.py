@@ -586,8 +586,14 @@ def config_summary(cfg: WsiTrainConfig) -> dict[str, str]:
         else "level 0"
     )
     budget = format_bytes(e.memory_budget_bytes) if e.memory_budget is not None else "detected from the device"
+    tk = cfg.task
+    task = {} if tk.kind == "classification" else {"task": tk.kind + (
+        f" (columns {', '.join(tk.columns or [])}" + (f", loss {tk.loss})" if tk.kind == "regression" else ")")
+        if tk.columns else f" (time {tk.time}, event {tk.event}, {tk.bins} bins)")}  # fmt: skip
     return {
-        "model": f"{cfg.model.name} (pool {cfg.model.pool}, classes {cfg.model.num_classes or 'from labels'})",
+        **task,
+        "model": f"{cfg.model.name} (pool {cfg.model.pool}, "
+        + (f"classes {cfg.model.num_classes or 'from labels'})" if not task else "head from the task)"),
         "data": source,
         "read": f"{scale}, region {d.region}" + (f" {d.size}" if d.size is not None else ""),
         "engine": f"budget {budget}, tile {e.tile_size or 'planned'}, device {e.device}",

@@ -13,10 +13,12 @@ matplotlib.use("Agg")  # files only; never a window
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from wsitrain.report.heatmap import SlideMaps  # noqa: E402
 from wsitrain.report.roc import roc_points  # noqa: E402
 from wsitrain.report.runlog import read_json  # noqa: E402
 from wsitrain.tasks.metrics import kaplan_meier, label_aucs, logrank_test  # noqa: E402
 from wsitrain.tasks.objective import per_patient  # noqa: E402
+from wsitrain.tasks.survival import risk_score  # noqa: E402
 
 # (file with the rows, title word) of each evaluated set
 SETS = (("task_validation.json", "validation"), ("test.json", "test"))
@@ -97,3 +99,13 @@ def _rocs(data: dict[str, Any], what: str, png: Path) -> None:
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)
+
+
+def risk_map(maps: SlideMaps) -> SlideMaps:
+    """Survival's heatmap: the risk (bins minus expected bins survived) of each position's hazard logits, as if
+    that position were the whole slide; the head's per-bin maps are the class activation maps it starts from."""
+    k, h, w = maps.cam.shape
+    risk = risk_score(maps.cam.float().permute(1, 2, 0).reshape(-1, k)).reshape(1, h, w)
+    slide_risk = risk_score(maps.logits.float()[None, :])
+    return SlideMaps(risk.to(maps.cam.dtype), slide_risk, slide_risk, maps.stride, maps.pool, None, maps.saliency,
+                     maps.block)

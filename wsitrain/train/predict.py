@@ -132,7 +132,7 @@ def run_predict(
     console.print(f"memory budget: {budget.describe()}", markup=False, highlight=False)
     console.print(masking_note(cfg), markup=False, highlight=False)
 
-    maps = HeatmapWriter(Path(heatmaps), class_names, saliency, runner.autocast) if heatmaps is not None else None
+    maps = _heatmap_writer(Path(heatmaps), class_names, saliency, runner, objective) if heatmaps else None
     rows = []
     outputs: list[list[float]] = []
     t0 = time.perf_counter()
@@ -146,7 +146,7 @@ def run_predict(
             console.print(f"[{i}/{len(paths)}] {p.name}: " + ", ".join(f"{h} {v:.4g}" for h, v in
                           zip(_task_header(objective), probs, strict=True)), markup=False, highlight=False)  # fmt: skip
             if maps is not None:
-                maps.add(p, read, engine)
+                maps.add(p, read, engine, probabilities=objective.outputs)
             continue
         pred = class_names[int(max(range(len(probs)), key=probs.__getitem__))]
         rows.append([p.name, str(p), *(f"{v:.6f}" for v in probs), pred])
@@ -214,3 +214,16 @@ def _write_patients(out: Path, paths: list[Path], patient_of: dict[str, str], ou
         for i, row in zip(ids, mean, strict=True):
             w.writerow([i, counts.get(i) or 1, *(f"{v:.6f}" for v in row)])
     console.print(f"wrote {target}: {len(ids)} patients (each the mean of its slides' outputs)", markup=False)
+
+
+def _heatmap_writer(out: Path, class_names: list[str], saliency: bool, runner: Evaluator,
+                    objective: Objective | None) -> HeatmapWriter:  # fmt: skip
+    """Class activation maps; a task's maps are its outputs' (each regression target or label), and survival's is
+    the risk map (report.task_figures.risk_map)."""
+    if objective is None:
+        return HeatmapWriter(out, class_names, saliency, runner.autocast)
+    if objective.kind == "survival":
+        from wsitrain.report.task_figures import risk_map
+
+        return HeatmapWriter(out, ["risk"], saliency, runner.autocast, transform=risk_map)
+    return HeatmapWriter(out, objective.names, saliency, runner.autocast)
