@@ -60,6 +60,7 @@ def test_cv_folds_summary_and_resume(tmp_path: Path) -> None:
     assert "test_c_index" in m and m["test_c_index"]["mean"] is not None
     page = (cv_dir / "cv.html").read_text()
     assert "mean ± sd" in page and "(held-out test)" in page and "fold-3/report.html" in page
+    assert all((cv_dir / f"fold-{k}" / "report.html").is_file() for k in (1, 2, 3))
 
     # a rerun keeps the finished folds; a fold with last.pt but no summary resumes from it
     (cv_dir / "fold-2" / "summary.json").unlink()

@@ -85,6 +85,10 @@ def run_cv(cfg: WsiTrainConfig, *, folds: int, name: str | None = None, console:
                 run_fit(fold_cfg, console=console, quiet=quiet)
             summaries.append(json.loads((run / "summary.json").read_text()))
         if info.is_main:
+            from wsitrain.report.html import write_report
+
+            for k in range(folds):  # each fold's own page, linked from the page across folds
+                write_report(cv_dir / f"fold-{k + 1}", heatmaps=False)
             summary = summarize(summaries)
             write_json(cv_dir / SUMMARY, summary)
             (cv_dir / PAGE).write_text(cv_page(cv_dir, summary, cfg), encoding="utf-8")
