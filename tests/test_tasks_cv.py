@@ -74,3 +74,42 @@ def test_cv_folds_summary_and_resume(tmp_path: Path) -> None:
     other = _cfg(labels, tmp_path / "runs").model_copy(update={"seed": 2})
     with pytest.raises(WsiTrainError, match="holds another cross-validation"):
         _cv(other, 3)
+
+
+def _cv_worker(rank: int, world: int, port: int, labels: str, log_dir: str) -> None:
+    import os
+
+    import torch
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))  # fmt: skip
+    torch.set_num_threads(1)
+    cfg = _cfg(Path(labels), Path(log_dir)).model_copy(update={"distributed": _gloo()})
+    run_cv(cfg, folds=2, console=Console(file=io.StringIO()), quiet=True)
+
+
+def _gloo() -> Any:
+    from wsitrain.config import DistributedConfig
+
+    return DistributedConfig(backend="gloo")
+
+
+@pytest.mark.slow
+def test_cv_under_two_processes_trains_every_fold_on_both_ranks(tmp_path: Path) -> None:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    labels = write_task_dataset(tmp_path / "data", "survival", n=12, size=128, seed=1, test_fraction=0.2)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_cv_worker, args=(2, port, str(labels), str(tmp_path / "runs")), nprocs=2, join=True)
+    cv_dir = tmp_path / "runs" / "t-cv2"
+    for k in (1, 2):
+        rows = list(csv.DictReader((cv_dir / "folds" / f"fold-{k}.csv").open()))
+        n_train = sum(r["split"] == "train" for r in rows)
+        s = json.loads((cv_dir / f"fold-{k}" / "summary.json").read_text())
+        assert s["optimizer_steps"] == -(-n_train // 2)  # each step took one slide on each of the 2 ranks
+        assert s["val_n"] == sum(r["split"] == "val" for r in rows) and s["test_n"] == 2  # gathered from both
+    assert json.loads((cv_dir / "cv_summary.json").read_text())["n_folds"] == 2

@@ -72,9 +72,12 @@ def run_cv(cfg: WsiTrainConfig, *, folds: int, name: str | None = None, console:
             fold_name = f"fold-{k + 1}"
             run = cv_dir / fold_name
             fold_cfg = _fold_config(cfg, cv_dir, k)
-            if (run / "summary.json").is_file():
+            # rank 0 decides what the fold needs (it writes the folder; every rank follows the same branch)
+            D.barrier(info)
+            state = D.broadcast_object(_fold_state(run), info)
+            if state == "done":
                 console.print(f"{fold_name}: finished earlier, kept", markup=False)
-            elif (run / "last.pt").is_file():
+            elif state == "resume":
                 console.print(f"{fold_name}: resuming from {run / 'last.pt'}", markup=False)
                 run_fit(fold_cfg, resume=run, console=console, quiet=quiet)
             else:
@@ -83,7 +86,9 @@ def run_cv(cfg: WsiTrainConfig, *, folds: int, name: str | None = None, console:
                 D.barrier(info)
                 console.print(f"{fold_name}: training ({fold_of.count(k)} validation slides)", markup=False)
                 run_fit(fold_cfg, console=console, quiet=quiet)
-            summaries.append(json.loads((run / "summary.json").read_text()))
+            D.barrier(info)  # rank 0 writes summary.json after the other ranks return from the fit
+            if info.is_main:
+                summaries.append(json.loads((run / "summary.json").read_text()))
         if info.is_main:
             from wsitrain.report.html import write_report
 
@@ -98,6 +103,13 @@ def run_cv(cfg: WsiTrainConfig, *, folds: int, name: str | None = None, console:
     finally:
         D.cleanup(info)
     return cv_dir
+
+
+def _fold_state(run: Path) -> str:
+    """done: summary.json is there; resume: last.pt is; new: neither (a folder without last.pt is started over)."""
+    if (run / "summary.json").is_file():
+        return "done"
+    return "resume" if (run / "last.pt").is_file() else "new"
 
 
 def _cuda() -> bool:
