@@ -247,6 +247,7 @@ def plan(
         None, "--tissue", min=0.0, max=1.0, help="Also predict the step time when this share of the tiles holds "
         "tissue (masked background computed once), e.g. 0.4.",
     ),
+    pool: str = typer.Option("avg", "--pool", help="The head's pooling: avg, max, attention or gated_attention."),
 ) -> None:
     """Show how the SFT engine would tile a model for an image size and memory budget (allocates nothing).
 
@@ -261,6 +262,8 @@ def plan(
       wsitrain plan --model vgg16 --size 20480 --gpu 2080ti --simulate
 
       wsitrain plan --model resnet50 --size 40000 --gpu a100-80 --tissue 0.4
+
+      wsitrain plan --model resnet50 --size 100000 --gpu 2080ti --pool gated_attention
     """
     run_plan = _entry("wsitrain.plan.command", "run_plan", "plan")
     code = run_plan(
@@ -276,6 +279,7 @@ def plan(
         simulate=simulate,
         every_tile=every_tile,
         tissue=tissue,
+        pool=pool,
     )
     if code:
         raise typer.Exit(int(code))

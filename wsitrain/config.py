@@ -34,6 +34,7 @@ from pydantic import (
 )
 
 from wsitrain.errors import ConfigError, WsiTrainError
+from wsitrain.models.heads import ATTENTION_POOLS, POOLS, AttentionSpec
 from wsitrain.models.registry import ModelNameError, is_imagenet, resolve_model_name
 from wsitrain.precision import Precision
 from wsitrain.tasks.kinds import RegressionLoss, TaskKind
@@ -161,12 +162,39 @@ class DataConfig(Section):
         return self
 
 
+class AttentionConfig(Section):
+    """``model.attention``: the attention-MIL head of ``pool: attention | gated_attention`` (models/attention.py)."""
+
+    dim: int | None = Field(None, ge=1)  # 1x1 projection (+ ReLU) to this width first (CLAM: 512); none: trunk's
+    hidden: int | None = Field(None, ge=1)  # width of the attention layers V (and U); none: min(256, the width)
+    branches: Literal["single", "per_class"] = "single"  # per_class: one attention branch per class (CLAM-MB)
+
+    def spec(self) -> AttentionSpec:
+        return AttentionSpec(self.dim, self.hidden, self.branches == "per_class")
+
+
 class ModelConfig(Section):
     name: str = "tiny"  # a built-in, torchvision/<name> or timm/<name>: checked by wsitrain.models' one registry
     num_classes: int | None = Field(None, ge=1)
     weights: UserPath | None = None  # a state dict, a wsitrain run checkpoint (best.pt), or `imagenet`
-    pool: Literal["avg", "max"] = "avg"
+    pool: str = "avg"  # one of wsitrain.models.heads.POOLS
+    attention: AttentionConfig = AttentionConfig()
     freeze_bn: bool = True
+
+    @field_validator("pool")
+    @classmethod
+    def _known_pool(cls, value: str) -> str:
+        if value not in POOLS:
+            raise ValueError(f"unknown pool {value!r}: choose one of {', '.join(POOLS)}")
+        return value
+
+    @model_validator(mode="after")
+    def _attention_needs_attention_pool(self) -> ModelConfig:
+        if self.pool not in ATTENTION_POOLS and self.attention != AttentionConfig():
+            raise ValueError(
+                f"model.attention applies to pool: {' or '.join(ATTENTION_POOLS)}, but model.pool is {self.pool!r}"
+            )
+        return self
 
     @field_validator("name")
     @classmethod

@@ -22,9 +22,10 @@ from wsitrain.models.registry import (
 
 if TYPE_CHECKING:
     from wsitrain.models.frozen_bn import FrozenBatchNorm2d, freeze_batchnorm, is_frozen_bn
+    from wsitrain.models.heads import POOLS
     from wsitrain.models.normalize import IMAGENET_MEAN, IMAGENET_STD, InputNormalization
     from wsitrain.models.weights import load_weights
-    from wsitrain.models.zoo import MODEL_NAMES, POOLS, build, count_parameters, parameter_bytes
+    from wsitrain.models.zoo import MODEL_NAMES, build, count_parameters, parameter_bytes
 
 _LAZY = {
     "FrozenBatchNorm2d": "frozen_bn",
@@ -35,7 +36,7 @@ _LAZY = {
     "InputNormalization": "normalize",
     "load_weights": "weights",
     "MODEL_NAMES": "zoo",
-    "POOLS": "zoo",
+    "POOLS": "heads",
     "build": "zoo",
     "count_parameters": "zoo",
     "parameter_bytes": "zoo",

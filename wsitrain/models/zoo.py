@@ -16,14 +16,15 @@ from pathlib import Path
 from torch import nn
 
 from wsitrain.errors import WsiTrainError
+from wsitrain.models.attention import AttentionPool, AttentionScores, BranchDiagonal
 from wsitrain.models.darknet import darknet19_features
 from wsitrain.models.frozen_bn import freeze_batchnorm
+from wsitrain.models.heads import ATTENTION_POOLS, AVG, GATED_ATTENTION, POOLS, AttentionSpec
 from wsitrain.models.normalize import IMAGENET_MEAN, IMAGENET_STD, InputNormalization
 from wsitrain.models.registry import BUILTIN_NAMES, ModelSpec, is_imagenet, resolve_model_name
 from wsitrain.models.weights import load_weights
 
 MODEL_NAMES = BUILTIN_NAMES  # the built-in names; any torchvision/<name> or timm/<name> is valid as well
-POOLS = ("avg", "max")
 
 
 def _tiny_features() -> nn.Sequential:
@@ -84,7 +85,10 @@ def input_normalization(spec: ModelSpec) -> Norm:
     return IMAGENET_MEAN, IMAGENET_STD
 
 
-def _builtin_parts(spec: ModelSpec, num_classes: int, imagenet: bool) -> tuple[nn.Module, nn.Module, int, Norm]:
+Parts = tuple[nn.Module, nn.Module, int, int, Norm]  # trunk, classifier, trunk channels, stride, normalization
+
+
+def _builtin_parts(spec: ModelSpec, num_classes: int, imagenet: bool) -> Parts:
     if imagenet and spec.imagenet_from is None:
         raise WsiTrainError(
             f"built-in model {spec.name!r} has no ImageNet weights",
@@ -93,10 +97,10 @@ def _builtin_parts(spec: ModelSpec, num_classes: int, imagenet: bool) -> tuple[n
         )
     make_trunk, channels = _TRUNKS[spec.name]
     assert spec.stride is not None  # every built-in has its stride in the registry
-    return make_trunk(imagenet), nn.Linear(channels, num_classes), spec.stride, input_normalization(spec)
+    return make_trunk(imagenet), nn.Linear(channels, num_classes), channels, spec.stride, input_normalization(spec)
 
 
-def _library_parts(spec: ModelSpec, num_classes: int, imagenet: bool) -> tuple[nn.Module, nn.Module, int, Norm]:
+def _library_parts(spec: ModelSpec, num_classes: int, imagenet: bool) -> Parts:
     import wsitrain.models.pretrained as pretrained
     from wsitrain.models.split import split_classifier
 
@@ -111,7 +115,24 @@ def _library_parts(spec: ModelSpec, num_classes: int, imagenet: bool) -> tuple[n
         net.transform_input = False
         norm = ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
     parts = split_classifier(net, spec.name, num_classes)
-    return parts.features, parts.classifier, parts.stride, norm
+    return parts.features, parts.classifier, parts.channels, parts.stride, norm
+
+
+def _pool_layers(pool: str, attention: AttentionSpec, channels: int, classifier: nn.Module, num_classes: int
+                 ) -> dict[str, nn.Module]:  # fmt: skip
+    """The layers from the trunk's output to the logits (after ``features``), by ``pool``."""
+    if pool not in ATTENTION_POOLS:
+        glob = nn.AdaptiveAvgPool2d(1) if pool == AVG else nn.AdaptiveMaxPool2d(1)
+        return {"pool": glob, "flatten": nn.Flatten(1), "classifier": classifier}
+    branches = num_classes if attention.per_class else 1
+    scores = AttentionScores(channels, branches, attention.dim, attention.hidden, gated=pool == GATED_ATTENTION)
+    if attention.dim is not None:
+        # the library's pre-logits layers (a LayerNorm, an MLP) expect the trunk's width, not the projection's
+        classifier = nn.Linear(attention.dim, num_classes)
+    if branches > 1:  # (B, K, C) -> every branch scored by every class (B, K, K) -> class k of branch k (B, K)
+        return {"attention": scores, "pool": AttentionPool(branches), "flatten": nn.Identity(),
+                "classifier": nn.Sequential(classifier, BranchDiagonal())}  # fmt: skip
+    return {"attention": scores, "pool": AttentionPool(1), "flatten": nn.Flatten(1), "classifier": classifier}
 
 
 def build(
@@ -120,14 +141,16 @@ def build(
     weights: str | Path | None = None,
     pool: str = "avg",
     freeze_bn: bool = True,
+    attention: AttentionSpec | None = None,
 ) -> nn.Sequential:
     """Build model ``name`` (a built-in, ``torchvision/<name>`` or ``timm/<name>``) with a ``num_classes``-way head.
 
     ``weights``: ``"imagenet"`` for the library's own pretrained weights (read from its cache; see
     wsitrain.models.pretrained), or a local file: a state dict of this exact model (as saved by
     ``torch.save(model.state_dict(), path)``) or a wsitrain run checkpoint (``best.pt``/``last.pt``).
-    ``pool``: global "avg" or "max" pooling before the head. ``freeze_bn``: BatchNorm layers keep their
-    running statistics even in ``model.train()``.
+    ``pool``: global "avg" or "max" pooling before the head, or attention-MIL pooling ("attention",
+    "gated_attention"; built as ``attention`` says, wsitrain.models.attention). ``freeze_bn``: BatchNorm layers
+    keep their running statistics even in ``model.train()``.
     """
     spec = resolve_model_name(name)
     if pool not in POOLS:
@@ -138,16 +161,9 @@ def build(
         )
     imagenet = is_imagenet(weights)
     parts = _builtin_parts if spec.is_builtin else _library_parts
-    features, classifier, stride, (mean, std) = parts(spec, num_classes, imagenet)
-    model = nn.Sequential(
-        OrderedDict(
-            normalize=InputNormalization(mean, std),
-            features=features,
-            pool=nn.AdaptiveAvgPool2d(1) if pool == "avg" else nn.AdaptiveMaxPool2d(1),
-            flatten=nn.Flatten(1),
-            classifier=classifier,
-        )
-    )
+    features, classifier, channels, stride, (mean, std) = parts(spec, num_classes, imagenet)
+    head = _pool_layers(pool, attention or AttentionSpec(), channels, classifier, num_classes)
+    model = nn.Sequential(OrderedDict(normalize=InputNormalization(mean, std), features=features, **head))
     model.name = spec.name
     model.stride = stride
     if weights is not None and not imagenet:

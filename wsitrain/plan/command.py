@@ -18,6 +18,7 @@ from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
 from wsitrain.errors import PlanError, WsiTrainError
 from wsitrain.gpus import Budget, gpu_preset, resolve_budget
 from wsitrain.models import build
+from wsitrain.models.heads import AVG, POOLS
 from wsitrain.models.registry import resolve_model_name
 from wsitrain.precision import Precision, activation_dtype, check_precision
 from wsitrain.sft import Plan, max_square_size
@@ -121,6 +122,7 @@ def make_plan(
     simulate: bool = False,
     progress: Progress | None = None,
     every_tile: bool = False,
+    pool: str = AVG,
 ) -> PlanReport:
     """Validate the inputs, plan on the meta device, and return the plan with the command's envelope.
 
@@ -128,8 +130,11 @@ def make_plan(
     (``wsitrain.sft.simulate``); the plan shown is then the one that step ran (with ``optimizer``, default adamw,
     as ``wsitrain fit`` trains), for the GPU preset's generation. bf16/fp16 are planned but not simulated (the
     simulated device has no autocast). ``every_tile``: simulate every tile, not only the representative ones.
+    ``pool``: the head's pooling (wsitrain.models.heads.POOLS; attention with its default settings).
     """
     _check_model(model)
+    if pool not in POOLS:
+        raise WsiTrainError(f"--pool: unknown pool {pool!r}", hint=f"choose one of: {', '.join(POOLS)}")
     prec = check_precision(precision)
     dtype = activation_dtype(prec)
     budget = resolve_budget(gpu, memory)
@@ -143,7 +148,7 @@ def make_plan(
     if tile is not None and tile <= 0:
         raise WsiTrainError(f"--tile: {tile!r} must be positive", hint="give a tile edge in pixels, or omit --tile")
     with torch.device("meta"):  # shapes only: no parameter or activation is ever allocated
-        net = build(model, PLAN_NUM_CLASSES)
+        net = build(model, PLAN_NUM_CLASSES, pool=pool)
     h, w = parse_size(size, net.stride, model)
     if simulate:
         return _simulated(
@@ -223,6 +228,7 @@ def run_plan(
     simulate: bool = False,
     every_tile: bool = False,
     tissue: float | None = None,
+    pool: str = AVG,
 ) -> int:
     """``wsitrain plan``: print the plan (readable, or one JSON object); exit code 0 when it fits, 1 when not.
 
@@ -231,7 +237,7 @@ def run_plan(
     report = make_plan(
         model=model, size=size, gpu=gpu, memory=memory, batch=batch, precision=precision, tile=tile,
         optimizer=optimizer, simulate=simulate, progress=_progress_bar(console) if simulate and not as_json else None,
-        every_tile=every_tile,
+        every_tile=every_tile, pool=pool,
     )  # fmt: skip
     if as_json:
         d = report.to_dict()

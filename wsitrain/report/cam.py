@@ -15,22 +15,33 @@ import torch.nn.functional as F
 from torch import nn
 
 from wsitrain.errors import WsiTrainError
+from wsitrain.models.attention import BranchDiagonal
+from wsitrain.models.heads import ATTENTION, AVG, MAX
+from wsitrain.sft.ops.attention_pool import AttentionPool
 
-# Global poolings a CAM can be read through; each maps (B, C, h, w) -> (B, C, 1, 1).
-_POOLS: dict[type[nn.Module], str] = {nn.AdaptiveAvgPool2d: "avg", nn.AdaptiveMaxPool2d: "max"}
+# Global poolings a CAM can be read through; each maps (B, C, h, w) -> (B, C, 1, 1) (attention: (B, K, C), each
+# branch's attention-weighted mean, so the logit is the CAM's attention-weighted sum).
+_POOLS: dict[type[nn.Module], str] = {nn.AdaptiveAvgPool2d: AVG, nn.AdaptiveMaxPool2d: MAX, AttentionPool: ATTENTION}
 # Modules between the pooling and the classifier that do not change a feature vector at inference.
 _PASS_THROUGH = (nn.Flatten, nn.Dropout, nn.Identity)
 
 
 @dataclass(frozen=True)
 class ClassifierHead:
-    """Where a model's trunk ends and how its head scores: ``pool`` "avg" or "max", then ``weight @ v + bias``."""
+    """Where a model's trunk ends and how its head scores: ``pool`` "avg", "max" or "attention", then
+    ``weight @ v + bias`` (attention with one branch per class: class k scores branch k's ``v``)."""
 
     trunk: nn.Sequential  # every module before the global pooling (for the plain reference computation)
     pool: str
     weight: torch.Tensor  # (K, C)
     bias: torch.Tensor  # (K,)
     linear_path: str  # the Linear's module path, for messages
+    attention: AttentionPool | None = None  # the attention pool: the trunk's map ends in its branches' scores
+
+    @property
+    def branches(self) -> int:
+        """Attention score channels at the end of the trunk's map (0 without an attention pool)."""
+        return self.attention.branches if self.attention is not None else 0
 
 
 def find_head(model: nn.Module) -> ClassifierHead:
@@ -55,7 +66,7 @@ def find_head(model: nn.Module) -> ClassifierHead:
             hint="use a model with pool: avg or pool: max (every wsitrain model has one)",
         )
     i = pools[-1]
-    rest = list(zip(names[i + 1 :], mods[i + 1 :], strict=True))
+    rest = [(n, _inner_linear(m)) for n, m in zip(names[i + 1 :], mods[i + 1 :], strict=True)]
     linears = [(n, m) for n, m in rest if isinstance(m, nn.Linear)]
     others = [n for n, m in rest if not isinstance(m, (nn.Linear, *_PASS_THROUGH))]
     if len(linears) != 1 or others:
@@ -66,10 +77,20 @@ def find_head(model: nn.Module) -> ClassifierHead:
         )
     name, lin = linears[0]
     bias = lin.bias if lin.bias is not None else torch.zeros(lin.out_features, device=lin.weight.device)
-    return ClassifierHead(inner[:i], _POOLS[type(mods[i])], lin.weight.detach(), bias.detach(), name)
+    pool = mods[i] if isinstance(mods[i], AttentionPool) else None
+    return ClassifierHead(inner[:i], _POOLS[type(mods[i])], lin.weight.detach(), bias.detach(), name, pool)
+
+
+def _inner_linear(m: nn.Module) -> nn.Module:
+    """CLAM-MB's ``Sequential(Linear, BranchDiagonal)`` scores as its Linear does (class k of branch k)."""
+    if isinstance(m, nn.Sequential) and len(m) == 2 and isinstance(m[1], BranchDiagonal):
+        return m[0]
+    return m
 
 
 def _output_is_one(m: nn.Module) -> bool:
+    if isinstance(m, AttentionPool):
+        return True
     size = m.output_size  # type: ignore[attr-defined]
     return size == 1 or tuple(size) == (1, 1)
 
@@ -98,16 +119,22 @@ class CamAccumulator:
         self.covered = torch.zeros(self.hw, dtype=torch.bool)
         self.max_value = torch.full((batch, c), -torch.inf, dtype=dtype)  # (B, C)
         self.max_index = torch.zeros((batch, c), dtype=torch.long)  # (B, C) flat index into (h, w)
+        # attention: each branch's score at every position (B, branches, h, w), made weights by ``attention()``
+        self.scores = torch.zeros((batch, head.branches, *self.hw), dtype=dtype) if head.branches else None
 
     def __call__(self, tile: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> None:
         (r0, r1), (c0, c1) = rows, cols
         t = tile.detach().to(self.head.weight.dtype)  # (B, C, th, tw); autocast tiles come in bf16/fp16
         if t.shape[-2:] != (r1 - r0, c1 - c0):
             raise ValueError(f"tile {tuple(t.shape)} does not match rows {rows} cols {cols}")
-        if t.shape[1] != self.head.weight.shape[1]:
+        nb = self.head.branches
+        if t.shape[1] != self.head.weight.shape[1] + nb:
             # The engine's trunk must end where the pooling starts, or this is some other feature map.
             raise ValueError(f"the observed map has {t.shape[1]} channels but {self.head.linear_path} expects "
-                             f"{self.head.weight.shape[1]}")
+                             f"{self.head.weight.shape[1]}" + (f" and {nb} attention scores" if nb else ""))
+        if self.scores is not None:
+            self.scores[:, :, r0:r1, c0:c1] = t[:, -nb:].cpu()
+            t = t[:, :-nb]  # (B, C, th, tw): the features the pool weights
         self.cam[:, :, r0:r1, c0:c1] = cam_of_features(self.head, t).cpu()
         self.covered[r0:r1, c0:c1] = True
         if self.head.pool == "max":
@@ -125,6 +152,18 @@ class CamAccumulator:
             missing = int((~self.covered).sum())
             raise RuntimeError(f"the trunk hook left {missing} of {self.covered.numel()} map positions unseen")
         return self.cam
+
+    def attention(self) -> torch.Tensor:
+        """Attention heads: (B, branches, h, w) weights, each branch's softmax over the map (0 outside the mask its
+        pool holds while this is called, as in the forward that filled the scores)."""
+        assert self.head.attention is not None and self.scores is not None, "not an attention head"
+        self.result()  # every position seen
+        h, w = self.hw
+        s = self.scores
+        mask = self.head.attention.mask_at(h, w)
+        if mask is not None:
+            s = s.masked_fill(~mask.cpu(), float("-inf"))
+        return torch.softmax(s.flatten(2), dim=-1).view_as(s)
 
     def max_contributions(self) -> torch.Tensor:
         """Max head only: (B, K, h*w) per-position parts of ``logit - bias`` (they sum to it exactly)."""

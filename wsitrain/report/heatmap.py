@@ -28,6 +28,7 @@ class SlideMaps:
     stride: float  # image pixels per CAM pixel
     pool: str
     decisive: torch.Tensor | None = None  # (K, 2) (row, col) in CAM pixels; max-pooling heads only
+    attention: torch.Tensor | None = None  # (branches, h, w) attention weights (each sums to 1); attention heads
     saliency: torch.Tensor | None = None  # (C, H/block, W/block) block-summed d logit_pred / d image
     block: int = 0
 
@@ -91,14 +92,20 @@ def slide_maps(
     out = SlideMaps(cam, logits.detach()[0].cpu(), probs[0].float().cpu(), stride, head.pool)
     if head.pool == "max":
         out.decisive = acc.decisive_positions()[0]
+    if head.attention is not None:
+        out.attention = acc.attention()[0]
     if saliency_block:
         out.saliency, out.block = _saliency(model, x, logits, out.predicted, saliency_block, hooks), saliency_block
     return out
 
 
 def _plain_head(head: ClassifierHead, f: torch.Tensor) -> torch.Tensor:
+    w, b = head.weight.to(f.device), head.bias.to(f.device)
+    if head.attention is not None:
+        v = head.attention(f).to(w.dtype)  # (B, branches, C)
+        return v[:, 0] @ w.T + b if v.shape[1] == 1 else (v * w).sum(-1) + b  # one branch per class: its own
     v = f.amax(dim=(2, 3)) if head.pool == "max" else f.mean(dim=(2, 3))  # (B, C)
-    return v.to(head.weight.dtype) @ head.weight.T.to(f.device) + head.bias.to(f.device)
+    return v.to(w.dtype) @ w.T + b
 
 
 def _saliency(

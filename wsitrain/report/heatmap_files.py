@@ -1,5 +1,6 @@
 """`predict --heatmaps DIR`: per slide ``NAME.cam.npy`` (K, h, w), ``NAME.png``, optional ``NAME.saliency.npy``
-(3, H/block, W/block), and ``heatmaps.json`` indexing them (what the run report reads)."""
+(3, H/block, W/block), ``NAME.attention.npy`` (branches, h, w) for attention heads, and ``heatmaps.json``
+indexing them (what the run report reads)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from torch import nn
 
 from wsitrain.report.heatmap import SlideMaps, eval_mode, slide_maps
 from wsitrain.report.overlay import Placement, render_heatmap, slide_thumbnail
+from wsitrain.train.attention_mask import attention_masked
 
 INDEX = "heatmaps.json"
 # Saliency cells: at least the model's stride, and coarse enough that the map's longer side stays <= this.
@@ -58,7 +60,7 @@ class HeatmapWriter:
         image = read.image  # (3, H, W) uint8
         stride = int(getattr(getattr(model, "model", model), "stride", 1))
         block = saliency_block(tuple(image.shape[-2:]), stride) if self.saliency else None
-        with eval_mode(model):
+        with eval_mode(model), attention_masked(model, read):
             maps = slide_maps(model, image, saliency_block=block, probabilities=probabilities, autocast=self.autocast)
         if self.transform is not None:
             maps = self.transform(maps)
@@ -66,6 +68,8 @@ class HeatmapWriter:
         np.save(self.out_dir / f"{stem}.cam.npy", maps.cam.float().numpy())
         if maps.saliency is not None:
             np.save(self.out_dir / f"{stem}.saliency.npy", maps.saliency.float().numpy())
+        if maps.attention is not None:
+            np.save(self.out_dir / f"{stem}.attention.npy", maps.attention.float().numpy())
         with open_slide(slide) as reader:
             where = Placement(tuple(float(v) for v in read.box), float(read.downsample),  # type: ignore[arg-type]
                               tuple(reader.info.dimensions))  # type: ignore[arg-type]
@@ -85,6 +89,7 @@ class HeatmapWriter:
             "png": png.name,
             "cam": f"{stem}.cam.npy",
             "saliency": f"{stem}.saliency.npy" if maps.saliency is not None else None,
+            "attention": f"{stem}.attention.npy" if maps.attention is not None else None,  # (branches, h, w)
             "label": self.class_names[label] if label is not None else None,
             "predicted": self.class_names[maps.predicted],
             "probs": {c: float(p) for c, p in zip(self.class_names, maps.probs.tolist(), strict=True)},

@@ -95,15 +95,28 @@ def render_heatmap(
     title: str,
     tissue: np.ndarray | None = None,
 ) -> Path:
-    """Write the PNG: one panel per class CAM (up to MAX_CLASS_PANELS, most probable first) and the saliency."""
+    """Write the PNG: the attention map of each branch (attention heads: up to MAX_CLASS_PANELS, the predicted
+    class's branch first), one panel per class CAM (up to MAX_CLASS_PANELS, most probable first), the saliency."""
     probs = maps.probs.numpy()
     order = [int(k) for k in np.argsort(-probs)[:MAX_CLASS_PANELS]]
-    n = len(order) + (maps.saliency is not None)
+    att = maps.attention.double().numpy() if maps.attention is not None else None
+    branches = ([0] if att.shape[0] == 1 else order) if att is not None else []
+    n = len(branches) + len(order) + (maps.saliency is not None)
     x0, x1, y1, y0 = _view(where)
     aspect = (y1 - y0) / max(1e-9, x1 - x0)
     fig, axes = plt.subplots(1, n, figsize=(4.6 * n, 3.9 * aspect + 0.9), squeeze=False, layout="constrained")
     cam = maps.cam.double().numpy()
-    for ax, k in zip(axes[0], order, strict=False):
+    for ax, b in zip(axes[0], branches, strict=False):
+        assert att is not None
+        _base(ax, thumb, tissue)
+        im = ax.imshow(att[b], extent=_map_extent(att.shape[1:], maps.stride, where), cmap="inferno", alpha=0.6,
+                       vmin=0.0, vmax=float(att[b].max()) or 1.0, interpolation="nearest")
+        fig.colorbar(im, ax=ax, fraction=0.046, pad=0.03, label="attention weight (sums to 1)")
+        ax.set_title("attention" if len(branches) == 1 and att.shape[0] == 1 else f"attention, branch {class_names[b]}",
+                     fontsize=10)  # fmt: skip
+        ax.set_xlim(x0, x1)
+        ax.set_ylim(y1, y0)
+    for ax, k in zip(axes[0][len(branches) :], order, strict=False):
         _base(ax, thumb, tissue)
         lim = float(np.abs(cam[k]).max()) or 1.0
         im = ax.imshow(cam[k], extent=_map_extent(cam.shape[1:], maps.stride, where), cmap="RdBu_r", vmin=-lim,

@@ -4,6 +4,7 @@ curve per label (multi-label). Read from task_validation.json and test.json, whi
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -107,5 +108,5 @@ def risk_map(maps: SlideMaps) -> SlideMaps:
     k, h, w = maps.cam.shape
     risk = risk_score(maps.cam.float().permute(1, 2, 0).reshape(-1, k)).reshape(1, h, w)
     slide_risk = risk_score(maps.logits.float()[None, :])
-    return SlideMaps(risk.to(maps.cam.dtype), slide_risk, slide_risk, maps.stride, maps.pool, None, maps.saliency,
-                     maps.block)
+    # keywords: every other map (attention, saliency) is kept as the head produced it
+    return dataclasses.replace(maps, cam=risk.to(maps.cam.dtype), logits=slide_risk, probs=slide_risk, decisive=None)

@@ -199,17 +199,44 @@ def augment_uint8(
     _check_jitter(color_jitter, strength)
     g = _rng(rng)
     # Draw every random number up front, in a fixed order, so a seed gives the same result whatever is enabled.
-    do_h, do_v, k = g.random() < 0.5, g.random() < 0.5, int(g.integers(4))
+    geo = _draw_geometry(g, flips, rot90)
     params = sample_color_jitter(g, color_jitter, strength) if color_jitter else None
-    if flips and do_h:
+    if geo.hflip:
         hflip_(image)
-    if flips and do_v:
+    if geo.vflip:
         vflip_(image)
-    if rot90 and k:
-        image = rot90_(image, k)
+    if geo.k:
+        image = rot90_(image, geo.k)
     if params is not None:
         apply_color_jitter_(image, params)
     return image
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The flips and quarter turns one augmentation applied, in this order (to move a mask along with the image)."""
+
+    hflip: bool = False
+    vflip: bool = False
+    k: int = 0  # quarter turns, as torch.rot90 over (H, W)
+
+    def apply(self, m: torch.Tensor) -> torch.Tensor:
+        """The same flips and turns on ``m`` (..., H, W)."""
+        if self.hflip:
+            m = m.flip(-1)
+        if self.vflip:
+            m = m.flip(-2)
+        return torch.rot90(m, self.k, (-2, -1)) if self.k else m
+
+
+def _draw_geometry(g: np.random.Generator, flips: bool, rot90: bool) -> Geometry:
+    do_h, do_v, k = g.random() < 0.5, g.random() < 0.5, int(g.integers(4))
+    return Geometry(flips and do_h, flips and do_v, k if rot90 else 0)
+
+
+def geometry_of(rng: np.random.Generator | int | None, cfg: AugmentConfig) -> Geometry:
+    """The flips and turns ``augment_from_config`` applies with a generator in the same state as ``rng``."""
+    return _draw_geometry(_rng(rng), cfg.flips, cfg.rot90)
 
 
 def augment_from_config(image: torch.Tensor, rng: np.random.Generator | int | None, cfg: AugmentConfig) -> torch.Tensor:

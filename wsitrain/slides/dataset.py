@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from wsitrain.errors import SlideError
-from wsitrain.slides.augment import AugmentConfig, augment_from_config
+from wsitrain.slides.augment import AugmentConfig, augment_from_config, geometry_of
 from wsitrain.slides.info import slide_info
 from wsitrain.slides.stream import ReadResult, read_slide_region
 from wsitrain.slides.suffixes import SLIDE_SUFFIXES
@@ -239,6 +239,7 @@ class SlideDataset(torch.utils.data.Dataset):
         image = res.image
         if self.augment is not None:
             rng = np.random.default_rng([self.seed, self.epoch, i])
+            res.geometry = geometry_of(np.random.default_rng([self.seed, self.epoch, i]), self.augment)
             image = augment_from_config(image, rng, self.augment)
             res.image = image
         return image, rec.label, rec, res

@@ -120,6 +120,19 @@ class RegionMask:
         kept = per_row @ self.grid.astype(np.float64) @ per_col
         return float(kept / (len(self.rows) * len(self.cols)))
 
+    def cells(self, h: int, w: int) -> np.ndarray:
+        """(h, w) bool: the output split into h x w cells (cell i holds rows ``y`` with ``y * h // H == i``), each
+        True when any of its pixels is kept. Made from the grid lookups, never from an (H, W) mask."""
+        gh, gw = self.grid.shape
+
+        def member(index: np.ndarray, n: int, g: int) -> np.ndarray:  # (n, g) int: cell i looks up grid entry j
+            m = np.zeros((n, g), dtype=np.int64)
+            m[np.arange(len(index)) * n // len(index), index] = 1
+            return m
+
+        hits = member(self.rows, h, gh) @ self.grid.astype(np.int64) @ member(self.cols, w, gw).T
+        return hits > 0
+
     # numpy, not torch, writes the colour: on a strided chunk view of the output, torch's fill_ and masked_fill_
     # took 24 and 35 ms for a 1024 px chunk, numpy's fill and copyto 0.06 and 2.3 ms (measured on 2 cores).
     def fill(self, view: torch.Tensor) -> None:

@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from wsitrain.errors import SlideError
-from wsitrain.slides.pixels import ReadThreads, fill_region_masked, resolve_read_threads
+from wsitrain.slides.augment import Geometry
+from wsitrain.slides.pixels import ReadThreads, RegionMask, fill_region_masked, resolve_read_threads
 from wsitrain.slides.readers import Background, SlideReader, open_slide
 from wsitrain.slides.resolution import Resolution, choose_resolution
 from wsitrain.slides.tissue import TissueResult, detect_tissue, region_mask
@@ -59,6 +60,17 @@ class ReadResult:
     tissue_fraction: float | None = None
     chunks_decoded: int = 0  # chunks read from the slide
     chunks_skipped: int = 0  # chunks wholly outside the tissue mask: filled with the background colour, not decoded
+    mask: RegionMask | None = None  # mask_background's tissue mask (None when masking was off or found nothing)
+    geometry: Geometry = Geometry()  # the flips and turns augmentation applied to ``image`` after the read
+
+    def map_mask(self, h: int, w: int) -> torch.Tensor | None:
+        """(1, 1, h, w) bool: which cells of ``image`` split into h x w hold tissue, in the augmented image's frame
+        (an attention pool's mask at its map's size); None without a tissue mask."""
+        if self.mask is None:
+            return None
+        pre = (w, h) if self.geometry.k % 2 else (h, w)  # a quarter turn swapped the axes
+        cells = torch.from_numpy(self.mask.cells(*pre))[None, None]
+        return self.geometry.apply(cells).contiguous()
 
     @property
     def mb_per_s(self) -> float:
@@ -245,6 +257,7 @@ def read_slide_region(
             pinned=pinned,
             threads=filled.threads,
             tissue_fraction=None if mask is None else mask.fraction(),
+            mask=mask,
             chunks_decoded=filled.decoded,
             chunks_skipped=filled.skipped,
         )

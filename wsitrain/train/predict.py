@@ -14,11 +14,13 @@ from wsitrain.errors import SlideError, WsiTrainError
 from wsitrain.gpus import run_budget
 from wsitrain.memory import tune_owned_process
 from wsitrain.models import build
+from wsitrain.models.heads import AttentionSpec
 from wsitrain.report.heatmap_files import HeatmapWriter
 from wsitrain.slides.readers import open_slide
 from wsitrain.slides.stream import read_slide_region
 from wsitrain.slides.suffixes import SLIDE_SUFFIXES, is_slide_name
 from wsitrain.tasks.objective import Objective, per_patient
+from wsitrain.train.attention_mask import attention_masked
 from wsitrain.train.checkpoint import load_checkpoint
 from wsitrain.train.data import masking_note, read_kwargs
 from wsitrain.train.engine import resolve_device, wrap_engine
@@ -121,7 +123,8 @@ def run_predict(
     # The architecture is the checkpoint's (what its weights fit); model.name was checked to agree above.
     m = {**config_to_dict(cfg)["model"], **(trained.get("model") or {})}
     n_outputs = objective.n_outputs if objective is not None else len(class_names)
-    model = build(m["name"], n_outputs, weights=None, pool=m["pool"], freeze_bn=m["freeze_bn"])
+    model = build(m["name"], n_outputs, weights=None, pool=m["pool"], freeze_bn=m["freeze_bn"],
+                  attention=AttentionSpec.from_dict(m.get("attention")))  # fmt: skip
     model.load_state_dict(ckpt["model"])
     device = resolve_device(cfg.engine.device)
     budget = run_budget(cfg.engine.memory_budget, device)
@@ -138,7 +141,8 @@ def run_predict(
     t0 = time.perf_counter()
     for i, p in enumerate(paths, 1):
         read = read_slide_region(p, **rk)
-        res = runner.eval_slide(read.image, None)
+        with attention_masked(model, read):
+            res = runner.eval_slide(read.image, None)
         probs = res.probs.tolist()
         outputs.append(probs)
         if objective is not None:

@@ -31,6 +31,7 @@ from wsitrain.slides.dataset import PrefetchLoader, SlideDataset, SlideRecord
 from wsitrain.slides.stream import ReadResult
 from wsitrain.tasks.objective import Objective, per_patient
 from wsitrain.train import distributed as D
+from wsitrain.train.attention_mask import attention_masked
 from wsitrain.train.checkpoint import rng_states, save_checkpoint, set_rng_states
 from wsitrain.train.data import FitData, augment_settings, epoch_order, load_fit_data, masking_note, read_kwargs
 from wsitrain.train.engine import batchnorm_note, build_model, resolve_device, seed_everything, wrap_engine
@@ -203,7 +204,8 @@ class FitRecipe:
                 self.recorder.plan_if_new(image, record.slide_id)
                 progress.start_slide(record.slide_id, self.recorder.tiles_total(image))
                 target = label if self.objective is None else self.objective.target(record)
-                step = self.oom.train_slide(image, target, 1.0 / window, record.slide_id)
+                with attention_masked(self.model, read):
+                    step = self.oom.train_slide(image, target, 1.0 / window, record.slide_id)
                 self.recorder.plan_if_new(image, record.slide_id)  # logs the new plan after an out-of-memory re-plan
             losses.append(step.loss)
             lr = trainer.lr
@@ -279,8 +281,8 @@ class FitRecipe:
         results = []
         t0 = time.perf_counter()
         for i in mine:
-            image, label, record, _read = self.val_ds[i]
-            with self._plan_errors_named(record.slide_id):
+            image, label, record, read = self.val_ds[i]
+            with self._plan_errors_named(record.slide_id), attention_masked(self.model, read):
                 r = self.trainer.eval_slide(image, label)
             results.append((int(label), r.loss, r.probs.numpy(), record.slide_id, str(record.path)))
         results = [x for part in D.gather_objects(results, self.dist) for x in part]
@@ -319,9 +321,9 @@ class FitRecipe:
         rows = []
         t0 = time.perf_counter()
         for i in mine:
-            image, label, record, _read = ds[i]
+            image, label, record, read = ds[i]
             target = label if objective is None else objective.target(record)
-            with self._plan_errors_named(record.slide_id):
+            with self._plan_errors_named(record.slide_id), attention_masked(self.model, read):
                 r = self.trainer.eval_slide(image, target)
             truth = [float(label)] if objective is None else list(record.target)
             rows.append({"slide": record.slide_id, "path": str(record.path), "patient": record.patient,

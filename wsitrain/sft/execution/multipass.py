@@ -27,7 +27,7 @@ level L; the last sweep adds every correction and returns parameter and input gr
 position's correction enters once, so sums over tiles are the plain gradient.
 
 A segment that ends the trunk may fold the global pool after it (``seg.fused_pool``), as a plain tiled
-segment does: the output sweep adds each tile to a ``PoolAccumulator`` instead of joining a map, and
+segment does: the output sweep adds each tile to a pool accumulator (fused_pool.py) instead of joining a map, and
 every backward sweep gives each recomputed tile its share of the pooled gradient (``acc.tile_grad``).
 
 The statistics computed in forward are kept for backward (per channel: tiny); nothing else is.
@@ -55,14 +55,14 @@ from wsitrain.sft.execution.barrier_stats import (
 from wsitrain.sft.execution.multipass_tile import MultiPassTiles
 from wsitrain.sft.execution.reuse import BackwardValue, ReuseCache, backward_hit, keep_backward, through
 from wsitrain.sft.ops.barriers import BATCHNORM, GRN, Barrier
-from wsitrain.sft.ops.fused_pool import PoolAccumulator
+from wsitrain.sft.ops.fused_pool import Accumulator
 
 
 class MultiPassSegment(MultiPassTiles):
     """A tiled segment with barriers: forward and backward in sweeps over the tiles (see the module doc)."""
 
     # ---- forward -------------------------------------------------------------------------------
-    def forward_sweeps(self, x: torch.Tensor, keep_graph: bool) -> tuple[torch.Tensor, Stats, PoolAccumulator | None]:
+    def forward_sweeps(self, x: torch.Tensor, keep_graph: bool) -> tuple[torch.Tensor, Stats, Accumulator | None]:
         """Statistics level by level, then the output sweep. Returns the output (B, C, Ho, Wo), or with a fused
         pool the pooled (B, C) and the accumulator backward needs, and the statistics.
 
@@ -137,7 +137,7 @@ class MultiPassSegment(MultiPassTiles):
         stats: Stats,
         need_x: bool,
         autocast: AutocastState,
-        acc: PoolAccumulator | None = None,
+        acc: Accumulator | None = None,
     ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
         """Leaf gradients level by level from the deepest, then parameter and input gradients.
 
@@ -145,7 +145,7 @@ class MultiPassSegment(MultiPassTiles):
         """
         reg = self.regions
         if acc is not None:
-            grad_out = grad_out.reshape(grad_out.shape[0], grad_out.shape[1])  # (B, C)
+            grad_out = acc.grad_view(grad_out)  # (B, C); attention (B, K, C)
         totals: Totals = {}
         sources = {b.source for b in self.barriers}
         chain_grads: dict[int, torch.Tensor] = {}  # id(parameter) -> gradient, of squeeze-excitation chains
@@ -217,7 +217,7 @@ class MultiPassSegment(MultiPassTiles):
         totals: Totals,
         need_x: bool,
         autocast: AutocastState,
-        acc: PoolAccumulator | None,
+        acc: Accumulator | None,
     ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
         reg = self.regions
         sink = self.hooks.input_grad_sink if self.start == 0 else None

@@ -31,7 +31,7 @@ from wsitrain.sft.execution.staging import HostStager
 from wsitrain.sft.execution.tiled import TiledSegment
 from wsitrain.sft.facts import GraphFacts
 from wsitrain.sft.ops.barriers import BATCHNORM, GRN, SQUEEZE, Barrier, ancestors_in, segment_barriers
-from wsitrain.sft.ops.fused_pool import PoolAccumulator
+from wsitrain.sft.ops.fused_pool import Accumulator
 from wsitrain.sft.ops.grn import grn_apply
 from wsitrain.sft.ops.norm_act import act_after_norm
 from wsitrain.sft.ops.registry import WINDOW
@@ -193,7 +193,7 @@ class MultiPassTiles(TiledSegment):
         grad_out: torch.Tensor,
         stats: Stats,
         totals: Totals,
-        acc: PoolAccumulator | None,
+        acc: Accumulator | None,
         g: torch.Tensor | None,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """What a tile back-propagates: its output with its share of grad_out (of the pooled gradient (B, C) with

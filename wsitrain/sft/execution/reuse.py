@@ -30,7 +30,7 @@ from typing import Generic, TypeVar
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from wsitrain.sft.ops.fused_pool import AMAX, PoolAccumulator
+from wsitrain.sft.ops.fused_pool import Accumulator
 from wsitrain.sft.ops.registry import WINDOW, OpSpec
 from wsitrain.sft.regions import AxisTile, SegmentRegions
 
@@ -175,7 +175,7 @@ def backward_hit(
     key: Key | None,
     region: torch.Tensor,
     g: torch.Tensor | None,
-    acc: PoolAccumulator | None,
+    acc: Accumulator | None,
     pooled_grad: torch.Tensor | None,
     rows: tuple[int, int],
     cols: tuple[int, int],
@@ -200,12 +200,12 @@ def keep_backward(
     g: torch.Tensor | None,
     y: torch.Tensor | None,
     res: tuple[torch.Tensor | None, ...],
-    acc: PoolAccumulator | None,
+    acc: Accumulator | None,
     grad_staged: bool,
     region_staged: bool,
 ) -> None:
     """Fill a backward entry: the output is kept only when amax's share reads it; a staged gradient is copied."""
-    kept_y = y.detach() if y is not None and acc is not None and acc.kind == AMAX else None
+    kept_y = y.detach() if y is not None and acc is not None and acc.share_reads_output else None
     # owned copies: a tensor autograd returned may share memory with what it reuses for later tiles (bf16 weight
     # gradients summed in place turned to NaN, TiledSegment.add_tile_grads); the entry outlives many tiles
     owned = tuple(t.clone() if t is not None else None for t in res)

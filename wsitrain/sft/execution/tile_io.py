@@ -11,7 +11,7 @@ import torch
 
 from wsitrain.sft.execution.hooks import ExecHooks
 from wsitrain.sft.execution.staging import HostStager
-from wsitrain.sft.ops.fused_pool import PoolAccumulator
+from wsitrain.sft.ops.fused_pool import Accumulator
 from wsitrain.sft.plan_types import SegmentPlan
 from wsitrain.sft.regions import AxisTile
 
@@ -102,7 +102,7 @@ class TileIO:
         """Do this segment's input regions come through the stager (a buffer reused for the next tile)?"""
         return self.in_on_host or x.device != self.device
 
-    def grad_staged(self, acc: PoolAccumulator | None, g: torch.Tensor | None) -> bool:
+    def grad_staged(self, acc: Accumulator | None, g: torch.Tensor | None) -> bool:
         """Did the output-gradient tile ``g`` come through the stager (a buffer reused for the next tile)?"""
         return g is not None and acc is None and (self.out_on_host or g.device != self.device)
 

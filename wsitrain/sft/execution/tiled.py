@@ -33,7 +33,7 @@ from wsitrain.sft.execution.runner import NodeRunner
 from wsitrain.sft.execution.staging import HostStager
 from wsitrain.sft.execution.tile_io import TileIO
 from wsitrain.sft.facts import GraphFacts
-from wsitrain.sft.ops.fused_pool import PoolAccumulator, PoolFusion
+from wsitrain.sft.ops.fused_pool import Accumulator, PoolFusion, new_accumulator
 from wsitrain.sft.ops.registry import WINDOW
 from wsitrain.sft.ops.space import check_tile_extent, crop, spatial_extent
 from wsitrain.sft.ops.types import TILE_CALL, tile_call
@@ -90,6 +90,13 @@ class TiledSegment(TileIO):
         key = (u, self.inputs[u][0]) if self.inputs[u] else (u, u)
         return tile_call(self.specs[u], lambda: (rt.req[key], ct.req[key]))
 
+    def new_accumulator(self) -> Accumulator:
+        """The fused pool's accumulator for one forward (attention reads the mask its pool holds now)."""
+        assert self.fusion is not None
+        reg = self.regions
+        pool = self.runner.graph.module(self.fusion.node)
+        return new_accumulator(self.fusion, pool, reg.rows_out[-1][1], reg.cols_out[-1][1])
+
     def tile_key(self, r: int, c: int) -> Key | None:
         """Tile (r, c)'s geometry key (``reuse.TileKeys``), None when it touches a map border."""
         return self._keys.key(self.regions, r, c)
@@ -132,7 +139,7 @@ class TiledSegment(TileIO):
         return env[self.end]
 
     # ---- the whole segment ---------------------------------------------------------------------
-    def forward_all(self, x: torch.Tensor) -> tuple[torch.Tensor, PoolAccumulator | None]:
+    def forward_all(self, x: torch.Tensor) -> tuple[torch.Tensor, Accumulator | None]:
         """Forward tile by tile without keeping activations.
 
         Joins tiles into the output (B, C, Ho, Wo); with a fused pool, folds them into the pooled value
@@ -158,7 +165,7 @@ class TiledSegment(TileIO):
 
     def join_tiles(
         self, produce: Callable[[int, int], torch.Tensor], dtype: torch.dtype
-    ) -> tuple[torch.Tensor, PoolAccumulator | None]:
+    ) -> tuple[torch.Tensor, Accumulator | None]:
         """The output sweep (plain and multi-pass segments): tile (r, c)'s output ``produce(r, c)`` is folded into
         the fused pool, or stored into the joined output (B, C, Ho, Wo); the trunk observer sees every tile.
 
@@ -167,7 +174,7 @@ class TiledSegment(TileIO):
         """
         reg = self.regions
         observer = self.hooks.trunk_observer if self.is_trunk_end else None
-        acc = PoolAccumulator(self.fusion.kind, reg.rows_out[-1][1], reg.cols_out[-1][1]) if self.fusion else None
+        acc = self.new_accumulator() if self.fusion else None
         out: torch.Tensor | None = None
         for r, c in self.tiles():
             t0 = self._tick(r, c, "forward")
@@ -196,14 +203,14 @@ class TiledSegment(TileIO):
         grad_out: torch.Tensor,
         need_x: bool,
         autocast: AutocastState,
-        acc: PoolAccumulator | None = None,
+        acc: Accumulator | None = None,
     ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
         """Recompute and back-propagate tile by tile; returns the input gradient and parameter gradients.
 
         ``grad_out`` is the gradient of the joined output, or of the pooled value when ``acc`` (fused) is given.
         """
         reg = self.regions
-        pooled_grad = grad_out.reshape(grad_out.shape[0], grad_out.shape[1]) if acc is not None else None  # (B, C)
+        pooled_grad = acc.grad_view(grad_out) if acc is not None else None  # (B, C); attention (B, K, C)
         sink = self.hooks.input_grad_sink if self.start == 0 else None
         grad_x = torch.zeros_like(x) if need_x and sink is None else None
         grads: list[torch.Tensor | None] = [None] * len(self.params)
@@ -257,7 +264,7 @@ class TiledSegment(TileIO):
         key: Key | None,
         region: torch.Tensor,
         g: torch.Tensor | None,
-        acc: PoolAccumulator | None,
+        acc: Accumulator | None,
         pooled_grad: torch.Tensor | None,
         r: int,
         c: int,

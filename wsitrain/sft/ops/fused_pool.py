@@ -7,7 +7,8 @@ share of the pooled gradient, the same values plain PyTorch would give:
 - avg: ``g / (H * W)`` at every position (the mean divides by the true H x W);
 - max (adaptive max pool): all of ``g`` to the one position plain PyTorch picks, the first maximum in
   row-major order (compared by global flat index across tiles, since tile order is not row-major);
-- amax: ``g / count`` at every position equal to the maximum, ``count`` over all tiles (ties split).
+- amax: ``g / count`` at every position equal to the maximum, ``count`` over all tiles (ties split);
+- attention (``AttentionPool``): an online softmax over the tiles (attention_pool.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import torch.nn.functional as F
 from torch import fx, nn
 from torch._subclasses.fake_tensor import is_fake
 
-AVG, MAX, AMAX = "avg", "max", "amax"
+from wsitrain.sft.ops.attention_pool import AttentionAccumulator, AttentionPool
+
+AVG, MAX, AMAX, ATTENTION = "avg", "max", "amax", AttentionAccumulator.kind
 _SPATIAL_DIMS = ({2, 3}, {-2, -1})
 
 
@@ -28,8 +31,8 @@ class PoolFusion:
     """The global pooling node that ends the trunk, and how it reduces."""
 
     node: int  # index of the pooling node (its only input is the trunk's last node)
-    kind: str  # AVG | MAX | AMAX
-    out_shape: tuple[int, ...]  # its output: (B, C, 1, 1) or (B, C)
+    kind: str  # AVG | MAX | AMAX | ATTENTION
+    out_shape: tuple[int, ...]  # its output: (B, C, 1, 1) or (B, C); attention: (B, K, C)
 
 
 def _is_one(v: object) -> bool:
@@ -45,8 +48,10 @@ def _dims(v: object) -> set[int] | None:
 
 
 def pool_kind(node: fx.Node, module: nn.Module | None) -> str | None:
-    """AVG / MAX / AMAX when ``node`` reduces a (B, C, H, W) input over H and W completely; else None."""
+    """AVG / MAX / AMAX / ATTENTION when ``node`` reduces a (B, C, H, W) input over H and W completely; else None."""
     if node.op == "call_module":
+        if isinstance(module, AttentionPool):
+            return ATTENTION
         if isinstance(module, nn.AdaptiveAvgPool2d) and _is_one(module.output_size):
             return AVG
         if isinstance(module, nn.AdaptiveMaxPool2d) and _is_one(module.output_size) and not module.return_indices:
@@ -70,6 +75,8 @@ def pool_kind(node: fx.Node, module: nn.Module | None) -> str | None:
 class PoolAccumulator:
     """Forward: folds tiles of the (B, C, H, W) map into the pooled (B, C), keeping what backward needs."""
 
+    share_reads_output = False  # amax: set per instance (a tile's share reads its own output)
+
     def __init__(self, kind: str, height: int, width: int) -> None:
         self.kind, self.h, self.w = kind, height, width
         self.value: torch.Tensor | None = None  # (B, C): running sum or maximum
@@ -79,6 +86,7 @@ class PoolAccumulator:
         # AMAX: each tile's maximum (B, C) by its output rows and cols, to tell in backward which tiles hold a
         # maximum without recomputing them (B x C values per tile: 8 KiB at 2048 channels in fp32)
         self.tile_max: dict[tuple[tuple[int, int], tuple[int, int]], torch.Tensor] = {}
+        self.share_reads_output = kind == AMAX
 
     def add(self, y: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> None:
         """One tile ``y`` (B, C, th, tw) covering ``rows`` x ``cols`` of the map."""
@@ -119,6 +127,10 @@ class PoolAccumulator:
             return (self.value / (self.h * self.w)).to(dtype)
         return self.value
 
+    def grad_view(self, grad_out: torch.Tensor) -> torch.Tensor:
+        """The pooled value's gradient as (B, C)."""
+        return grad_out.reshape(grad_out.shape[0], grad_out.shape[1])
+
     def holds_gradient(self, rows: tuple[int, int], cols: tuple[int, int]) -> bool:
         """May the tile covering ``rows`` x ``cols`` receive a nonzero share? Under max pooling only the tiles
         holding a maximum do; the others skip their recompute and backward (``TiledSegment.backward_all``)."""
@@ -149,3 +161,15 @@ class PoolAccumulator:
         out = torch.zeros_like(y).flatten(2)  # (B, C, th * tw)
         out.scatter_(2, local, torch.where(inside, g.to(y.dtype), torch.zeros_like(g, dtype=y.dtype)).unsqueeze(-1))
         return out.view_as(y)
+
+
+Accumulator = PoolAccumulator | AttentionAccumulator
+
+
+def new_accumulator(fusion: PoolFusion, pool: nn.Module | None, height: int, width: int) -> Accumulator:
+    """The accumulator a fused segment folds its tiles into; ``pool`` is the pooling node's module (attention reads
+    its branches and the mask set for this forward)."""
+    if fusion.kind == ATTENTION:
+        assert isinstance(pool, AttentionPool)
+        return AttentionAccumulator(pool.branches, height, width, pool.mask_at(height, width))
+    return PoolAccumulator(fusion.kind, height, width)

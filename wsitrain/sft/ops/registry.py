@@ -11,6 +11,7 @@ from typing import Any
 from torch import fx, nn
 
 from wsitrain.sft.ops.activations import ACTIVATIONS, is_pointwise_module, known_activation
+from wsitrain.sft.ops.attention_pool import AttentionPool
 from wsitrain.sft.ops.functions import function_spec, out_of_place_callable
 from wsitrain.sft.ops.grn import grn_spec, is_grn_module
 from wsitrain.sft.ops.norm_act import (
@@ -111,7 +112,9 @@ def _pool_windows(m: nn.MaxPool2d | nn.AvgPool2d) -> tuple[Window, Window]:
     return Window(k[0], s[0], p[0], d[0]), Window(k[1], s[1], p[1], d[1])
 
 
-_HEAD_MODULES = (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d, nn.Flatten, nn.Linear, nn.Softmax, nn.LogSoftmax)
+_HEAD_MODULES = (
+    nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d, nn.Flatten, nn.Linear, nn.Softmax, nn.LogSoftmax, AttentionPool
+)
 # Per-sample drop modules (stochastic depth): their mask is drawn once per step and replayed (ops_drop.py).
 SAMPLE_DROP_NAMES = ("StochasticDepth", "DropPath")
 

@@ -1,0 +1,175 @@
+"""Attention pooling over the whole map (attention-MIL, ABMIL / CLAM), plain and fused into the last tiled segment.
+
+The trunk ends in a map ``hs`` (B, C + K, H, W): C feature channels ``h`` and K attention scores ``s`` (one per
+branch), computed per position by ordinary layers (a 1x1 projection, ``tanh(V h)`` and, gated, ``sigmoid(U h)``,
+then ``w``: wsitrain.models.attention). ``AttentionPool`` turns it into K pooled vectors (B, K, C)::
+
+    a_k = softmax over (H, W) of s_k (positions outside ``mask`` excluded)        # (B, K, H, W)
+    z_k = sum_p a_kp h_p                                                          # (B, K, C)
+
+Fused (``AttentionAccumulator``), each tile folds into a running maximum ``m``, denominator ``d`` and weighted sum
+``S`` (the online softmax: when ``m`` grows the old terms are rescaled by ``exp(m_old - m_new)``), so the map never
+exists whole. Backward gives each recomputed tile the gradient softmax-then-sum gives it, from the global ``m``,
+``d``, pooled ``z`` and pooled gradient ``G`` (B, K, C)::
+
+    dL/dh_p = sum_k a_kp G_k                 dL/ds_kp = a_kp (G_k . h_p - G_k . z_k)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import is_fake
+
+# A mask, or what makes it for the map's (H, W) (a slide read knows its tissue, not the trunk's output size).
+MaskSource = torch.Tensor | Callable[[int, int], torch.Tensor | None]
+
+
+class AttentionPool(nn.Module):
+    """(B, C + K, H, W) -> (B, K, C): each branch's attention-weighted mean of the C features.
+
+    ``mask`` (B or 1, 1, H, W) bool, set for one forward with ``masked()``: positions outside it get no attention
+    (CLAM attends to tissue patches only). A sample whose mask is empty everywhere is an error, not a silent NaN.
+    """
+
+    mask: MaskSource | None
+
+    def __init__(self, branches: int = 1) -> None:
+        super().__init__()
+        if branches < 1:
+            raise ValueError(f"AttentionPool needs at least one branch, got {branches}")
+        self.branches = branches
+        self.mask: torch.Tensor | None = None
+
+    @contextmanager
+    def masked(self, mask: MaskSource | None) -> Iterator[None]:
+        """Exclude positions outside ``mask`` (B or 1, 1, H, W), or outside ``mask(H, W)``, from the softmax while
+        the block runs (forward)."""
+        if isinstance(mask, torch.Tensor):
+            check_mask(mask)
+        old, self.mask = self.mask, mask
+        try:
+            yield
+        finally:
+            self.mask = old
+
+    def mask_at(self, height: int, width: int) -> torch.Tensor | None:
+        """The mask (B or 1, 1, H, W) bool for a map of ``height`` x ``width``, or None (attend everywhere)."""
+        mask = self.mask(height, width) if callable(self.mask) else self.mask
+        if mask is None:
+            return None
+        check_mask(mask)
+        if tuple(mask.shape[-2:]) != (height, width):
+            raise ValueError(f"attention mask is {tuple(mask.shape[-2:])} but the map is {(height, width)}")
+        return mask
+
+    def weights(self, hs: torch.Tensor) -> torch.Tensor:
+        """The attention weights (B, K, H, W) this pool gives ``hs``: softmax over the map, 0 outside the mask."""
+        s = hs[:, -self.branches :]  # (B, K, H, W)
+        mask = self.mask_at(s.shape[-2], s.shape[-1])
+        if mask is not None:
+            s = s.masked_fill(~mask.to(s.device), float("-inf"))
+        return torch.softmax(s.flatten(2), dim=-1).view_as(s)
+
+    def forward(self, hs: torch.Tensor) -> torch.Tensor:
+        h = hs[:, : -self.branches]  # (B, C, H, W)
+        a = self.weights(hs)  # (B, K, H, W)
+        return torch.einsum("bkn,bcn->bkc", a.flatten(2), h.flatten(2))  # (B, K, C)
+
+    def extra_repr(self) -> str:
+        return f"branches={self.branches}"
+
+
+def check_mask(mask: torch.Tensor) -> None:
+    if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1:
+        raise ValueError(f"an attention mask is a (B, 1, H, W) bool tensor, got {mask.dtype} {tuple(mask.shape)}")
+    if not is_fake(mask) and not bool(mask.flatten(1).any(1).all()):
+        raise ValueError("an attention mask excludes every position of a sample: nothing to attend to")
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    # half-precision tiles accumulate in float32, as autocast runs softmax (and the average pool's sum) in float32
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+class AttentionAccumulator:
+    """Online softmax over the tiles of (B, C + K, H, W): forward folding and each tile's backward share."""
+
+    kind = "attention"
+    share_reads_output = True  # a tile's gradient share depends on its own output (reuse.py keeps it)
+
+    def __init__(self, branches: int, height: int, width: int, mask: torch.Tensor | None) -> None:
+        self.k, self.h, self.w = branches, height, width
+        if mask is not None and tuple(mask.shape[-2:]) != (height, width):
+            raise ValueError(f"attention mask is {tuple(mask.shape[-2:])} but the map is {(height, width)}")
+        self.mask = mask  # (B or 1, 1, H, W) bool
+        self.m: torch.Tensor | None = None  # (B, K) running maximum score
+        self.d: torch.Tensor | None = None  # (B, K) running denominator, relative to m
+        self.s: torch.Tensor | None = None  # (B, K, C) running weighted feature sum, relative to m
+        self.dtype: torch.dtype | None = None  # the tiles' dtype: the pooled value's, as plain PyTorch gives it
+
+    @property
+    def value(self) -> torch.Tensor | None:
+        return self.s
+
+    def _scores(self, y: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> torch.Tensor:
+        """The tile's scores (B, K, th, tw) in the accumulation dtype, -inf outside the mask."""
+        s = y[:, -self.k :].to(_acc_dtype(y.dtype))
+        if self.mask is not None:
+            m = self.mask[:, :, rows[0] : rows[1], cols[0] : cols[1]].to(s.device)
+            s = s.masked_fill(~m, float("-inf"))
+        return s
+
+    def add(self, y: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> None:
+        """One tile ``y`` (B, C + K, th, tw) covering ``rows`` x ``cols`` of the map."""
+        self.dtype = y.dtype
+        s = self._scores(y, rows, cols)  # (B, K, th, tw)
+        h = y[:, : -self.k].to(s.dtype)  # (B, C, th, tw)
+        tile_max = s.amax((2, 3))  # (B, K); -inf where the tile is wholly masked
+        m_new = tile_max if self.m is None else torch.maximum(self.m, tile_max)
+        safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # no (-inf) - (-inf)
+        e = torch.exp(s - safe[:, :, None, None])  # (B, K, th, tw); 0 outside the mask
+        d = e.sum((2, 3))
+        part = torch.einsum("bkhw,bchw->bkc", e, h)
+        if self.m is not None:
+            assert self.d is not None and self.s is not None
+            old = torch.exp(self.m - safe)  # rescales the old terms; 0 while nothing was seen (m = -inf)
+            d = self.d * old + d
+            part = self.s * old[:, :, None] + part
+        self.m, self.d, self.s = m_new, d, part
+
+    def pooled(self) -> torch.Tensor:
+        """z (B, K, C) in the accumulation dtype."""
+        assert self.s is not None and self.d is not None, "no tile was added"
+        return self.s / self.d[:, :, None]
+
+    def result(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The pooled (B, K, C), as plain PyTorch computes it (in ``dtype``, by default the tiles')."""
+        assert self.dtype is not None, "no tile was added"
+        return self.pooled().to(dtype or self.dtype)
+
+    def grad_view(self, grad_out: torch.Tensor) -> torch.Tensor:
+        """The pooled value's gradient as (B, K, C)."""
+        return grad_out.reshape(grad_out.shape[0], self.k, -1)
+
+    def holds_gradient(self, rows: tuple[int, int], cols: tuple[int, int]) -> bool:
+        """Only tiles with a position inside the mask receive a nonzero share."""
+        if self.mask is None or is_fake(self.mask):
+            return True
+        return bool(self.mask[:, :, rows[0] : rows[1], cols[0] : cols[1]].any())
+
+    def tile_grad(self, g: torch.Tensor, y: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> torch.Tensor:
+        """The gradient (B, C + K, th, tw) of tile ``y`` given the pooled gradient ``g`` (B, K, C)."""
+        assert self.m is not None and self.d is not None
+        s = self._scores(y, rows, cols)
+        h = y[:, : -self.k].to(s.dtype)
+        safe = torch.where(torch.isinf(self.m), torch.zeros_like(self.m), self.m)
+        a = torch.exp(s - safe[:, :, None, None]) / self.d[:, :, None, None]  # (B, K, th, tw): the tile's weights
+        g = g.to(s.dtype)
+        gh = torch.einsum("bkhw,bkc->bchw", a, g)  # (B, C, th, tw)
+        gz = (g * self.pooled()).sum(-1)  # (B, K): G_k . z_k
+        gs = a * (torch.einsum("bkc,bchw->bkhw", g, h) - gz[:, :, None, None])  # (B, K, th, tw)
+        return torch.cat([gh, gs], 1).to(y.dtype)
