@@ -120,3 +120,18 @@ def test_the_validation_split_never_divides_a_patient(slides: Path, tmp_path: Pa
         train, val = split_fit(records, 0.3, seed)
         assert val and train
         assert not {r.patient for r in train} & {r.patient for r in val}
+
+
+def test_synth_task_cli_writes_a_cohort_the_task_reads(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from wsitrain.cli import app
+
+    result = CliRunner().invoke(app, ["synth", str(tmp_path / "d"), "--task", "survival", "--n", "8", "--size", "64",
+                                      "--test-fraction", "0.25"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    records, _ = load_task_records(tmp_path / "d" / "labels.csv", tmp_path / "d", _task(kind="survival", bins=2).task)
+    assert len(records) == 8 and {r.split for r in records} == {"train", "val", "test"}
+    assert all(r.patient for r in records) and all(r.target[0] > 0 for r in records)
+    bad = CliRunner().invoke(app, ["synth", str(tmp_path / "e"), "--task", "ranking"])
+    assert bad.exit_code == 2 and "no generator" in bad.output
