@@ -158,6 +158,27 @@ def fit(
 
 @app.command()
 @_handled
+def cv(
+    config: Path = typer.Argument(..., metavar="CONFIG", help="YAML config file (see configs/ and README.md)."),
+    folds: int = typer.Option(5, "--folds", min=2, help="Number of folds (K)."),
+    set_: list[str] | None = typer.Option(None, "--set", "-s", metavar="KEY=VALUE", help=SET_HELP),
+    name: str | None = typer.Option(None, "--name", help="Folder name under log.dir [NAME-cvK from the config]."),
+) -> None:
+    """Cross-validate: K fits on folds grouped by patient and stratified by label; rerunning resumes.
+
+    Writes log.dir/NAME-cvK with fold-1 ... fold-K run folders, cv_summary.json and cv.html.
+
+    Example:
+
+      wsitrain cv configs/demo.yaml --folds 3
+    """
+    cfg = _load_config(config, set_)
+    run_cv = _entry("wsitrain.train.cv", "run_cv", "cv")
+    run_cv(cfg, folds=folds, name=name, console=_console(), quiet=_state["quiet"])
+
+
+@app.command()
+@_handled
 def predict(
     config: Path = typer.Argument(..., metavar="CONFIG", help="The YAML config the model was trained with."),
     checkpoint: Path = typer.Option(..., "--checkpoint", help="Checkpoint file, e.g. runs/NAME/best.pt."),
@@ -176,8 +197,11 @@ def predict(
         None, "--geojson-cell", min=1, metavar="K",
         help="GeoJSON detections of K x K map cells (default: the smallest K leaving at most 150,000 detections).",
     ),
+    patients: Path | None = typer.Option(
+        None, "--patients", help="CSV with slide and patient columns: also write OUT.patients.csv (mean per patient)."
+    ),
 ) -> None:
-    """Predict slide-level class probabilities with a trained checkpoint.
+    """Predict slide-level class probabilities (or a task's outputs) with a trained checkpoint.
 
     Example:
 
@@ -188,7 +212,7 @@ def predict(
     cfg = _load_config(config, set_)
     run_predict = _entry("wsitrain.train.predict", "run_predict", "predict")
     run_predict(cfg, checkpoint=checkpoint, slides=slides, out=out, console=_console(), heatmaps=heatmaps,
-                saliency=saliency, viewer_files=viewer_files, geojson_cell=geojson_cell)
+                saliency=saliency, viewer_files=viewer_files, geojson_cell=geojson_cell, patients=patients)
 
 
 @app.command()
@@ -388,13 +412,28 @@ def synth(
     positive_fraction: float = typer.Option(
         0.5, "--positive-fraction", min=0.0, max=1.0, help="Fraction of slides labelled positive."
     ),
+    task: str = typer.Option(
+        "classification", "--task", help="classification, or regression / survival / multilabel: targets that "
+        "depend on what the slides show (columns score; time, event; purple, brown, teal; and patient).",
+    ),
+    test_fraction: float = typer.Option(
+        0.0, "--test-fraction", min=0.0, max=0.9, help="With --task: patients marked split=test (and a quarter of "
+        "the rest val).",
+    ),
 ) -> None:
     """Write a synthetic labelled dataset of pyramidal SVS slides (for demos and tests).
 
-    Example:
+    Examples:
 
       wsitrain synth data/synthetic --n 24 --size 2048
+
+      wsitrain synth data/survival --task survival --n 48 --size 1024 --test-fraction 0.25
     """
+    if task != "classification":
+        write_task = _entry("wsitrain.slides.synth_targets", "write_task_dataset", "synth")
+        csv_path = write_task(out_dir, task, n=n, size=size, seed=seed, test_fraction=test_fraction)
+        _console().print(f"wrote {n} slides for task {task}; labels: {csv_path}", soft_wrap=True)
+        return
     write = _entry("wsitrain.slides.synth", "write_synthetic_dataset", "synth")
     csv_path = write(out_dir, n=n, size=size, seed=seed, positive_fraction=positive_fraction)
     _console().print(f"wrote {n} slides; labels: {csv_path}", soft_wrap=True)

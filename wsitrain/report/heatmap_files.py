@@ -41,7 +41,10 @@ class HeatmapWriter:
         self, out_dir: Path, class_names: list[str], saliency: bool = False,
         autocast: Callable[[], AbstractContextManager[Any]] | None = None,
         viewer: bool = True, geojson_k: int | None = None,
+        transform: Callable[[SlideMaps], SlideMaps] | None = None,
     ) -> None:
+        # a task's view of the head's maps (survival: the hazard maps become one risk map); None: the maps as read
+        self.transform = transform
         self.autocast = autocast  # predict's precision (e.g. Trainer.autocast), so the maps run under the same plan
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -69,6 +72,8 @@ class HeatmapWriter:
         block = saliency_block(tuple(image.shape[-2:]), stride) if self.saliency else None
         with eval_mode(model), attention_masked(model, read):
             maps = slide_maps(model, image, saliency_block=block, probabilities=probabilities, autocast=self.autocast)
+        if self.transform is not None:
+            maps = self.transform(maps)
         stem = _stem(slide)
         np.save(self.out_dir / f"{stem}.cam.npy", maps.cam.float().numpy())
         if maps.saliency is not None:

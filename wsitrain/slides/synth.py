@@ -164,14 +164,17 @@ def write_synthetic_slide(
     mpp: float = 0.5,
     app_mag: float = 20.0,
     quality: int = 90,
+    scene: _Scene | None = None,
 ) -> Path:
-    """Write one pyramidal Aperio-style SVS (tiled JPEG, 2x levels down to ~512 px) and return its path."""
+    """Write one pyramidal Aperio-style SVS (tiled JPEG, 2x levels down to ~512 px) and return its path.
+
+    ``scene``: a prepared scene of this size (synth_targets draws its own nuclei); else one from positive, seed."""
     import tifffile
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     w, h = _as_wh(size)
-    scene = _Scene(w, h, positive, seed)
+    scene = scene if scene is not None else _Scene(w, h, positive, seed)
     bg = scene.background.astype(np.uint8)
     level1 = np.empty((h // 2, w // 2, 3), dtype=np.uint8) if min(w, h) // 2 >= LEVEL_MIN_SIDE // 2 else None
 

@@ -105,6 +105,10 @@ class FitProgress:
         self.print(f"epoch {epoch + 1}/{self.epochs}: train loss {train_loss:.4f}, lr {lr:.3g}, {secs:.1f} s")
 
     def validation(self, epoch: int, metrics: dict[str, float]) -> None:
+        if "accuracy" not in metrics:  # a task's metrics (c_index, r2 ..., macro_auc and per label)
+            shown = ", ".join(f"{k} {_fmt(v)}" for k, v in metrics.items() if k not in ("n", "n_patients", "seconds"))
+            self.print(f"epoch {epoch + 1}/{self.epochs} validation: {shown}")
+            return
         self.print(
             f"epoch {epoch + 1}/{self.epochs} validation: loss {_fmt(metrics.get('loss'))}, "
             f"accuracy {_fmt(metrics.get('accuracy'))}, balanced accuracy {_fmt(metrics.get('balanced_accuracy'))}, "
