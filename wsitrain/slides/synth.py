@@ -214,6 +214,19 @@ def write_synthetic_slide(
     return path
 
 
+def cached_dataset(out: Path, params: dict[str, object], names: list[str]) -> Path | None:
+    """``out/labels.csv`` when ``out`` already holds the dataset ``params`` describes (its manifest says so and every
+    slide in ``names`` exists); None when it must be written (an unreadable manifest included)."""
+    csv_path, manifest = out / "labels.csv", out / MANIFEST
+    if manifest.exists() and csv_path.exists() and all((out / nm).exists() for nm in names):
+        try:
+            if json.loads(manifest.read_text()).get("params") == params:
+                return csv_path
+        except (OSError, ValueError):
+            pass
+    return None
+
+
 def _make_out_dir(out: Path) -> None:
     """Create the output folder, or say which part of its path is in the way (a file, no permission)."""
     blocker = next((p for p in (out, *out.parents) if p.exists()), None)
@@ -256,15 +269,10 @@ def write_synthetic_dataset(
         "mpp": mpp,
         "app_mag": app_mag,
     }
-    csv_path = out / "labels.csv"
     names = [f"slide_{i:03d}.svs" for i in range(n)]
-    manifest = out / MANIFEST
-    if manifest.exists() and csv_path.exists() and all((out / nm).exists() for nm in names):
-        try:
-            if json.loads(manifest.read_text()).get("params") == params:
-                return csv_path
-        except (OSError, ValueError):
-            pass  # unreadable manifest: rewrite the dataset
+    csv_path = out / "labels.csv"
+    if cached_dataset(out, params, names) is not None:
+        return csv_path
     _make_out_dir(out)
     n_pos = int(round(n * positive_fraction))
     labels = np.array([1] * n_pos + [0] * (n - n_pos))
@@ -279,5 +287,5 @@ def write_synthetic_dataset(
         wr = csv.DictWriter(f, fieldnames=["slide", "label"])
         wr.writeheader()
         wr.writerows(rows)
-    manifest.write_text(json.dumps({"params": params, "slides": names}, indent=1))
+    (out / MANIFEST).write_text(json.dumps({"params": params, "slides": names}, indent=1))
     return csv_path

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from wsitrain.errors import SlideError
-from wsitrain.slides.synth import MANIFEST, _as_wh, _make_out_dir, _Scene, write_synthetic_slide
+from wsitrain.slides.synth import MANIFEST, _as_wh, _make_out_dir, _Scene, cached_dataset, write_synthetic_slide
 
 TARGET_TASKS = ("regression", "survival", "multilabel")
 # multilabel: one nucleus colour per label (purple, brown, teal), all far from the pink tissue and pale nuclei
@@ -67,13 +67,8 @@ def write_task_dataset(
               "val_fraction": val_fraction}  # fmt: skip
     csv_path = out / "labels.csv"
     names = [f"slide_{i:03d}.svs" for i in range(n)]
-    manifest = out / MANIFEST
-    if manifest.exists() and csv_path.exists() and all((out / nm).exists() for nm in names):
-        try:
-            if json.loads(manifest.read_text()).get("params") == params:
-                return csv_path
-        except (OSError, ValueError):
-            pass
+    if cached_dataset(out, params, names) is not None:
+        return csv_path
     _make_out_dir(out)
     rng = np.random.default_rng([seed, 7])
     n_patients = -(-n // slides_per_patient)
@@ -117,5 +112,5 @@ def write_task_dataset(
         wr = csv.DictWriter(f, fieldnames=list(rows[0]))
         wr.writeheader()
         wr.writerows(rows)
-    manifest.write_text(json.dumps({"params": params, "slides": names}, indent=1))
+    (out / MANIFEST).write_text(json.dumps({"params": params, "slides": names}, indent=1))
     return csv_path
