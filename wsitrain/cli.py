@@ -60,7 +60,7 @@ def _handled(fn: F) -> F:
         except WsiTrainError as err:
             if _state["verbose"] and err.__cause__ is not None:  # an internal error chained: show where it was
                 log.traceback()
-            log.error(err.message, err.hint)
+            (log.notice if err.notice else log.error)(err.message, err.hint)
             raise typer.Exit(err.exit_code) from None
         except Exception as err:
             log.internal_error(err, verbose=_state["verbose"])
@@ -127,7 +127,9 @@ def fit(
     config: Path = typer.Argument(..., metavar="CONFIG", help="YAML config file (see configs/ and README.md)."),
     set_: list[str] | None = typer.Option(None, "--set", "-s", metavar="KEY=VALUE", help=SET_HELP),
     resume: Path | None = typer.Option(
-        None, "--resume", metavar="RUN_DIR", help="Continue the run in this folder from its last checkpoint."
+        None, "--resume", metavar="RUN_DIR",
+        help="Continue the run in this folder from its last checkpoint; `auto`: the run this Slurm job started "
+        "(after a requeue), else a new run.",
     ),
     force: bool = typer.Option(False, "--force", help="With --resume: continue even if the config has changed."),
     name: str | None = typer.Option(

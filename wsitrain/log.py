@@ -34,6 +34,13 @@ def error(message: str, hint: str | None = None) -> None:
         _stderr.print(f"[cyan]hint:[/] {escape(hint)}", soft_wrap=True)
 
 
+def notice(message: str, hint: str | None = None) -> None:
+    """An expected stop that is no failure (a preempted fit), on stderr: one line, and its hint."""
+    _stderr.print(f"[bold yellow]stopped:[/] {escape(message)}", soft_wrap=True)
+    if hint:
+        _stderr.print(f"[cyan]hint:[/] {escape(hint)}", soft_wrap=True)
+
+
 def traceback() -> None:
     """The traceback of the exception being handled, on stderr (call inside ``except``)."""
     _stderr.print_exception()
