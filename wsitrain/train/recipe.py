@@ -263,7 +263,7 @@ class FitRecipe:
                     self.save("last.pt", epoch, j + 1, epoch_losses=_gather_flat(losses, self.dist))
                 if stop:
                     raise Preempted(
-                        f"preempted ({self.signals.requested or 'signal'}) at epoch {epoch + 1} step "
+                        f"preempted ({self.signals.requested or 'a signal to another rank'}) at epoch {epoch + 1} step "
                         f"{st.global_step}; resume with `wsitrain fit CONFIG --resume {self.run_dir}`",
                         hint=f"last.pt in {self.run_dir} holds step {st.global_step}; in a Slurm job, "
                         "`wsitrain fit CONFIG --resume auto` finds it after a requeue",
