@@ -199,3 +199,55 @@ def test_cli_preempted_exit_code_and_message(
     res = CliRunner().invoke(cli.app, ["fit", str(cfg_path)])
     assert res.exit_code == PREEMPTED_EXIT_CODE, res.output
     assert "stopped: preempted (SIGTERM) at epoch 1 step 0" in res.output and "error" not in res.output
+
+
+# ---- logs for batch jobs
+
+
+def test_global_options_after_the_command() -> None:
+    from wsitrain.cli import hoist_global_options
+
+    assert hoist_global_options(["fit", "--quiet", "c.yaml", "-v"]) == ["--quiet", "-v", "fit", "c.yaml"]
+    assert hoist_global_options(["-q", "fit", "c.yaml"]) == ["-q", "fit", "c.yaml"]
+    assert hoist_global_options(["fit", "c.yaml", "--", "-q"]) == ["fit", "c.yaml", "--", "-q"]
+
+
+def test_plain_lines_when_not_a_terminal_and_quiet_keeps_epoch_lines(
+    synth_dir: Path, small_labels: Path, tmp_path: Path  # noqa: F811
+) -> None:
+    import io
+
+    from rich.console import Console
+
+    from wsitrain.train.fit import run_fit
+
+    cfg = small_cfg(synth_dir, small_labels, tmp_path, name="plain", train={"epochs": 1}, log={"every": 2})
+    buf = io.StringIO()  # a file, as a Slurm log: no live display, plain lines
+    run_fit(cfg, console=Console(file=buf, width=300), quiet=False)
+    out = buf.getvalue()
+    steps = [line for line in out.splitlines() if " step " in line and line.startswith("epoch 1/1 slide")]
+    assert len(steps) == 3 and "loss" in steps[0] and "tiles" in steps[0] and "peak RSS" in steps[0]
+    assert "\x1b[" not in out and "engine plan for" in out
+    assert any(line.startswith("epoch 1/1: train loss") and "6 slides" in line for line in out.splitlines())
+
+    buf = io.StringIO()  # --quiet (brief): the epoch and validation lines only
+    run_fit(cfg.model_copy(update={"name": "brief"}), console=Console(file=buf, width=300), quiet=True, brief=True)
+    lines = [line for line in buf.getvalue().splitlines() if line.startswith("epoch")]
+    assert [line.split(":")[0] for line in lines] == ["epoch 1/1", "epoch 1/1 validation"]
+    assert "engine plan for" not in buf.getvalue() and "run folder:" not in buf.getvalue()
+
+
+def test_cli_quiet_after_the_command_keeps_epoch_summaries(
+    synth_dir: Path, small_labels: Path, tmp_path: Path  # noqa: F811
+) -> None:
+    from wsitrain import cli
+
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text(
+        f"name: q\ndata: {{labels: {small_labels}, slides_dir: {synth_dir}, region: whole}}\n"
+        f"model: {{name: tiny}}\nengine: {{device: cpu, memory_budget: 1GiB, tile_size: 128}}\n"
+        f"train: {{epochs: 1}}\nlog: {{dir: {tmp_path / 'runs'}}}\n"
+    )
+    res = CliRunner().invoke(cli.app, ["fit", "--quiet", str(cfg_path)])
+    assert res.exit_code == 0, res.output
+    assert "epoch 1/1: train loss" in res.output and "engine plan for" not in res.output

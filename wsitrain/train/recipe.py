@@ -73,12 +73,16 @@ class FitRecipe:
         dist: D.DistInfo,
         callbacks: Sequence[FitCallback] = (),
         shapes_only: bool = False,
+        brief: bool = False,
     ) -> None:
         self.cfg = cfg
         self.shapes_only = shapes_only  # preflight skips tissue detection
         self.dist = dist
         self.quiet = quiet or not dist.is_main
-        self.out = console if dist.is_main else Console(quiet=True)
+        # brief (the CLI's --quiet): only epoch summaries, validation and warnings (``self.say``), no setup chatter
+        self.brief = brief
+        self.say = console if dist.is_main else Console(quiet=True)
+        self.out = console if dist.is_main and not brief else Console(quiet=True)
         self.callbacks = list(callbacks)
         self.state = FitState()
         # The stop-signal handlers, installed only while train() runs and restored after it (see preempt.py).
@@ -136,7 +140,7 @@ class FitRecipe:
         if self.dist.is_main and run_dir is None:
             run_dir, note = create_run_dir(Path(cfg.log.dir), name or cfg.name)
             if note:
-                self.out.print(f"[yellow]{escape(note)}[/yellow]")
+                self.say.print(f"[yellow]{escape(note)}[/yellow]")
         self.run_dir = Path(D.broadcast_object(str(run_dir), self.dist))
         if self.dist.is_main:
             write_run_files(self.run_dir, self.cfg_dict, ckpt is not None, self.device, self.data)
@@ -205,14 +209,15 @@ class FitRecipe:
     def train(self) -> None:
         """The epochs from where the state stands; interrupted runs say how to continue."""
         try:
-            with self.signals, FitProgress(self.out, self.quiet, self.cfg.train.epochs, self.engine) as progress:
+            progress_display = FitProgress(self.say, self.quiet, self.cfg.train.epochs, self.engine, self.brief)
+            with self.signals, progress_display as progress:
                 self.safe.saved()  # the time-based checkpoint clock starts with the training
                 for epoch in range(self.state.epoch, self.cfg.train.epochs):
                     self._epoch(epoch, progress)
             if self.test_ds is not None:
                 self.test()
         except KeyboardInterrupt:
-            self.out.print(
+            self.say.print(
                 f"[yellow]interrupted; the last checkpoint is {escape(str(self.run_dir / 'last.pt'))}; continue with "
                 f"`wsitrain fit CONFIG --resume {escape(str(self.run_dir))}`[/yellow]"
             )
@@ -296,7 +301,7 @@ class FitRecipe:
         D.barrier(self.dist)
 
     def _log_replan(self, text: str) -> None:
-        self.out.print(f"[yellow]{escape(text)}[/yellow]")
+        self.say.print(f"[yellow]{escape(text)}[/yellow]")
         self.recorder.forget_plans()  # every shape is planned again within the lowered budget
 
     @contextlib.contextmanager
