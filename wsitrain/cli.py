@@ -13,9 +13,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import click
 import typer
 from rich.console import Console
 from rich.table import Table
+from typer.core import TyperGroup
 
 from wsitrain import __version__, log
 from wsitrain.errors import ConfigError, NotAvailableError, WsiTrainError
@@ -23,8 +25,30 @@ from wsitrain.errors import ConfigError, NotAvailableError, WsiTrainError
 if TYPE_CHECKING:
     from wsitrain.config import WsiTrainConfig
 
+GLOBAL_FLAGS = ("--quiet", "-q", "--verbose", "-v")
+
+
+def hoist_global_options(args: list[str]) -> list[str]:
+    """Move --quiet/--verbose given after the command (`wsitrain fit --quiet CONFIG`, natural in job scripts) before
+    it, where the app callback reads them. Nothing after `--` moves; no command uses -q or -v for anything else."""
+    args = list(args)
+    end = args.index("--") if "--" in args else len(args)
+    first = next((i for i, a in enumerate(args[:end]) if not a.startswith("-")), None)
+    if first is None:
+        return args
+    moved = [a for a in args[first + 1 : end] if a in GLOBAL_FLAGS]
+    rest = [a for a in args[first + 1 : end] if a not in GLOBAL_FLAGS]
+    return args[:first] + moved + [args[first]] + rest + args[end:]
+
+
+class _Group(TyperGroup):
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, hoist_global_options(args))
+
+
 app = typer.Typer(
     name="wsitrain",
+    cls=_Group,
     help="Train CNNs end-to-end on whole-slide images with slide-level labels, with exact tiled (SFT) execution.",
     no_args_is_help=True,
     add_completion=False,
@@ -60,7 +84,7 @@ def _handled(fn: F) -> F:
         except WsiTrainError as err:
             if _state["verbose"] and err.__cause__ is not None:  # an internal error chained: show where it was
                 log.traceback()
-            log.error(err.message, err.hint)
+            (log.notice if err.notice else log.error)(err.message, err.hint)
             raise typer.Exit(err.exit_code) from None
         except Exception as err:
             log.internal_error(err, verbose=_state["verbose"])
@@ -127,7 +151,9 @@ def fit(
     config: Path = typer.Argument(..., metavar="CONFIG", help="YAML config file (see configs/ and README.md)."),
     set_: list[str] | None = typer.Option(None, "--set", "-s", metavar="KEY=VALUE", help=SET_HELP),
     resume: Path | None = typer.Option(
-        None, "--resume", metavar="RUN_DIR", help="Continue the run in this folder from its last checkpoint."
+        None, "--resume", metavar="RUN_DIR",
+        help="Continue the run in this folder from its last checkpoint; `auto`: the run this Slurm job started "
+        "(after a requeue), else a new run.",
     ),
     force: bool = typer.Option(False, "--force", help="With --resume: continue even if the config has changed."),
     name: str | None = typer.Option(
@@ -151,9 +177,10 @@ def fit(
     """
     cfg = _load_config(config, set_)
     run_fit = _entry("wsitrain.train.fit", "run_fit", "fit")
-    run_fit(
-        cfg, resume=resume, force=force, name=name, console=_console(), quiet=_state["quiet"], shapes_only=shapes_only
-    )
+    # --quiet keeps fit's epoch summaries: the console stays on and the fit itself prints only those (brief)
+    console = log.make_console(_state["quiet"], _state["verbose"], summaries=True)
+    run_fit(cfg, resume=resume, force=force, name=name, console=console, quiet=_state["quiet"],
+            brief=_state["quiet"], shapes_only=shapes_only)  # fmt: skip
 
 
 @app.command()

@@ -243,6 +243,23 @@ class TrainConfig(Section):
     val_every: int = Field(1, ge=1)
     # Also write last.pt every N optimizer steps (not only at each epoch's end), so a killed run loses little.
     checkpoint_every: int | None = Field(None, ge=1)
+    # Also write last.pt when this many minutes passed since the last one: bounds what a KILL (no signal) can lose.
+    checkpoint_minutes: float | None = Field(None, gt=0)
+    # A signal that stops the run cleanly besides SIGTERM and SIGINT, e.g. USR1 for `sbatch --signal=B:USR1@120`.
+    stop_signal: str | None = None
+
+    @field_validator("stop_signal")
+    @classmethod
+    def _known_signal(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        import signal
+
+        text = str(value).strip().upper()
+        name = text if text.startswith("SIG") else f"SIG{text}"
+        if text.isdigit() or name not in signal.Signals.__members__ or name in ("SIGKILL", "SIGSTOP"):
+            raise ValueError(f"{value!r} is not a signal that can be caught by name; use e.g. USR1, USR2 or TERM")
+        return name
 
 
 class LogConfig(Section):

@@ -35,6 +35,18 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def metrics_rows(run_dir: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl without superseded rows: in runs resumed before resumes dropped them, the rows a stopped run
+    logged past its checkpoint (steps after a later resume marker's step) precede that marker; they are skipped."""
+    rows = read_jsonl(Path(run_dir) / "metrics.jsonl")
+    out: list[dict[str, Any]] = []
+    for r in rows:
+        if r.get("kind") == "resume" and isinstance(r.get("step"), int):
+            out = [x for x in out if not (isinstance(x.get("step"), int) and x["step"] > r["step"])]
+        out.append(r)
+    return out
+
+
 def read_json(path: Path) -> Any:
     if not path.is_file():
         return None
@@ -79,7 +91,7 @@ def epoch_curves(run_dir: Path) -> EpochCurves:
     A resumed run re-logs the steps after its last checkpoint: for each (epoch, slide index) and each validated
     epoch the last row wins.
     """
-    rows = read_jsonl(Path(run_dir) / "metrics.jsonl")
+    rows = metrics_rows(run_dir)
     metrics = TASK_METRICS.get(run_task(run_dir), METRICS)
     train: dict[tuple[int, int], dict[str, Any]] = {}
     val: dict[int, dict[str, Any]] = {}
@@ -155,5 +167,5 @@ def tile_times(run_dir: Path) -> TileTimes | None:
 
 def step_peaks(run_dir: Path) -> list[float]:
     """Each training step's peak bytes from metrics.jsonl (the fallback when tiles carry no memory)."""
-    return [float(r["peak_bytes"]) for r in read_jsonl(Path(run_dir) / "metrics.jsonl")
+    return [float(r["peak_bytes"]) for r in metrics_rows(run_dir)
             if r.get("kind") == "train" and r.get("peak_bytes")]

@@ -9,8 +9,12 @@ level above (the level-1 buffer, a quarter of level 0, is the largest array held
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import json
+import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -274,18 +278,58 @@ def write_synthetic_dataset(
     if cached_dataset(out, params, names) is not None:
         return csv_path
     _make_out_dir(out)
+    # Several processes (torchrun ranks, jobs sharing a cache) may start on a cold cache at once: one writes while
+    # the others wait on the lock, then find the dataset complete and reuse it.
+    with _locked(out / ".synth.lock"):
+        if cached_dataset(out, params, names) is not None:
+            return csv_path
+        return _write_dataset(out, params, names, csv_path)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive advisory lock (flock) held for the block; released when the process dies, so never stale."""
+    import fcntl
+
+    with open(path, "a") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _replace_text(path: Path, text: str) -> None:
+    """Write through a temp file and os.replace: a reader sees the old file or the whole new one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _write_dataset(out: Path, params: dict[str, object], names: list[str], csv_path: Path) -> Path:
+    n, seed = int(params["n"]), int(params["seed"])  # type: ignore[call-overload]
+    positive_fraction, mpp, app_mag = params["positive_fraction"], params["mpp"], params["app_mag"]
+    size = params["size"]
+    (out / MANIFEST).unlink(missing_ok=True)  # the dataset is being rewritten: incomplete until the new manifest
     n_pos = int(round(n * positive_fraction))
     labels = np.array([1] * n_pos + [0] * (n - n_pos))
     np.random.default_rng(seed).shuffle(labels)
     rows = []
+    # each slide is written under its own name in a private folder (the name is in its metadata), then renamed in
+    staging = out / f".staging-{os.getpid()}"
+    staging.mkdir(exist_ok=True)
     for i, (name, lab) in enumerate(zip(names, labels, strict=True)):
+        tmp = staging / name
         write_synthetic_slide(
-            out / name, size=size, positive=bool(lab), seed=seed * 100_003 + i, mpp=mpp, app_mag=app_mag
+            tmp, size=size, positive=bool(lab), seed=seed * 100_003 + i, mpp=mpp, app_mag=app_mag  # type: ignore[arg-type]
         )
+        os.replace(tmp, out / name)
         rows.append({"slide": name, "label": "positive" if lab else "negative"})
-    with csv_path.open("w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=["slide", "label"])
-        wr.writeheader()
-        wr.writerows(rows)
-    (out / MANIFEST).write_text(json.dumps({"params": params, "slides": names}, indent=1))
+    shutil.rmtree(staging, ignore_errors=True)
+    buf = io.StringIO()
+    wr = csv.DictWriter(buf, fieldnames=["slide", "label"], lineterminator="\r\n")
+    wr.writeheader()
+    wr.writerows(rows)
+    _replace_text(csv_path, buf.getvalue())
+    _replace_text(out / MANIFEST, json.dumps({"params": params, "slides": names}, indent=1))
     return csv_path

@@ -39,9 +39,17 @@ from wsitrain.train.loop import Trainer
 from wsitrain.train.metrics import classification_metrics
 from wsitrain.train.oom import OomRetry
 from wsitrain.train.optim import build_optimizer, build_scheduler
+from wsitrain.train.preempt import Preempted, SafePoint, StopSignals, find_job_run, parse_signal, write_job_file
 from wsitrain.train.progress import FitProgress
 from wsitrain.train.recorder import RunRecorder
-from wsitrain.train.runfolder import check_log_dir, create_run_dir, load_resume, write_json, write_run_files
+from wsitrain.train.runfolder import (
+    check_log_dir,
+    create_run_dir,
+    drop_rows_after_step,
+    load_resume,
+    write_json,
+    write_run_files,
+)
 from wsitrain.train.state import FitState
 
 Item = tuple[torch.Tensor, int, SlideRecord, ReadResult]  # (image (3, H, W) uint8, label, record, how it was read)
@@ -65,19 +73,29 @@ class FitRecipe:
         dist: D.DistInfo,
         callbacks: Sequence[FitCallback] = (),
         shapes_only: bool = False,
+        brief: bool = False,
     ) -> None:
         self.cfg = cfg
         self.shapes_only = shapes_only  # preflight skips tissue detection
         self.dist = dist
         self.quiet = quiet or not dist.is_main
-        self.out = console if dist.is_main else Console(quiet=True)
+        # brief (the CLI's --quiet): only epoch summaries, validation and warnings (``self.say``), no setup chatter
+        self.brief = brief
+        self.say = console if dist.is_main else Console(quiet=True)
+        self.out = console if dist.is_main and not brief else Console(quiet=True)
         self.callbacks = list(callbacks)
         self.state = FitState()
+        # The stop-signal handlers, installed only while train() runs and restored after it (see preempt.py).
+        self.signals = StopSignals(parse_signal(cfg.train.stop_signal))
+        self.safe = SafePoint(self.signals, dist, cfg.train.checkpoint_minutes)
+        self._resumed_losses: list[float] = []  # this epoch's losses before the checkpoint a resume starts from
 
     # ---- setup: every input check first, then the run folder
     def setup(self, *, resume: Path | None, force: bool, name: str | None) -> Path:
         """Check inputs, build everything, then create (or reopen) the run folder; return it."""
         cfg, t = self.cfg, self.cfg.train
+        if resume is not None and str(resume) == "auto":
+            resume = self._auto_resume(name)
         if resume is None:
             _check_run_target(cfg, name)
         self.device = resolve_device(cfg.engine.device, self.dist)
@@ -122,30 +140,49 @@ class FitRecipe:
         if self.dist.is_main and run_dir is None:
             run_dir, note = create_run_dir(Path(cfg.log.dir), name or cfg.name)
             if note:
-                self.out.print(f"[yellow]{escape(note)}[/yellow]")
+                self.say.print(f"[yellow]{escape(note)}[/yellow]")
         self.run_dir = Path(D.broadcast_object(str(run_dir), self.dist))
         if self.dist.is_main:
             write_run_files(self.run_dir, self.cfg_dict, ckpt is not None, self.device, self.data)
+            if ckpt is None:
+                write_job_file(self.run_dir)  # the Slurm job that started it, for `--resume auto` after a requeue
 
         if ckpt is not None:
             self.model.load_state_dict(ckpt["model"])
             self.trainer.load_state_dict(ckpt)
             self.state = FitState.from_checkpoint(ckpt)
             set_rng_states(ckpt["rng"])
+            # rank 0 carries every rank's losses of the interrupted epoch: the epoch's mean covers all its slides
+            self._resumed_losses = list(ckpt.get("epoch_losses") or []) if self.dist.is_main else []
             self.out.print(
                 f"resuming {escape(str(self.run_dir))} at epoch {self.state.epoch + 1}, slide "
                 f"{self.state.next_index + 1}, step {self.state.global_step} (lr {self.trainer.lr:.3g})"
             )
+        if ckpt is not None and self.dist.is_main:
+            # the steps logged after the checkpoint are redone: drop them so no step appears twice
+            for log_name in ("metrics.jsonl", "tiles.jsonl"):
+                drop_rows_after_step(self.run_dir / log_name, self.state.global_step)
         self._print_setup()
         self.recorder = RunRecorder(self.run_dir if self.dist.is_main else None, cfg.log, t.precision, self.engine,
                                     self.out)  # fmt: skip
         self.oom = OomRetry(self.trainer, self.engine, self._log_replan, self.recorder.metrics.write)
         if ckpt is not None:
-            # Rows after this marker redo the steps a killed run had logged past its last checkpoint.
+            # Rows a stopped run logged past its checkpoint were dropped above; the marker says where it resumed.
             self.recorder.metrics.write({"kind": "resume", "epoch": self.state.epoch + 1,
                                          "index": self.state.next_index, "step": self.state.global_step,
                                          "forced": bool(force)})  # fmt: skip
         return self.run_dir
+
+    def _auto_resume(self, name: str | None) -> Path | None:
+        """``--resume auto``: the run this Slurm job started and checkpointed (rank 0 looks, every rank follows),
+        else None: a new run."""
+        found = find_job_run(Path(self.cfg.log.dir)) if self.dist.is_main else None
+        found = D.broadcast_object(None if found is None else str(found), self.dist)
+        if found is None:
+            self.out.print("--resume auto: no checkpointed run of this job yet; starting a new run", markup=False)
+            return None
+        self.out.print(f"--resume auto: continuing {found}, started by this job", markup=False)
+        return Path(found)
 
     def _print_setup(self) -> None:
         cfg, data = self.cfg, self.data
@@ -172,13 +209,15 @@ class FitRecipe:
     def train(self) -> None:
         """The epochs from where the state stands; interrupted runs say how to continue."""
         try:
-            with FitProgress(self.out, self.quiet, self.cfg.train.epochs, self.engine) as progress:
+            progress_display = FitProgress(self.say, self.quiet, self.cfg.train.epochs, self.engine, self.brief)
+            with self.signals, progress_display as progress:
+                self.safe.saved()  # the time-based checkpoint clock starts with the training
                 for epoch in range(self.state.epoch, self.cfg.train.epochs):
                     self._epoch(epoch, progress)
             if self.test_ds is not None:
                 self.test()
         except KeyboardInterrupt:
-            self.out.print(
+            self.say.print(
                 f"[yellow]interrupted; the last checkpoint is {escape(str(self.run_dir / 'last.pt'))}; continue with "
                 f"`wsitrain fit CONFIG --resume {escape(str(self.run_dir))}`[/yellow]"
             )
@@ -192,7 +231,8 @@ class FitRecipe:
         order = D.shard(epoch_order(len(self.data.train), cfg.seed, epoch), self.dist)
         start = st.next_index if epoch == st.epoch else 0
         progress.start_epoch(epoch, len(order), start)
-        losses: list[float] = []
+        losses: list[float] = list(self._resumed_losses) if epoch == st.epoch and start > 0 else []
+        self._resumed_losses = []
         window_start = start
         todo = order[start:]
         loader = PrefetchLoader(self.train_ds, todo) if cfg.data.prefetch else _in_order(self.train_ds, todo)
@@ -220,9 +260,19 @@ class FitRecipe:
             if closes:
                 if st.global_step % cfg.log.every == 0:
                     progress.step_line(epoch, j, len(order), st.global_step, step.loss, lr, step.peak_bytes)
+                # The safe point: every rank agrees whether to stop (a signal) or checkpoint (the clock) here.
+                stop, due = self.safe.poll()
                 every = t.checkpoint_every
-                if every and st.global_step % every == 0 and j + 1 < len(order):
-                    self.save("last.pt", epoch, j + 1)
+                periodic = bool(every and st.global_step % every == 0) or due
+                if stop or (periodic and j + 1 < len(order)):  # an epoch's end writes last.pt anyway
+                    self.save("last.pt", epoch, j + 1, epoch_losses=_gather_flat(losses, self.dist))
+                if stop:
+                    raise Preempted(
+                        f"preempted ({self.signals.requested or 'a signal to another rank'}) at epoch {epoch + 1} step "
+                        f"{st.global_step}; resume with `wsitrain fit CONFIG --resume {self.run_dir}`",
+                        hint=f"last.pt in {self.run_dir} holds step {st.global_step}; in a Slurm job, "
+                        "`wsitrain fit CONFIG --resume auto` finds it after a requeue",
+                    )
                 for cb in self.callbacks:
                     cb.on_step_end(st)
             t_wait = time.perf_counter()
@@ -251,7 +301,7 @@ class FitRecipe:
         D.barrier(self.dist)
 
     def _log_replan(self, text: str) -> None:
-        self.out.print(f"[yellow]{escape(text)}[/yellow]")
+        self.say.print(f"[yellow]{escape(text)}[/yellow]")
         self.recorder.forget_plans()  # every shape is planned again within the lowered budget
 
     @contextlib.contextmanager
@@ -356,15 +406,18 @@ class FitRecipe:
         return metrics
 
     # ---- save
-    def save(self, file_name: str, epoch: int, next_index: int) -> None:
-        """Write a checkpoint (rank 0 only) that resumes at slide ``next_index`` of epoch ``epoch``."""
+    def save(self, file_name: str, epoch: int, next_index: int, epoch_losses: list[float] | None = None) -> None:
+        """Write a checkpoint (rank 0 only) that resumes at slide ``next_index`` of epoch ``epoch``;
+        ``epoch_losses``: the epoch's training losses so far (all ranks), for its mean after a resume."""
+        if file_name == "last.pt":
+            self.safe.saved()
         if not self.dist.is_main:
             return
         st = self.state
         save_checkpoint(
             self.run_dir / file_name, model=self.model.state_dict(), **self.trainer.state_dict(), epoch=epoch,
             next_index=next_index, global_step=st.global_step, best=st.best, history=st.history, rng=rng_states(),
-            config=self.cfg_dict, class_names=self.data.class_names,
+            config=self.cfg_dict, class_names=self.data.class_names, epoch_losses=list(epoch_losses or []),
             **({"task": self.objective.state()} if self.objective is not None else {}),
         )  # fmt: skip
 
@@ -435,6 +488,11 @@ def _task_metrics(objective: Objective | None, targets: np.ndarray, outputs: np.
 def _in_order(ds: SlideDataset, order: list[int]) -> Iterator[Item]:
     for i in order:
         yield ds[i]
+
+
+def _gather_flat(values: list[float], dist: D.DistInfo) -> list[float]:
+    """Every rank's ``values``, concatenated in rank order (a collective: every rank calls it at the same step)."""
+    return [v for part in D.gather_objects(values, dist) for v in part]
 
 
 def _mean_over_ranks(values: list[float], dist: D.DistInfo) -> float:

@@ -173,6 +173,34 @@ class JsonlWriter:
             self._f = None
 
 
+def drop_rows_after_step(path: Path, step: int) -> int:
+    """Rewrite a JSON-lines log without the rows of optimizer steps after ``step`` (what a stopped run logged past
+    its last checkpoint, which the resume redoes): no step appears twice. Rows without a step are kept; a torn last
+    line is dropped. Atomic (temp file + os.replace): a kill leaves the old or the new file. Returns rows dropped."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            dropped += 1
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] > step:
+            dropped += 1
+            continue
+        kept.append(line)
+    if dropped:
+        tmp = path.with_name(f".{path.name}.tmp")
+        with _disk_full_named(path), open(tmp, "w") as f:
+            f.write("".join(f"{line}\n" for line in kept))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    return dropped
+
+
 # Keys whose change makes a checkpoint's weights meaningless for the new config: refused even with --force.
 ARCHITECTURE_KEYS = ("model.name",)
 
