@@ -3,7 +3,9 @@
 # keeps them (they satisfy pyproject.toml). torch >= 2.6 with cuDNN >= 9.3 runs convolutions above 2^31 elements
 # per sample in cuDNN (older ones fall back to im2col, ~9x the input), so plans made in this image may use them.
 # CUDA 12.6, not 12.8: the cu128 builds drop Volta (sm 7.0), and the V100 presets are Volta.
-FROM pytorch/pytorch:2.6.0-cuda12.6-cudnn9-runtime
+# Another base (e.g. a site's own PyTorch image): docker build --build-arg BASE=... -t wsitrain .
+ARG BASE=pytorch/pytorch:2.6.0-cuda12.6-cudnn9-runtime
+FROM ${BASE}
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \

@@ -131,3 +131,51 @@ def test_collective_timeout_from_the_config_reaches_init_process_group(
     assert WsiTrainConfig().distributed.collective_timeout_minutes == 60.0
     with pytest.raises(ValueError, match="collective_timeout_minutes"):
         WsiTrainConfig.model_validate({"distributed": {"collective_timeout_minutes": 0}})
+
+
+class _SignalRankOne:
+    """Only rank 1 gets the signal (after step 1): the all_reduced flag must stop rank 0 at the same step."""
+
+    def on_step_end(self, state: Any) -> None:
+        import signal as _signal
+
+        if state.global_step == 1 and os.environ.get("RANK") == "1":
+            os.kill(os.getpid(), _signal.SIGUSR1)
+
+
+def _preempt_worker(rank: int, world: int, port: int, root: str, name: str, stop: bool, resume: bool) -> None:
+    from wsitrain.train.preempt import Preempted
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    cfg = _cfg(Path(root), name, accumulate=1)
+    cfg.train.stop_signal = "SIGUSR1"
+    try:
+        run_fit(cfg, console=Console(file=io.StringIO()), quiet=True, callbacks=[_SignalRankOne()] if stop else [],
+                resume=Path(root) / "runs" / name if resume else None)
+    except Preempted as err:
+        (Path(root) / f"{name}-rank{rank}.stopped").write_text(err.message)
+
+
+@pytest.mark.slow
+def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step(tmp_path: Path) -> None:
+    slides = tmp_path / "slides"
+    labels = write_synthetic_dataset(slides, n=8, size=256, seed=0)
+    rows = list(csv.DictReader(labels.open()))
+    with (tmp_path / "labels.csv").open("w") as f:
+        f.write("slide,label,split\n")
+        for i, r in enumerate(rows):
+            f.write(f"{r['slide']},{r['label']},{'val' if i >= 6 else 'train'}\n")
+    mp.spawn(_preempt_worker, args=(2, _free_port(), str(tmp_path), "full", False, False), nprocs=2, join=True)
+    mp.spawn(_preempt_worker, args=(2, _free_port(), str(tmp_path), "cut", True, False), nprocs=2, join=True)
+    said = [(tmp_path / f"cut-rank{r}.stopped").read_text() for r in range(2)]
+    assert said[1].startswith("preempted (SIGUSR1) at epoch 1 step 2;"), said
+    assert said[0].startswith("preempted (a signal to another rank) at epoch 1 step 2;"), said  # the same step
+    assert load_checkpoint(tmp_path / "runs" / "cut" / "last.pt")["global_step"] == 2
+    mp.spawn(_preempt_worker, args=(2, _free_port(), str(tmp_path), "cut", False, True), nprocs=2, join=True)
+    a = load_checkpoint(tmp_path / "runs" / "full" / "last.pt")
+    b = load_checkpoint(tmp_path / "runs" / "cut" / "last.pt")
+    assert a["global_step"] == b["global_step"] == 3
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key

@@ -13,9 +13,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import click
 import typer
 from rich.console import Console
 from rich.table import Table
+from typer.core import TyperGroup
 
 from wsitrain import __version__, log
 from wsitrain.errors import ConfigError, NotAvailableError, WsiTrainError
@@ -23,8 +25,30 @@ from wsitrain.errors import ConfigError, NotAvailableError, WsiTrainError
 if TYPE_CHECKING:
     from wsitrain.config import WsiTrainConfig
 
+GLOBAL_FLAGS = ("--quiet", "-q", "--verbose", "-v")
+
+
+def hoist_global_options(args: list[str]) -> list[str]:
+    """Move --quiet/--verbose given after the command (`wsitrain fit --quiet CONFIG`, natural in job scripts) before
+    it, where the app callback reads them. Nothing after `--` moves; no command uses -q or -v for anything else."""
+    args = list(args)
+    end = args.index("--") if "--" in args else len(args)
+    first = next((i for i, a in enumerate(args[:end]) if not a.startswith("-")), None)
+    if first is None:
+        return args
+    moved = [a for a in args[first + 1 : end] if a in GLOBAL_FLAGS]
+    rest = [a for a in args[first + 1 : end] if a not in GLOBAL_FLAGS]
+    return args[:first] + moved + [args[first]] + rest + args[end:]
+
+
+class _Group(TyperGroup):
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, hoist_global_options(args))
+
+
 app = typer.Typer(
     name="wsitrain",
+    cls=_Group,
     help="Train CNNs end-to-end on whole-slide images with slide-level labels, with exact tiled (SFT) execution.",
     no_args_is_help=True,
     add_completion=False,
@@ -60,7 +84,7 @@ def _handled(fn: F) -> F:
         except WsiTrainError as err:
             if _state["verbose"] and err.__cause__ is not None:  # an internal error chained: show where it was
                 log.traceback()
-            log.error(err.message, err.hint)
+            (log.notice if err.notice else log.error)(err.message, err.hint)
             raise typer.Exit(err.exit_code) from None
         except Exception as err:
             log.internal_error(err, verbose=_state["verbose"])
@@ -127,7 +151,9 @@ def fit(
     config: Path = typer.Argument(..., metavar="CONFIG", help="YAML config file (see configs/ and README.md)."),
     set_: list[str] | None = typer.Option(None, "--set", "-s", metavar="KEY=VALUE", help=SET_HELP),
     resume: Path | None = typer.Option(
-        None, "--resume", metavar="RUN_DIR", help="Continue the run in this folder from its last checkpoint."
+        None, "--resume", metavar="RUN_DIR",
+        help="Continue the run in this folder from its last checkpoint; `auto`: the run this Slurm job started "
+        "(after a requeue), else a new run.",
     ),
     force: bool = typer.Option(False, "--force", help="With --resume: continue even if the config has changed."),
     name: str | None = typer.Option(
@@ -151,9 +177,31 @@ def fit(
     """
     cfg = _load_config(config, set_)
     run_fit = _entry("wsitrain.train.fit", "run_fit", "fit")
-    run_fit(
-        cfg, resume=resume, force=force, name=name, console=_console(), quiet=_state["quiet"], shapes_only=shapes_only
-    )
+    # --quiet keeps fit's epoch summaries: the console stays on and the fit itself prints only those (brief)
+    console = log.make_console(_state["quiet"], _state["verbose"], summaries=True)
+    run_fit(cfg, resume=resume, force=force, name=name, console=console, quiet=_state["quiet"],
+            brief=_state["quiet"], shapes_only=shapes_only)  # fmt: skip
+
+
+@app.command()
+@_handled
+def cv(
+    config: Path = typer.Argument(..., metavar="CONFIG", help="YAML config file (see configs/ and README.md)."),
+    folds: int = typer.Option(5, "--folds", min=2, help="Number of folds (K)."),
+    set_: list[str] | None = typer.Option(None, "--set", "-s", metavar="KEY=VALUE", help=SET_HELP),
+    name: str | None = typer.Option(None, "--name", help="Folder name under log.dir [NAME-cvK from the config]."),
+) -> None:
+    """Cross-validate: K fits on folds grouped by patient and stratified by label; rerunning resumes.
+
+    Writes log.dir/NAME-cvK with fold-1 ... fold-K run folders, cv_summary.json and cv.html.
+
+    Example:
+
+      wsitrain cv configs/demo.yaml --folds 3
+    """
+    cfg = _load_config(config, set_)
+    run_cv = _entry("wsitrain.train.cv", "run_cv", "cv")
+    run_cv(cfg, folds=folds, name=name, console=_console(), quiet=_state["quiet"])
 
 
 @app.command()
@@ -168,8 +216,19 @@ def predict(
         None, "--heatmaps", help="Folder for per-slide class activation maps (.npy and .png over the thumbnail)."
     ),
     saliency: bool = typer.Option(False, "--saliency", help="With --heatmaps: add the exact input-gradient map."),
+    viewer_files: bool = typer.Option(
+        True, "--viewer-files/--no-viewer-files",
+        help="With --heatmaps: also write NAME.geojson (QuPath detections) and NAME.heatmap.tif (slide-sized TIFF).",
+    ),
+    geojson_cell: int | None = typer.Option(
+        None, "--geojson-cell", min=1, metavar="K",
+        help="GeoJSON detections of K x K map cells (default: the smallest K leaving at most 150,000 detections).",
+    ),
+    patients: Path | None = typer.Option(
+        None, "--patients", help="CSV with slide and patient columns: also write OUT.patients.csv (mean per patient)."
+    ),
 ) -> None:
-    """Predict slide-level class probabilities with a trained checkpoint.
+    """Predict slide-level class probabilities (or a task's outputs) with a trained checkpoint.
 
     Example:
 
@@ -180,7 +239,7 @@ def predict(
     cfg = _load_config(config, set_)
     run_predict = _entry("wsitrain.train.predict", "run_predict", "predict")
     run_predict(cfg, checkpoint=checkpoint, slides=slides, out=out, console=_console(), heatmaps=heatmaps,
-                saliency=saliency)
+                saliency=saliency, viewer_files=viewer_files, geojson_cell=geojson_cell, patients=patients)
 
 
 @app.command()
@@ -380,6 +439,14 @@ def synth(
     positive_fraction: float = typer.Option(
         0.5, "--positive-fraction", min=0.0, max=1.0, help="Fraction of slides labelled positive."
     ),
+    task: str = typer.Option(
+        "classification", "--task", help="classification, or regression / survival / multilabel: targets that "
+        "depend on what the slides show (columns score; time, event; purple, brown, teal; and patient).",
+    ),
+    test_fraction: float = typer.Option(
+        0.0, "--test-fraction", min=0.0, max=0.9, help="With --task: patients marked split=test (and a quarter of "
+        "the rest val).",
+    ),
     lesions: str = typer.Option(
         "none", "--lesions", metavar="[none|small]",
         help="small: 1-3 small lesions per positive slide and look-alike distractors, at 2.5 um/px (lesions.json).",
@@ -387,13 +454,23 @@ def synth(
 ) -> None:
     """Write a synthetic labelled dataset of pyramidal SVS slides (for demos and tests).
 
-    Example:
+    Examples:
 
       wsitrain synth data/synthetic --n 24 --size 2048
       wsitrain synth data/lesions --n 48 --size 2048 --lesions small
+
+      wsitrain synth data/survival --task survival --n 48 --size 1024 --test-fraction 0.25
     """
     if lesions not in ("none", "small"):
         raise typer.BadParameter(f"{lesions!r} is not one of none, small", param_hint="'--lesions'")
+    if lesions != "none" and task != "classification":
+        raise typer.BadParameter("--lesions small makes classification slides; leave out --task",
+                                 param_hint="'--lesions'")
+    if task != "classification":
+        write_task = _entry("wsitrain.slides.synth_targets", "write_task_dataset", "synth")
+        csv_path = write_task(out_dir, task, n=n, size=size, seed=seed, test_fraction=test_fraction)
+        _console().print(f"wrote {n} slides for task {task}; labels: {csv_path}", soft_wrap=True)
+        return
     write = _entry("wsitrain.slides.synth", "write_synthetic_dataset", "synth")
     extra = {"lesions": lesions} if lesions != "none" else {}  # the default call stays as it was
     csv_path = write(out_dir, n=n, size=size, seed=seed, positive_fraction=positive_fraction, **extra)

@@ -37,6 +37,7 @@ from wsitrain.errors import ConfigError, WsiTrainError
 from wsitrain.models.heads import ATTENTION_POOLS, POOLS, AttentionSpec
 from wsitrain.models.registry import ModelNameError, is_imagenet, resolve_model_name
 from wsitrain.precision import Precision
+from wsitrain.tasks.kinds import RegressionLoss, TaskKind
 from wsitrain.units import format_bytes, parse_bytes
 
 # ``~`` is expanded; relative paths stay relative (to the working directory, see module docstring).
@@ -242,6 +243,23 @@ class TrainConfig(Section):
     val_every: int = Field(1, ge=1)
     # Also write last.pt every N optimizer steps (not only at each epoch's end), so a killed run loses little.
     checkpoint_every: int | None = Field(None, ge=1)
+    # Also write last.pt when this many minutes passed since the last one: bounds what a KILL (no signal) can lose.
+    checkpoint_minutes: float | None = Field(None, gt=0)
+    # A signal that stops the run cleanly besides SIGTERM and SIGINT, e.g. USR1 for `sbatch --signal=B:USR1@120`.
+    stop_signal: str | None = None
+
+    @field_validator("stop_signal")
+    @classmethod
+    def _known_signal(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        import signal
+
+        text = str(value).strip().upper()
+        name = text if text.startswith("SIG") else f"SIG{text}"
+        if text.isdigit() or name not in signal.Signals.__members__ or name in ("SIGKILL", "SIGSTOP"):
+            raise ValueError(f"{value!r} is not a signal that can be caught by name; use e.g. USR1, USR2 or TERM")
+        return name
 
 
 class LogConfig(Section):
@@ -270,6 +288,40 @@ class DistributedConfig(Section):
     collective_timeout_minutes: float = Field(COLLECTIVE_TIMEOUT_MINUTES, gt=0)
 
 
+class TaskConfig(Section):
+    """What the run learns (wsitrain.tasks.kinds): the labels CSV's columns it reads, and the task's loss."""
+
+    kind: TaskKind = "classification"
+    # regression: the numeric target columns; multilabel: the 0/1 label columns (one head output each)
+    columns: list[str] | None = None
+    time: str = "time"  # survival: follow-up time column (any unit; bins come from the training event times)
+    event: str = "event"  # survival: 1 = the event happened at `time`, 0 = censored then
+    loss: RegressionLoss = "mse"  # regression only (classification keeps train.loss)
+    bins: int = Field(4, ge=2, le=64)  # survival: time bins at the training set's event-time quantiles
+
+    @model_validator(mode="before")
+    @classmethod
+    def _kind_alone(cls, value: Any) -> Any:
+        # `task: survival` is short for `task: {kind: survival}`.
+        return {"kind": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _check_columns(self) -> TaskConfig:
+        if self.kind in ("regression", "multilabel"):
+            if not self.columns:
+                raise ValueError(f"kind is {self.kind} but columns is not set; list the labels CSV's "
+                                 f"{'target' if self.kind == 'regression' else '0/1 label'} columns, "
+                                 "e.g. columns: [score]")  # fmt: skip
+            dupes = sorted({c for c in self.columns if self.columns.count(c) > 1})
+            if dupes:
+                raise ValueError(f"columns lists {', '.join(dupes)} more than once")
+        elif self.columns:
+            raise ValueError(f"columns is set but kind is {self.kind}; columns apply to regression and multilabel")
+        if self.kind == "survival" and self.time == self.event:
+            raise ValueError(f"time and event are both {self.time!r}; they name two different columns")
+        return self
+
+
 class WsiTrainConfig(Section):
     name: str | None = None  # the run folder's name inside log.dir (see check_run_name)
     seed: int = Field(0, ge=0)
@@ -280,6 +332,7 @@ class WsiTrainConfig(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     log: LogConfig = Field(default_factory=LogConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
 
     _source: Path | None = PrivateAttr(default=None)
 
@@ -578,8 +631,14 @@ def config_summary(cfg: WsiTrainConfig) -> dict[str, str]:
         else "level 0"
     )
     budget = format_bytes(e.memory_budget_bytes) if e.memory_budget is not None else "detected from the device"
+    tk = cfg.task
+    task = {} if tk.kind == "classification" else {"task": tk.kind + (
+        f" (columns {', '.join(tk.columns or [])}" + (f", loss {tk.loss})" if tk.kind == "regression" else ")")
+        if tk.columns else f" (time {tk.time}, event {tk.event}, {tk.bins} bins)")}  # fmt: skip
     return {
-        "model": f"{cfg.model.name} (pool {cfg.model.pool}, classes {cfg.model.num_classes or 'from labels'})",
+        **task,
+        "model": f"{cfg.model.name} (pool {cfg.model.pool}, "
+        + (f"classes {cfg.model.num_classes or 'from labels'})" if not task else "head from the task)"),
         "data": source,
         "read": f"{scale}, region {d.region}" + (f" {d.size}" if d.size is not None else ""),
         "engine": f"budget {budget}, tile {e.tile_size or 'planned'}, device {e.device}",

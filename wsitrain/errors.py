@@ -12,6 +12,8 @@ class WsiTrainError(Exception):
     """An error caused by the user's input, with a hint that says how to fix it."""
 
     exit_code: int = 2
+    # True for an expected stop that is no failure (a preempted fit): printed as a notice, not as `error:`
+    notice: bool = False
 
     def __init__(self, message: str, hint: str | None = None) -> None:
         super().__init__(message)

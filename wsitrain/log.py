@@ -12,16 +12,18 @@ from rich.markup import escape
 _stderr = Console(stderr=True, highlight=False)
 
 
-def make_console(quiet: bool = False, verbose: bool = False) -> Console:
+def make_console(quiet: bool = False, verbose: bool = False, summaries: bool = False) -> Console:
     """The command's stdout console (silent when quiet); also routes the ``wsitrain`` logger to stderr.
 
     quiet: only warnings and errors are shown. verbose: ``logging.debug`` from wsitrain modules is shown too.
+    summaries: the console stays on with quiet: the command itself prints only its summaries then (`fit --quiet`
+    keeps one line per epoch).
     """
     logger = logging.getLogger("wsitrain")
     logger.handlers[:] = [RichHandler(console=_stderr, show_time=False, show_path=verbose, markup=False)]
     logger.setLevel(logging.WARNING if quiet else logging.DEBUG if verbose else logging.INFO)
     logger.propagate = False
-    console = Console(quiet=quiet, highlight=False)
+    console = Console(quiet=quiet and not summaries, highlight=False)
     # Redirected to a file (Slurm logs, CI): don't hard-wrap lines at rich's default 80 columns.
     console.soft_wrap = not console.is_terminal
     return console
@@ -30,6 +32,13 @@ def make_console(quiet: bool = False, verbose: bool = False) -> Console:
 def error(message: str, hint: str | None = None) -> None:
     """An error and its hint on stderr, one line each; long paths are not wrapped so they can be copied."""
     _stderr.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
+    if hint:
+        _stderr.print(f"[cyan]hint:[/] {escape(hint)}", soft_wrap=True)
+
+
+def notice(message: str, hint: str | None = None) -> None:
+    """An expected stop that is no failure (a preempted fit), on stderr: one line, and its hint."""
+    _stderr.print(f"[bold yellow]stopped:[/] {escape(message)}", soft_wrap=True)
     if hint:
         _stderr.print(f"[cyan]hint:[/] {escape(hint)}", soft_wrap=True)
 

@@ -179,7 +179,7 @@ def run_preflight(
     ``device`` is the training device (its type decides whether the image is staged on the host). ``progress``:
     a console to show a progress bar on when the slide loop takes more than a moment.
     """
-    from wsitrain.slides.dataset import load_labels
+    from wsitrain.tasks.columns import load_task_records
     from wsitrain.train.data import resolve_labels
 
     dev = torch.device(device).type
@@ -187,7 +187,8 @@ def run_preflight(
     report.problems += _file_problems(cfg)
     labels_csv, slides_dir = resolve_labels(cfg)  # generates data.synthetic's slides on first use, as fit would
     t0 = time.perf_counter()
-    records, class_names = load_labels(labels_csv, slides_dir, check_readable=False)
+    # the task's columns (times, events, targets, labels) are checked here too, each problem naming its line
+    records, class_names = load_task_records(labels_csv, slides_dir, cfg.task, check_readable=False)
     model = _meta_model(cfg, cfg.model.num_classes or max(2, len(class_names)))
     stride = int(getattr(model, "stride", 1))
 

@@ -4,11 +4,12 @@
 
 * ``attention`` (``AttentionScores``): per position, an optional 1x1 projection ``h = relu(P f)``, then the scores
   ``s = w^T tanh(V h)`` (ABMIL) or ``s = w^T (tanh(V h) * sigmoid(U h))`` (gated, as CLAM), one per branch, returned
-  as ``cat([h, s])`` (B, C + K, H, W). Only 1x1 convolutions and pointwise layers: it tiles like the trunk.
+  as ``cat([h, s])`` (B, C + K, H, W). Only 1x1 convolutions and pointwise layers: it tiles like the trunk. The
+  score layers compute in float32 under autocast (``Float32Conv1x1``).
 * ``pool`` (``wsitrain.sft.ops.attention_pool.AttentionPool``): softmax over the whole map, weighted mean, (B, K, C);
   the engine folds it into the last tiled segment (an online softmax), so the map never exists whole.
-* ``classifier``: the model's own head on each branch's pooled vector; with one branch per class (CLAM-MB) it
-  scores every branch with every class and ``BranchDiagonal`` keeps class k of branch k.
+* ``classifier``: the model's own head on the pooled vector; with one branch per class (CLAM-MB,
+  ``BranchClassifier``) class k's logit is the head's class k on branch k's vector.
 """
 
 from __future__ import annotations
@@ -17,10 +18,30 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from wsitrain.sft.ops.attention_pool import AttentionPool
+from wsitrain.sft.ops.attention_pool import AttentionPool, without_autocast
 
 # ABMIL / CLAM's attention width (CLAM "small": 512 -> 256); with a projection the hidden width follows it.
 DEFAULT_HIDDEN = 256
+
+
+class Float32Conv1x1(nn.Conv2d):
+    """A 1x1 convolution that computes in its weight's dtype under autocast too (``sft_float32``: the planner counts
+    its output, and what follows it, at 4 bytes).
+
+    Why: a softmax's score gradients sum to zero over the map, so the attention layers' weight gradients are sums
+    that nearly cancel, and bf16 loses them. Measured on the gated head of tests/test_sft_attention.py (seed 2):
+    plain bf16's gradient of ``v``'s bias was 0.24 (relative) from float64's, 0.0035 with these layers in float32
+    (the tiled step: 0.011 and 0.0028). Their maps are narrow (``hidden`` channels), so the cost is small.
+    """
+
+    sft_float32 = True
+
+    def __init__(self, cin: int, cout: int, bias: bool = True) -> None:
+        super().__init__(cin, cout, 1, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with without_autocast(x):
+            return super().forward(x.to(self.weight.dtype))
 
 
 class AttentionScores(nn.Module):
@@ -32,9 +53,10 @@ class AttentionScores(nn.Module):
         self.project = nn.Conv2d(channels, dim, 1) if dim is not None else None
         width = dim if dim is not None else channels
         hidden = hidden or min(DEFAULT_HIDDEN, width)
-        self.v = nn.Conv2d(width, hidden, 1)
-        self.u = nn.Conv2d(width, hidden, 1) if gated else None
-        self.w = nn.Conv2d(hidden, branches, 1)
+        self.v = Float32Conv1x1(width, hidden)
+        self.u = Float32Conv1x1(width, hidden) if gated else None
+        # no bias: a softmax is shift-invariant, so a score bias changes nothing and its gradient is pure round-off
+        self.w = Float32Conv1x1(hidden, branches, bias=False)
         self.out_channels = width
 
     def forward(self, f: torch.Tensor) -> torch.Tensor:
@@ -42,14 +64,22 @@ class AttentionScores(nn.Module):
         a = torch.tanh(self.v(h))
         if self.u is not None:
             a = a * torch.sigmoid(self.u(h))
-        return torch.cat([h, self.w(a)], 1)  # (B, D + K, H, W)
+        return torch.cat([h, self.w(a)], 1)  # (B, D + K, H, W); float32 under autocast (the scores are)
 
 
-class BranchDiagonal(nn.Module):
-    """(B, K, K) class scores of every branch -> (B, K): branch k's score for class k (CLAM-MB)."""
+class BranchClassifier(nn.Module):
+    """CLAM-MB's head: (B, K, C) pooled vectors of K = classes branches -> (B, K) logits, class k scored on branch
+    k by the model's own classifier (run on each branch's vector as a batch of B * K, so a library head with a
+    LayerNorm or an MLP before its Linear works unchanged)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.diagonal(x, dim1=1, dim2=2)
+    def __init__(self, classifier: nn.Module) -> None:
+        super().__init__()
+        self.classifier = classifier
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        b, k = z.shape[0], z.shape[1]
+        scores = self.classifier(z.flatten(0, 1)).view(b, k, -1)  # (B, K, classes): every branch, every class
+        return torch.diagonal(scores, dim1=1, dim2=2)  # (B, K)
 
 
 def feature_mask(tissue: torch.Tensor, out_hw: tuple[int, int], stride: int) -> torch.Tensor:
@@ -63,4 +93,4 @@ def feature_mask(tissue: torch.Tensor, out_hw: tuple[int, int], stride: int) -> 
     return F.max_pool2d(t, stride, stride) > 0
 
 
-__all__ = ["AttentionPool", "AttentionScores", "BranchDiagonal", "feature_mask"]
+__all__ = ["AttentionPool", "AttentionScores", "BranchClassifier", "feature_mask"]

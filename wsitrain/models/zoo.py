@@ -16,7 +16,7 @@ from pathlib import Path
 from torch import nn
 
 from wsitrain.errors import WsiTrainError
-from wsitrain.models.attention import AttentionPool, AttentionScores, BranchDiagonal
+from wsitrain.models.attention import AttentionPool, AttentionScores, BranchClassifier
 from wsitrain.models.darknet import darknet19_features
 from wsitrain.models.frozen_bn import freeze_batchnorm
 from wsitrain.models.heads import ATTENTION_POOLS, AVG, GATED_ATTENTION, POOLS, AttentionSpec
@@ -129,9 +129,9 @@ def _pool_layers(pool: str, attention: AttentionSpec, channels: int, classifier:
     if attention.dim is not None:
         # the library's pre-logits layers (a LayerNorm, an MLP) expect the trunk's width, not the projection's
         classifier = nn.Linear(attention.dim, num_classes)
-    if branches > 1:  # (B, K, C) -> every branch scored by every class (B, K, K) -> class k of branch k (B, K)
+    if branches > 1:  # (B, K, C) -> class k of branch k (B, K)
         return {"attention": scores, "pool": AttentionPool(branches), "flatten": nn.Identity(),
-                "classifier": nn.Sequential(classifier, BranchDiagonal())}  # fmt: skip
+                "classifier": BranchClassifier(classifier)}  # fmt: skip
     return {"attention": scores, "pool": AttentionPool(1), "flatten": nn.Flatten(1), "classifier": classifier}
 
 

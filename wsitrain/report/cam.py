@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from wsitrain.errors import WsiTrainError
-from wsitrain.models.attention import BranchDiagonal
+from wsitrain.models.attention import BranchClassifier
 from wsitrain.models.heads import ATTENTION, AVG, MAX
 from wsitrain.sft.ops.attention_pool import AttentionPool
 
@@ -82,10 +82,8 @@ def find_head(model: nn.Module) -> ClassifierHead:
 
 
 def _inner_linear(m: nn.Module) -> nn.Module:
-    """CLAM-MB's ``Sequential(Linear, BranchDiagonal)`` scores as its Linear does (class k of branch k)."""
-    if isinstance(m, nn.Sequential) and len(m) == 2 and isinstance(m[1], BranchDiagonal):
-        return m[0]
-    return m
+    """CLAM-MB's ``BranchClassifier`` around a Linear scores as that Linear does (class k of branch k)."""
+    return m.classifier if isinstance(m, BranchClassifier) else m
 
 
 def _output_is_one(m: nn.Module) -> bool:

@@ -1,6 +1,7 @@
 """`predict --heatmaps DIR`: per slide ``NAME.cam.npy`` (K, h, w), ``NAME.png``, optional ``NAME.saliency.npy``
-(3, H/block, W/block), ``NAME.attention.npy`` (branches, h, w) for attention heads, and ``heatmaps.json``
-indexing them (what the run report reads)."""
+(3, H/block, W/block), ``NAME.attention.npy`` (branches, h, w) for attention heads, the viewer files
+``NAME.geojson`` (QuPath detections, ``report.geojson``) and ``NAME.heatmap.tif`` (a slide-sized pyramidal TIFF,
+``report.heatmap_tiff``), and ``heatmaps.json`` indexing them (what the run report reads)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from wsitrain.report.geojson import write_geojson
 from wsitrain.report.heatmap import SlideMaps, eval_mode, slide_maps
-from wsitrain.report.overlay import Placement, render_heatmap, slide_thumbnail
+from wsitrain.report.heatmap_tiff import write_heatmap_tiff
+from wsitrain.report.map_grid import MapGrid
+from wsitrain.report.overlay import Placement, Thumbnail, render_heatmap, slide_thumbnail
 from wsitrain.train.attention_mask import attention_masked
 
 INDEX = "heatmaps.json"
@@ -28,17 +32,26 @@ def saliency_block(image_hw: tuple[int, int], stride: int) -> int:
 
 
 class HeatmapWriter:
-    """Writes each slide's maps into ``out_dir`` (created) and the index at ``close()``."""
+    """Writes each slide's maps into ``out_dir`` (created) and the index at ``close()``.
+
+    ``viewer``: also write ``NAME.geojson`` and ``NAME.heatmap.tif`` for slide viewers (QuPath, ASAP);
+    ``geojson_k``: map cells per GeoJSON detection side (None: as many as keep the file under ~50 MB)."""
 
     def __init__(
         self, out_dir: Path, class_names: list[str], saliency: bool = False,
         autocast: Callable[[], AbstractContextManager[Any]] | None = None,
+        viewer: bool = True, geojson_k: int | None = None,
+        transform: Callable[[SlideMaps], SlideMaps] | None = None,
     ) -> None:
+        # a task's view of the head's maps (survival: the hazard maps become one risk map); None: the maps as read
+        self.transform = transform
         self.autocast = autocast  # predict's precision (e.g. Trainer.autocast), so the maps run under the same plan
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.class_names = [str(c) for c in class_names]
         self.saliency = saliency
+        self.viewer = viewer
+        self.geojson_k = geojson_k
         self.records: list[dict[str, Any]] = []
 
     def add(
@@ -59,6 +72,8 @@ class HeatmapWriter:
         block = saliency_block(tuple(image.shape[-2:]), stride) if self.saliency else None
         with eval_mode(model), attention_masked(model, read):
             maps = slide_maps(model, image, saliency_block=block, probabilities=probabilities, autocast=self.autocast)
+        if self.transform is not None:
+            maps = self.transform(maps)
         stem = _stem(slide)
         np.save(self.out_dir / f"{stem}.cam.npy", maps.cam.float().numpy())
         if maps.saliency is not None:
@@ -69,11 +84,49 @@ class HeatmapWriter:
             where = Placement(tuple(float(v) for v in read.box), float(read.downsample),  # type: ignore[arg-type]
                               tuple(reader.info.dimensions))  # type: ignore[arg-type]
             thumb = slide_thumbnail(reader, image, where)
+            mpp = reader.info.mpp
         tissue, _ = tissue_mask(thumb.rgb)
         png = render_heatmap(self.out_dir / f"{stem}.png", maps, thumb, where, self.class_names, slide.name, tissue)
         rec = self._record(slide, stem, maps, where, png, label)
+        if self.viewer:
+            level0_mpp = (mpp[0] + mpp[1]) / 2 if mpp else (read.mpp / read.downsample if read.mpp else None)
+            rec.update(self._viewer_files(stem, maps, where, level0_mpp, thumb, tissue))
+        else:
+            rec.update(geojson=None, heatmap_tif=None)
         self.records.append(rec)
         return rec
+
+    def _viewer_files(
+        self, stem: str, maps: SlideMaps, where: Placement, mpp: float | None, thumb: Thumbnail, tissue: np.ndarray
+    ) -> dict[str, Any]:
+        """``NAME.geojson`` (every class's CAM and every attention branch, on tissue) and ``NAME.heatmap.tif`` (the
+        predicted class's attention branch for attention heads, else its CAM)."""
+        cam = maps.cam.double().numpy()
+        grid = MapGrid.of_read(where.box, where.downsample, maps.stride, cam.shape[1:], where.slide_wh, mpp)
+        # Cells off the tissue are left out of the GeoJSON (fewer, more useful detections); with no tissue found,
+        # or all of the thumbnail tissue, every cell is kept.
+        keep = grid.sample(tissue, thumb.extent) if tissue.any() and not tissue.all() else None
+        named = {f"cam {c}": cam[k] for k, c in enumerate(self.class_names)}
+        shown = f"cam {self.class_names[maps.predicted]}"
+        colours: dict[str, Any] = {}
+        if maps.attention is not None:  # weights (sum 1 per branch); a GeoJSON cell of k x k carries their mean
+            att = maps.attention.double().numpy()
+            branches = {"attention": att[0]} if len(att) == 1 else {
+                f"attention {c}": att[k] for k, c in enumerate(self.class_names)}  # fmt: skip
+            named.update(branches)
+            shown = "attention" if len(att) == 1 else f"attention {self.class_names[maps.predicted]}"
+            colours = {"vmin": 0.0, "vmax": float(branches[shown].max()) or 1.0, "cmap": "inferno"}
+        gj = write_geojson(self.out_dir / f"{stem}.geojson", named, grid, k=self.geojson_k, keep=keep)
+        tif = write_heatmap_tiff(self.out_dir / f"{stem}.heatmap.tif", named[shown], grid, **colours)
+        return {
+            "geojson": gj.path.name,
+            "geojson_cell_px": gj.cell_px,
+            "geojson_features": gj.features,
+            "heatmap_tif": tif.path.name,
+            "heatmap_tif_map": shown,
+            "heatmap_tif_range": [tif.vmin, tif.vmax],
+            "mpp": mpp,
+        }
 
     def _record(
         self, slide: Path, stem: str, maps: SlideMaps, where: Placement, png: Path, label: int | None

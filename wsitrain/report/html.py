@@ -101,6 +101,7 @@ def write_report(run_dir: Path, heatmaps: bool = True, console: Any = None) -> P
     body = [
         _header(run_dir),
         _curves(run_dir),
+        _task(run_dir),
         _validation(run_dir, maps_note),
         _plans(run_dir),
         _tiles(run_dir),
@@ -131,7 +132,10 @@ def _header(run_dir: Path) -> str:
         return head + _note("summary.json is missing: the run did not finish (or is still running).")
     keys = ("epochs", "optimizer_steps", "val_loss", "val_accuracy", "val_balanced_accuracy", "val_roc_auc",
             "best_val_loss", "mean_slide_s", "mean_forward_s", "mean_backward_s", "peak_bytes", "wall_s")
-    return head + "<h2>Summary</h2>" + _kv_table({k: s.get(k) for k in keys if k in s}, ("peak_bytes",))
+    # a task's metrics and the held-out test figures, where the run has them (test_ keys: marked as test)
+    keys += tuple(k for k in s if k not in keys and (k == "task" or k.startswith(("val_", "best_val_", "test_"))))
+    shown = {(f"{k} (held-out test)" if k.startswith("test_") else k): s.get(k) for k in keys if k in s}
+    return head + "<h2>Summary</h2>" + _kv_table(shown, ("peak_bytes",))
 
 
 def _curves(run_dir: Path) -> str:
@@ -149,6 +153,34 @@ def _curves(run_dir: Path) -> str:
     else:
         out.append(_note("no roc.png / confusion.png: the run has no validation slides, or validated before "
                          "this version wrote them"))
+    return "\n".join(out)
+
+
+def _task(run_dir: Path) -> str:
+    """The task's validation and held-out test metrics and pictures (nothing for a classification run without
+    test rows, so its page is as before)."""
+    from wsitrain.report.task_figures import SETS, write_task_figures
+
+    s = read_json(run_dir / "summary.json") or {}
+    found = [(name, what) for name, what in SETS if (run_dir / name).is_file()]
+    if not found:
+        return ""
+    out = ["<h2>Task results</h2>"]
+    write_task_figures(run_dir)  # redrawn from the rows, so an old run's page gets them too
+    for name, what in found:
+        data = read_json(run_dir / name) or {}
+        metrics = data.get("metrics") or {}
+        mark = " <b>(held-out test: evaluated once, with best.pt)</b>" if what == "test" else " (last validation)"
+        out.append(f"<h3>{_e(what.capitalize())}{mark}</h3>")
+        out.append(_kv_table({k: v for k, v in metrics.items() if k != "seconds"}))
+        if any(k.startswith("patient_") for k in metrics):
+            out.append(_note("patient_* figures: each patient's slide outputs averaged, then the metric over "
+                             "patients"))
+        png = run_dir / f"{data.get('task')}_{what}.png"
+        if png.is_file():
+            out.append(_img(png, f"{what} {data.get('task')}"))
+    if s.get("task"):
+        out.append(_note(f"task {s['task']}; best.pt chosen by the validation metric in best_val_*"))
     return "\n".join(out)
 
 

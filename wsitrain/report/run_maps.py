@@ -40,7 +40,7 @@ def validation_heatmaps(run_dir: Path, out_dir: Path, console: Any = None) -> st
     e = cfg.engine
     engine = SFT(model.to(device), memory_budget=e.memory_budget, tile_size=e.tile_size, checkpoints=e.checkpoints)
     rk = read_kwargs(cfg, int(getattr(model, "stride", 1)))
-    writer = HeatmapWriter(out_dir, classes)
+    writer = HeatmapWriter(out_dir, classes, viewer=False)  # the page shows PNGs; viewer files are predict's
     for r in val["slides"]:
         read = read_slide_region(r["path"], **rk)
         label = classes.index(r["label"]) if r.get("label") in classes else None

@@ -35,6 +35,18 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def metrics_rows(run_dir: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl without superseded rows: in runs resumed before resumes dropped them, the rows a stopped run
+    logged past its checkpoint (steps after a later resume marker's step) precede that marker; they are skipped."""
+    rows = read_jsonl(Path(run_dir) / "metrics.jsonl")
+    out: list[dict[str, Any]] = []
+    for r in rows:
+        if r.get("kind") == "resume" and isinstance(r.get("step"), int):
+            out = [x for x in out if not (isinstance(x.get("step"), int) and x["step"] > r["step"])]
+        out.append(r)
+    return out
+
+
 def read_json(path: Path) -> Any:
     if not path.is_file():
         return None
@@ -54,6 +66,22 @@ class EpochCurves:
 
 
 METRICS = ("loss", "accuracy", "balanced_accuracy", "roc_auc")
+# The curves of a task's run: its validation metrics (training rows hold task outputs, not class probabilities).
+TASK_METRICS = {"survival": ("loss", "c_index", "patient_c_index"), "regression": ("loss", "r2", "pearson", "spearman"),
+                "multilabel": ("loss", "macro_auc", "patient_macro_auc")}  # fmt: skip
+
+
+def run_task(run_dir: Path) -> str:
+    """The run's task.kind from its config.yaml (classification when absent: runs before tasks existed)."""
+    import yaml
+
+    path = Path(run_dir) / "config.yaml"
+    try:
+        cfg = yaml.safe_load(path.read_text()) if path.is_file() else None
+    except (OSError, yaml.YAMLError):
+        cfg = None
+    task = (cfg or {}).get("task") if isinstance(cfg, dict) else None
+    return str(task.get("kind", "classification")) if isinstance(task, dict) else "classification"
 
 
 def epoch_curves(run_dir: Path) -> EpochCurves:
@@ -63,7 +91,8 @@ def epoch_curves(run_dir: Path) -> EpochCurves:
     A resumed run re-logs the steps after its last checkpoint: for each (epoch, slide index) and each validated
     epoch the last row wins.
     """
-    rows = read_jsonl(Path(run_dir) / "metrics.jsonl")
+    rows = metrics_rows(run_dir)
+    metrics = TASK_METRICS.get(run_task(run_dir), METRICS)
     train: dict[tuple[int, int], dict[str, Any]] = {}
     val: dict[int, dict[str, Any]] = {}
     for r in rows:
@@ -73,23 +102,24 @@ def epoch_curves(run_dir: Path) -> EpochCurves:
             val[int(r["epoch"])] = r
     epochs = sorted({e for e, _ in train} | set(val))
     out = EpochCurves(epochs=epochs)
-    out.train = {k: [] for k in METRICS}
-    out.val = {k: [] for k in METRICS}
+    out.train = {k: [] for k in metrics}
+    out.val = {k: [] for k in metrics}
     for e in epochs:
         mine = [train[k] for k in sorted(train) if k[0] == e]
         losses = [float(r["loss"]) for r in mine if r.get("loss") is not None]
         out.train["loss"].append(float(np.mean(losses)) if losses else math.nan)
-        with_probs = [r for r in mine if r.get("probs") is not None and r.get("label") is not None]
+        with_probs = [r for r in mine if r.get("probs") is not None and r.get("label") is not None
+                      and metrics is METRICS]  # fmt: skip
         if with_probs:
             out.train_has_probs = True
             m = classification_metrics(np.array([int(r["label"]) for r in with_probs]),
                                        np.array([r["probs"] for r in with_probs], dtype=np.float64))
         else:
             m = {}
-        for k in METRICS[1:]:
+        for k in metrics[1:]:
             out.train[k].append(float(m.get(k, math.nan)))
         v = val.get(e, {})
-        for k in METRICS:
+        for k in metrics:
             x = v.get(k)
             out.val[k].append(float(x) if x is not None else math.nan)
         n = max(1, len(mine))
@@ -137,5 +167,5 @@ def tile_times(run_dir: Path) -> TileTimes | None:
 
 def step_peaks(run_dir: Path) -> list[float]:
     """Each training step's peak bytes from metrics.jsonl (the fallback when tiles carry no memory)."""
-    return [float(r["peak_bytes"]) for r in read_jsonl(Path(run_dir) / "metrics.jsonl")
+    return [float(r["peak_bytes"]) for r in metrics_rows(run_dir)
             if r.get("kind") == "train" and r.get("peak_bytes")]

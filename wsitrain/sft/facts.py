@@ -98,6 +98,7 @@ def annotate(
     # whole-map statistics inside the trunk (train BatchNorm, squeeze-excitation) run tiled in sweeps
     specs = mark_barriers(graph, specs, [s for s, _ in shapes])
     act = torch.empty((), dtype=act_dtype).element_size()
+    wide = _float32_nodes(graph) if act < 4 else set()  # float32 under autocast: 4 bytes, whatever act_dtype says
     inp = torch.empty((), dtype=input_dtype).element_size()
     n = len(graph.nodes)
     rg = [False] * n
@@ -117,7 +118,9 @@ def annotate(
             users=g.users,
             shape=shapes[g.index][0],
             dtype=shapes[g.index][1],
-            nbytes=math.prod(shapes[g.index][0]) * (inp if g.index == 0 else act) if shapes[g.index][0] else 0,
+            nbytes=math.prod(shapes[g.index][0]) * (inp if g.index == 0 else 4 if g.index in wide else act)
+            if shapes[g.index][0]
+            else 0,
             requires_grad=rg[g.index],
             param_bytes=param_bytes[g.index],
             is_cut=g.index in cut_set,
@@ -139,6 +142,17 @@ def annotate(
         largest_param_bytes=max((p.numel() * p.element_size() for p in params), default=0),
         fusion=_fusion(graph, trunk_end, nodes),
     )
+
+
+def _float32_nodes(graph: ModelGraph) -> set[int]:
+    """Nodes whose output stays float32 under autocast: modules that say so (``sft_float32``, e.g. the attention
+    head's score layers) and the functions applied to them (tanh, a product, the concatenation after them)."""
+    wide: set[int] = set()
+    for g in graph.nodes[1:]:
+        mod = graph.module(g.index)
+        if bool(getattr(mod, "sft_float32", False)) or (mod is None and any(v in wide for v in g.inputs)):
+            wide.add(g.index)
+    return wide
 
 
 def _fusion(graph: ModelGraph, trunk_end: int, nodes: tuple[NodeFacts, ...]) -> PoolFusion | None:

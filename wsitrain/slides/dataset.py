@@ -30,13 +30,20 @@ OTHER_SPLITS = ("test", "holdout", "exclude")
 
 @dataclass(frozen=True)
 class SlideRecord:
-    """One labelled slide. ``label`` indexes ``class_names``; ``split`` is the CSV's split column (or None)."""
+    """One labelled slide. ``label`` indexes ``class_names``; ``split`` is the CSV's split column (or None).
+
+    ``line`` is the CSV line (for messages), ``patient`` the optional patient column, ``target`` the task's values
+    (wsitrain.tasks.columns; empty for classification).
+    """
 
     slide_id: str
     path: Path
     label: int
     label_name: str
     split: str | None = None
+    line: int = 0
+    patient: str | None = None
+    target: tuple[float, ...] = ()
 
 
 def _find_slide(value: str, csv_dir: Path, slides_dir: Path | None) -> Path | None:
@@ -80,9 +87,16 @@ def _sort_classes(names: set[str]) -> list[str]:
 
 
 def load_labels(
-    labels_csv: str | Path, slides_dir: str | Path | None = None, *, check_readable: bool = True
+    labels_csv: str | Path,
+    slides_dir: str | Path | None = None,
+    *,
+    check_readable: bool = True,
+    needs_label: bool = True,
 ) -> tuple[list[SlideRecord], list[str]]:
-    """Read ``slide,label[,split]`` rows; return records and the sorted class names.
+    """Read ``slide,label[,split][,patient]`` rows; return records and the sorted class names.
+
+    ``needs_label`` False (tasks other than classification, whose targets are other columns): the label column
+    may be absent and every record gets label 0, named "".
 
     ``slide`` is a file path (relative to ``slides_dir``, else to the CSV's folder) or a slide id (file stem in
     ``slides_dir``). With ``check_readable`` every slide is opened once to check it is a readable slide.
@@ -98,7 +112,7 @@ def load_labels(
     with csv_path.open(newline="", encoding="utf-8-sig") as f:
         reader = csv.DictReader(f)
         fields = [c.strip().lower() for c in (reader.fieldnames or [])]
-        missing = [c for c in ("slide", "label") if c not in fields]
+        missing = [c for c in ("slide", "label") if c not in fields and (needs_label or c != "label")]
         if missing:
             plural = "s" if len(missing) > 1 else ""
             raise SlideError(
@@ -107,8 +121,8 @@ def load_labels(
             )
         raw_rows = [{(k or "").strip().lower(): v or "" for k, v in row.items()} for row in reader]
     rows = [{k: v.strip() for k, v in row.items()} for row in raw_rows]
-    problems: list[str] = _label_spellings(raw_rows)
-    found: list[tuple[int, str, Path, str, str | None]] = []
+    problems: list[str] = _label_spellings(raw_rows) if needs_label else []
+    found: list[tuple[int, str, Path, str, str | None, str | None]] = []
     seen: dict[Path, int] = {}
     for line, row in enumerate(rows, start=2):
         slide, label, split = row.get("slide", ""), row.get("label", ""), row.get("split") or None
@@ -117,7 +131,9 @@ def load_labels(
         if not slide:
             problems.append(f"line {line}: empty slide")
             continue
-        if not label:
+        if not needs_label:
+            label = ""
+        elif not label:
             problems.append(f"line {line}: {slide}: empty label")
             continue
         if split is not None and split.lower() not in TRAIN_SPLITS + VAL_SPLITS + OTHER_SPLITS:
@@ -133,9 +149,9 @@ def load_labels(
             problems.append(f"line {line}: {slide}: listed twice (also line {seen[key]})")
             continue
         seen[key] = line
-        found.append((line, slide, path, label, split.lower() if split else None))
+        found.append((line, slide, path, label, split.lower() if split else None, row.get("patient") or None))
     if check_readable:
-        for line, slide, path, _label, _split in found:
+        for line, slide, path, *_rest in found:
             try:
                 slide_info(path)
             except SlideError as e:
@@ -152,7 +168,8 @@ def load_labels(
     class_names = _sort_classes({f[3] for f in found})
     index = {c: i for i, c in enumerate(class_names)}
     records = [
-        SlideRecord(Path(slide).stem, path, index[label], label, split) for _l, slide, path, label, split in found
+        SlideRecord(Path(slide).stem, path, index[label], label, split, line, patient)
+        for line, slide, path, label, split, patient in found
     ]
     return records, class_names
 

@@ -9,8 +9,12 @@ level above (the level-1 buffer, a quarter of level 0, is the largest array held
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import json
+import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -165,18 +169,18 @@ def write_synthetic_slide(
     mpp: float = 0.5,
     app_mag: float = 20.0,
     quality: int = 90,
-    scene: Any = None,
+    scene: _Scene | None = None,
 ) -> Path:
     """Write one pyramidal Aperio-style SVS (tiled JPEG, 2x levels down to ~512 px) and return its path.
 
-    ``scene``: another renderer with ``_Scene``'s ``band(y0, y1)`` and ``background`` (``synth_lesions``), built
-    for this ``size``; ``positive`` and ``seed`` are then its own."""
+    ``scene``: a prepared scene of this size (synth_targets draws its own nuclei; synth_lesions.LesionScene renders
+    lesions and distractors); else one from positive, seed."""
     import tifffile
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     w, h = _as_wh(size)
-    scene = _Scene(w, h, positive, seed) if scene is None else scene
+    scene = scene if scene is not None else _Scene(w, h, positive, seed)
     bg = scene.background.astype(np.uint8)
     level1 = np.empty((h // 2, w // 2, 3), dtype=np.uint8) if min(w, h) // 2 >= LEVEL_MIN_SIDE // 2 else None
 
@@ -214,6 +218,19 @@ def write_synthetic_slide(
             tif.write(level, description=f"{desc} Q={quality}", subfiletype=0, **opts)
             level = _halve(level) if min(lh, lw) >= 2 * LEVEL_MIN_SIDE else None
     return path
+
+
+def cached_dataset(out: Path, params: dict[str, object], names: list[str]) -> Path | None:
+    """``out/labels.csv`` when ``out`` already holds the dataset ``params`` describes (its manifest says so and every
+    slide in ``names`` exists); None when it must be written (an unreadable manifest included)."""
+    csv_path, manifest = out / "labels.csv", out / MANIFEST
+    if manifest.exists() and csv_path.exists() and all((out / nm).exists() for nm in names):
+        try:
+            if json.loads(manifest.read_text()).get("params") == params:
+                return csv_path
+        except (OSError, ValueError):
+            pass
+    return None
 
 
 def _make_out_dir(out: Path) -> None:
@@ -272,38 +289,76 @@ def write_synthetic_dataset(
     }
     if lesions != "none":  # the default's manifest stays as it was, so existing caches are reused
         params["lesions"] = lesions
-    csv_path = out / "labels.csv"
     names = [f"slide_{i:03d}.svs" for i in range(n)]
-    manifest = out / MANIFEST
-    extra = [out / "lesions.json"] if lesions != "none" else []
-    if manifest.exists() and csv_path.exists() and all(p.exists() for p in [*(out / nm for nm in names), *extra]):
-        try:
-            if json.loads(manifest.read_text()).get("params") == params:
-                return csv_path
-        except (OSError, ValueError):
-            pass  # unreadable manifest: rewrite the dataset
+    csv_path = out / "labels.csv"
+    files = [*names, "lesions.json"] if lesions != "none" else names  # a lesion dataset is whole with its boxes
+    if cached_dataset(out, params, files) is not None:
+        return csv_path
     _make_out_dir(out)
+    # Several processes (torchrun ranks, jobs sharing a cache) may start on a cold cache at once: one writes while
+    # the others wait on the lock, then find the dataset complete and reuse it.
+    with _locked(out / ".synth.lock"):
+        if cached_dataset(out, params, files) is not None:
+            return csv_path
+        return _write_dataset(out, params, names, csv_path)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive advisory lock (flock) held for the block; released when the process dies, so never stale."""
+    import fcntl
+
+    with open(path, "a") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _replace_text(path: Path, text: str) -> None:
+    """Write through a temp file and os.replace: a reader sees the old file or the whole new one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _write_dataset(out: Path, params: dict[str, object], names: list[str], csv_path: Path) -> Path:
+    n, seed = int(params["n"]), int(params["seed"])  # type: ignore[call-overload]
+    positive_fraction, mpp, app_mag = params["positive_fraction"], params["mpp"], params["app_mag"]
+    size = params["size"]
+    (out / MANIFEST).unlink(missing_ok=True)  # the dataset is being rewritten: incomplete until the new manifest
     n_pos = int(round(n * positive_fraction))
     labels = np.array([1] * n_pos + [0] * (n - n_pos))
     np.random.default_rng(seed).shuffle(labels)
     rows = []
+    # each slide is written under its own name in a private folder (the name is in its metadata), then renamed in
+    staging = out / f".staging-{os.getpid()}"
+    staging.mkdir(exist_ok=True)
+    lesions = params.get("lesions", "none")
     boxes: dict[str, dict[str, Any]] = {}
     for i, (name, lab) in enumerate(zip(names, labels, strict=True)):
+        tmp = staging / name
         scene = None
         if lesions != "none":
-            scene = SL.LesionScene(*_as_wh(size), bool(lab), seed * 100_003 + i, mpp)
+            from wsitrain.slides import synth_lesions as SL
+
+            scene = SL.LesionScene(*_as_wh(size), bool(lab), seed * 100_003 + i, mpp)  # type: ignore[arg-type]
             boxes[name] = {"label": "positive" if lab else "negative", "tissue_px": scene.tissue_px,
                            "boxes": scene.boxes}  # fmt: skip
         write_synthetic_slide(
-            out / name, size=size, positive=bool(lab), seed=seed * 100_003 + i, mpp=mpp, app_mag=app_mag,
-            scene=scene,
+            tmp, size=size, positive=bool(lab), seed=seed * 100_003 + i, mpp=mpp, app_mag=app_mag,  # type: ignore[arg-type]
+            scene=scene,  # type: ignore[arg-type]
         )  # fmt: skip
+        os.replace(tmp, out / name)
         rows.append({"slide": name, "label": "positive" if lab else "negative"})
+    shutil.rmtree(staging, ignore_errors=True)
     if lesions != "none":
         SL.write_sidecar(out, boxes)
-    with csv_path.open("w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=["slide", "label"])
-        wr.writeheader()
-        wr.writerows(rows)
-    manifest.write_text(json.dumps({"params": params, "slides": names}, indent=1))
+    buf = io.StringIO()
+    wr = csv.DictWriter(buf, fieldnames=["slide", "label"], lineterminator="\r\n")
+    wr.writeheader()
+    wr.writerows(rows)
+    _replace_text(csv_path, buf.getvalue())
+    _replace_text(out / MANIFEST, json.dumps({"params": params, "slides": names}, indent=1))
     return csv_path

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +12,13 @@ import torch
 from wsitrain.config import WsiTrainConfig
 from wsitrain.errors import ConfigError, SlideError
 from wsitrain.slides.augment import AugmentConfig
-from wsitrain.slides.dataset import SlideRecord, load_labels, split_records
+from wsitrain.slides.dataset import SlideRecord, split_records
 from wsitrain.slides.synth import write_synthetic_dataset
 from wsitrain.slides.tissue import MASK_DILATION_PX
+from wsitrain.tasks.columns import load_task_records
+from wsitrain.tasks.kinds import TEST_SPLITS
+from wsitrain.tasks.objective import Objective
+from wsitrain.tasks.splits import grouped_holdout
 
 
 @dataclass
@@ -24,6 +28,10 @@ class FitData:
     class_names: list[str]
     labels_csv: Path
     slides_dir: Path | None
+    # split "test" rows: never trained on nor used to choose best.pt; evaluated once with best.pt at the end
+    test: list[SlideRecord] = field(default_factory=list)
+    # regression, survival, multilabel: the head, loss and metrics (None: classification, its path unchanged)
+    objective: Objective | None = None
 
 
 def resolve_labels(cfg: WsiTrainConfig) -> tuple[Path, Path | None]:
@@ -45,19 +53,20 @@ def resolve_labels(cfg: WsiTrainConfig) -> tuple[Path, Path | None]:
 def load_fit_data(cfg: WsiTrainConfig) -> FitData:
     """Read and check every slide's label (missing/unreadable slides fail here, before training), then split."""
     labels_csv, slides_dir = resolve_labels(cfg)
-    records, class_names = load_labels(labels_csv, slides_dir)
+    records, class_names = load_task_records(labels_csv, slides_dir, cfg.task)
     class_names = list(class_names)
     n_cls = cfg.model.num_classes
-    if n_cls is not None and n_cls != len(class_names):
+    classify = cfg.task.kind == "classification"
+    if classify and n_cls is not None and n_cls != len(class_names):
         raise ConfigError(
             [
                 f"model.num_classes is {n_cls} but {labels_csv} has {len(class_names)} classes "
                 f"({', '.join(map(str, class_names))}); set model.num_classes: {len(class_names)} or leave it unset"
             ]
         )
-    if len(class_names) < 2:
+    if classify and len(class_names) < 2:
         raise ConfigError([f"data.labels: {labels_csv} has only one class ({class_names}); a classifier needs two"])
-    train, val = split_records(records, cfg.data.val_fraction, cfg.seed)
+    train, val = split_fit(records, cfg.data.val_fraction, cfg.seed)
     if not train and any(r.split is not None for r in records):
         counts = Counter(r.split for r in records)
         raise SlideError(
@@ -71,7 +80,28 @@ def load_fit_data(cfg: WsiTrainConfig) -> FitData:
         raise ConfigError(
             [f"data.val_fraction: {cfg.data.val_fraction} leaves no training slides out of {len(records)}"]
         )
-    return FitData(list(train), list(val), class_names, labels_csv, slides_dir)
+    test = [r for r in records if r.split in TEST_SPLITS]
+    objective = None if classify else Objective.from_training(cfg.task, train)
+    if objective is not None and objective.kind == "survival":
+        events = sum(int(r.target[1]) for r in train)
+        if events < cfg.task.bins:
+            raise SlideError(
+                f"{labels_csv}: column {cfg.task.event}: {events} events among the {len(train)} training slides, "
+                f"fewer than task.bins ({cfg.task.bins})",
+                hint="lower task.bins, or lower data.val_fraction so more slides with events train",
+            )
+    return FitData(list(train), list(val), class_names, labels_csv, slides_dir, test, objective)
+
+
+def split_fit(records: list[SlideRecord], val_fraction: float, seed: int) -> tuple[list[SlideRecord], ...]:
+    """(train, val): the CSV's split column when it has one; else a seeded split stratified by label (the event
+    for survival) that, when a patient column is given, never divides a patient."""
+    if any(r.split is not None for r in records) or not any(r.patient is not None for r in records):
+        return split_records(records, val_fraction, seed)
+    groups = [r.patient if r.patient is not None else f"#{r.line}" for r in records]
+    is_val = grouped_holdout([str(r.label) for r in records], groups, val_fraction, seed)
+    return ([r for r, v in zip(records, is_val, strict=True) if not v],
+            [r for r, v in zip(records, is_val, strict=True) if v])  # fmt: skip
 
 
 def read_kwargs(cfg: WsiTrainConfig, stride: int) -> dict[str, Any]:

@@ -26,14 +26,18 @@ def run_fit(
     quiet: bool = False,
     callbacks: Sequence[FitCallback] = (),
     shapes_only: bool = False,
+    brief: bool = False,
 ) -> Path:
     """Train as ``cfg`` says; return the run folder. Input errors are raised before anything is trained or written."""
     console = console or Console()
     dc = cfg.distributed
+    # `wsitrain cv` joins the process group once for all its folds: a fit inside it leaves the group open
+    owned = not torch.distributed.is_available() or not torch.distributed.is_initialized()
     info = D.init_distributed(dc.backend, "cuda" if _wants_cuda(cfg) else "cpu", dc.collective_timeout_minutes)
     try:
         t_start = time.perf_counter()
-        recipe = FitRecipe(cfg, console=console, quiet=quiet, dist=info, callbacks=callbacks, shapes_only=shapes_only)
+        recipe = FitRecipe(cfg, console=console, quiet=quiet, dist=info, callbacks=callbacks, shapes_only=shapes_only,
+                           brief=brief)
         run_dir = recipe.setup(resume=resume, force=force, name=name)
         recipe.train()
         summary = recipe.summary(time.perf_counter() - t_start)
@@ -42,7 +46,8 @@ def run_fit(
             console.print(summary_table(summary))
         return run_dir
     finally:
-        D.cleanup(info)
+        if owned:
+            D.cleanup(info)
 
 
 def _wants_cuda(cfg: WsiTrainConfig) -> bool:

@@ -20,6 +20,7 @@ import torch
 from wsitrain.memory import PeakMeter
 from wsitrain.precision import autocast_dtype
 from wsitrain.sft import SFT, StepStats
+from wsitrain.tasks.objective import Objective
 from wsitrain.train.distributed import DistInfo, allreduce_gradients
 from wsitrain.train.optim import compute_loss, probabilities
 
@@ -29,7 +30,7 @@ class SlideStep:
     """What one slide's forward (+ backward) produced and cost."""
 
     loss: float
-    probs: torch.Tensor  # (C,) float32 on the host
+    probs: torch.Tensor  # (C,) float32 on the host: class probabilities, or the task's outputs (Objective.outputs)
     forward_s: float
     backward_s: float
     peak_bytes: int  # PeakMeter's peak over the step: CUDA allocated bytes, CPU resident memory
@@ -44,11 +45,12 @@ class Evaluator:
     """Forward passes of the engine-wrapped model in the run's precision: validation and prediction."""
 
     def __init__(self, model: SFT, *, device: torch.device, precision: str = "fp32",
-                 loss: str = "cross_entropy") -> None:  # fmt: skip
+                 loss: str = "cross_entropy", objective: Objective | None = None) -> None:  # fmt: skip
         self.model = model
         self.device = device
         self.precision = precision
         self.loss_name = loss
+        self.objective = objective  # a task's loss and outputs; None: classification with train.loss
         self.meter = PeakMeter(device)
         self._autocast_dtype = autocast_dtype(precision)
 
@@ -66,8 +68,21 @@ class Evaluator:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def _loss(self, logits: torch.Tensor, label: int | torch.Tensor) -> torch.Tensor:
+        """A class index goes to train.loss; a task's target tensor (Objective.target) to the task's loss."""
+        if isinstance(label, torch.Tensor):
+            assert self.objective is not None, "a target tensor needs the task's objective"
+            return self.objective.loss(logits, label.to(logits.device))
+        target = torch.tensor([label], dtype=torch.long, device=logits.device)
+        return compute_loss(logits, target, self.loss_name)
+
+    def _outputs(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.objective is not None:
+            return self.objective.outputs(logits.detach())
+        return probabilities(logits, self.loss_name)
+
     @torch.no_grad()
-    def eval_slide(self, image: torch.Tensor, label: int | None) -> SlideStep:
+    def eval_slide(self, image: torch.Tensor, label: int | torch.Tensor | None) -> SlideStep:
         """Forward only (no graph kept): loss against ``label`` when given, and class probabilities."""
         self.model.eval()
         x = as_batch(image)
@@ -77,11 +92,10 @@ class Evaluator:
             logits = self.model(x)
         loss = float("nan")
         if label is not None:
-            target = torch.tensor([label], dtype=torch.long, device=logits.device)
-            loss = float(compute_loss(logits, target, self.loss_name))
+            loss = float(self._loss(logits, label))
         self._sync()
         t1 = time.perf_counter()
-        probs = probabilities(logits, self.loss_name)[0].cpu()
+        probs = self._outputs(logits)[0].cpu()
         return SlideStep(loss, probs, t1 - t0, 0.0, self.meter.peak(), self.model.last_stats)
 
 
@@ -100,8 +114,9 @@ class Trainer(Evaluator):
         clip_grad_norm: float | None = None,
         dist: DistInfo | None = None,
         bucket_mb: float = 25.0,
+        objective: Objective | None = None,
     ) -> None:
-        super().__init__(model, device=device, precision=precision, loss=loss)
+        super().__init__(model, device=device, precision=precision, loss=loss, objective=objective)
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.clip_grad_norm = clip_grad_norm
@@ -111,22 +126,23 @@ class Trainer(Evaluator):
         self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
 
-    def train_slide(self, image: torch.Tensor, label: int, scale: float) -> SlideStep:
-        """Forward + backward of one slide; gradients accumulate into .grad (scaled by ``scale``)."""
+    def train_slide(self, image: torch.Tensor, label: int | torch.Tensor, scale: float) -> SlideStep:
+        """Forward + backward of one slide; gradients accumulate into .grad (scaled by ``scale``).
+
+        ``label``: a class index, or a task's target tensor (``Objective.target``)."""
         self.model.train()
         x = as_batch(image)
-        target = torch.tensor([label], dtype=torch.long, device=self.device)
         self.meter.start()
         t0 = time.perf_counter()
         with self.autocast():
             logits = self.model(x)
-        loss = compute_loss(logits, target, self.loss_name)
+        loss = self._loss(logits, label)
         self._sync()
         t1 = time.perf_counter()
         self.scaler.scale(loss * scale).backward()
         self._sync()
         t2 = time.perf_counter()
-        probs = probabilities(logits.detach(), self.loss_name)[0].cpu()
+        probs = self._outputs(logits.detach())[0].cpu()
         return SlideStep(float(loss.detach()), probs, t1 - t0, t2 - t1, self.meter.peak(), self.model.last_stats)
 
     def optimizer_step(self) -> OptimizerStep:

@@ -121,7 +121,7 @@ class OomRetry:
         self.probe = probe  # injectable: tests give the figures a GPU would
         self.replans = 0
 
-    def train_slide(self, image: torch.Tensor, label: int, scale: float, slide: str) -> SlideStep:
+    def train_slide(self, image: torch.Tensor, label: int | torch.Tensor, scale: float, slide: str) -> SlideStep:
         snapshot = _grad_snapshot(self.trainer.params)
         try:
             return self.trainer.train_slide(image, label, scale)

@@ -19,6 +19,7 @@ from wsitrain.report.heatmap_files import HeatmapWriter
 from wsitrain.slides.readers import open_slide
 from wsitrain.slides.stream import read_slide_region
 from wsitrain.slides.suffixes import SLIDE_SUFFIXES, is_slide_name
+from wsitrain.tasks.objective import Objective, per_patient
 from wsitrain.train.attention_mask import attention_masked
 from wsitrain.train.checkpoint import load_checkpoint
 from wsitrain.train.data import masking_note, read_kwargs
@@ -92,8 +93,17 @@ def run_predict(
     console: Console | None = None,
     heatmaps: Path | None = None,
     saliency: bool = False,
+    viewer_files: bool = True,
+    geojson_cell: int | None = None,
+    patients: Path | None = None,
 ) -> Path:
-    """Write ``out`` (CSV: slide, path, one probability column per class, predicted class); return its path."""
+    """Write ``out`` (CSV: slide, path, one probability column per class, predicted class); return its path.
+
+    A task checkpoint (regression, survival, multilabel) writes its outputs instead: ``pred_<column>``,
+    ``prob_<label>`` or ``risk``. ``patients``: a CSV with slide and patient columns; then ``<out>.patients.csv``
+    holds each patient's outputs, the mean over its slides. With ``heatmaps``: the maps of every slide there;
+    ``viewer_files`` adds NAME.geojson (QuPath detections of ``geojson_cell`` x ``geojson_cell`` map cells; None:
+    automatic) and NAME.heatmap.tif (HeatmapWriter)."""
     console = console or Console()
     out = Path(out)
     ckpt = load_checkpoint(Path(checkpoint))
@@ -102,7 +112,9 @@ def run_predict(
     if not class_names:
         raise WsiTrainError(f"checkpoint {checkpoint} has no class names", hint="use a checkpoint written by fit")
     _check_model(cfg, trained, Path(checkpoint))
+    objective = Objective.from_state(ckpt["task"]) if ckpt.get("task") else None
     _check_out(out)
+    patient_of = _read_patients(Path(patients)) if patients is not None else None
     paths = list_slides(Path(slides))
     _check_readable(paths)
 
@@ -114,26 +126,37 @@ def run_predict(
                       "predictions read slides differently from training[/yellow]")
     # The architecture is the checkpoint's (what its weights fit); model.name was checked to agree above.
     m = {**config_to_dict(cfg)["model"], **(trained.get("model") or {})}
-    model = build(m["name"], len(class_names), weights=None, pool=m["pool"], freeze_bn=m["freeze_bn"],
+    n_outputs = objective.n_outputs if objective is not None else len(class_names)
+    model = build(m["name"], n_outputs, weights=None, pool=m["pool"], freeze_bn=m["freeze_bn"],
                   attention=AttentionSpec.from_dict(m.get("attention")))  # fmt: skip
     model.load_state_dict(ckpt["model"])
     device = resolve_device(cfg.engine.device)
     budget = run_budget(cfg.engine.memory_budget, device)
     tune_owned_process(device, budget.bytes)  # as fit: the budget is the CUDA allocator's limit too
     engine = wrap_engine(model, cfg.engine, device, budget.bytes, optimizer=None)  # no optimizer state to plan for
-    runner = Evaluator(engine, device=device, precision=cfg.train.precision, loss=cfg.train.loss)
+    runner = Evaluator(engine, device=device, precision=cfg.train.precision, loss=cfg.train.loss, objective=objective)
     rk = read_kwargs(cfg, model.stride)
     console.print(f"memory budget: {budget.describe()}", markup=False, highlight=False)
     console.print(masking_note(cfg), markup=False, highlight=False)
 
-    maps = HeatmapWriter(Path(heatmaps), class_names, saliency, runner.autocast) if heatmaps is not None else None
+    maps = (_heatmap_writer(Path(heatmaps), class_names, saliency, runner, objective, viewer_files, geojson_cell)
+            if heatmaps else None)
     rows = []
+    outputs: list[list[float]] = []
     t0 = time.perf_counter()
     for i, p in enumerate(paths, 1):
         read = read_slide_region(p, **rk)
         with attention_masked(model, read):
             res = runner.eval_slide(read.image, None)
         probs = res.probs.tolist()
+        outputs.append(probs)
+        if objective is not None:
+            rows.append([p.name, str(p), *(f"{v:.6f}" for v in probs)])
+            console.print(f"[{i}/{len(paths)}] {p.name}: " + ", ".join(f"{h} {v:.4g}" for h, v in
+                          zip(_task_header(objective), probs, strict=True)), markup=False, highlight=False)  # fmt: skip
+            if maps is not None:
+                maps.add(p, read, engine, probabilities=objective.outputs)
+            continue
         pred = class_names[int(max(range(len(probs)), key=probs.__getitem__))]
         rows.append([p.name, str(p), *(f"{v:.6f}" for v in probs), pred])
         console.print(f"[{i}/{len(paths)}] {p.name}: {pred} ({max(probs):.3f}), "
@@ -143,13 +166,74 @@ def run_predict(
             maps.add(p, read, engine)
     if maps is not None:
         console.print(f"wrote heatmaps of {len(paths)} slides to {maps.close().parent}", markup=False)
+    header = _task_header(objective) if objective is not None else [*(f"prob_{c}" for c in class_names), "predicted"]
     with open(out, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["slide", "path", *(f"prob_{c}" for c in class_names), "predicted"])
+        w.writerow(["slide", "path", *header])
         w.writerows(rows)
+    if patient_of is not None:
+        _write_patients(out, paths, patient_of, outputs, _task_header(objective) if objective is not None
+                        else [f"prob_{c}" for c in class_names], console)  # fmt: skip
     secs = time.perf_counter() - t0
     console.print(
         f"wrote {out}: {len(rows)} slides in {secs:.1f} s ({secs / max(1, len(rows)):.2f} s per slide)",
         markup=False, highlight=False,
     )
     return out
+
+
+def _task_header(objective: Objective) -> list[str]:
+    if objective.kind == "survival":
+        return ["risk"]
+    prefix = "pred" if objective.kind == "regression" else "prob"
+    return [f"{prefix}_{n}" for n in objective.names]
+
+
+def _read_patients(path: Path) -> dict[str, str]:
+    """slide (file name or stem) -> patient, from a CSV with slide and patient columns (a labels CSV will do)."""
+    if not path.is_file():
+        raise WsiTrainError(f"--patients {path}: no such file", hint="pass a CSV with slide and patient columns")
+    with path.open(newline="", encoding="utf-8-sig") as f:
+        reader = csv.DictReader(f)
+        fields = {(c or "").strip().lower(): c for c in reader.fieldnames or []}
+        if "slide" not in fields or "patient" not in fields:
+            raise WsiTrainError(f"--patients {path}: needs columns slide and patient (found: {', '.join(fields)})",
+                                hint="the labels CSV with a patient column will do")  # fmt: skip
+        out = {}
+        for row in reader:
+            slide, patient = (row[fields["slide"]] or "").strip(), (row[fields["patient"]] or "").strip()
+            if slide and patient:
+                out[Path(slide).name] = patient
+                out[Path(slide).stem] = patient
+    return out
+
+
+def _write_patients(out: Path, paths: list[Path], patient_of: dict[str, str], outputs: list[list[float]],
+                    header: list[str], console: Console) -> None:  # fmt: skip
+    """<out>.patients.csv: each patient's outputs averaged over its slides (a slide without a patient stands alone)."""
+    import numpy as np
+
+    patients = [patient_of.get(p.name, patient_of.get(p.stem)) for p in paths]
+    ids, _, mean = per_patient(patients, np.zeros((len(paths), 1)), np.asarray(outputs))
+    counts = {i: sum(1 for q in patients if q == i) for i in ids}
+    target = out.with_name(f"{out.stem}.patients.csv")
+    with open(target, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["patient", "slides", *header])
+        for i, row in zip(ids, mean, strict=True):
+            w.writerow([i, counts.get(i) or 1, *(f"{v:.6f}" for v in row)])
+    console.print(f"wrote {target}: {len(ids)} patients (each the mean of its slides' outputs)", markup=False)
+
+
+def _heatmap_writer(out: Path, class_names: list[str], saliency: bool, runner: Evaluator,
+                    objective: Objective | None, viewer: bool, geojson_k: int | None) -> HeatmapWriter:  # fmt: skip
+    """Class activation maps; a task's maps are its outputs' (each regression target or label), and survival's is
+    the risk map (report.task_figures.risk_map)."""
+    kw: dict[str, Any] = {"viewer": viewer, "geojson_k": geojson_k}
+    if objective is None:
+        return HeatmapWriter(out, class_names, saliency, runner.autocast, **kw)
+    if objective.kind == "survival":
+        from wsitrain.report.task_figures import risk_map
+
+        return HeatmapWriter(out, ["risk"], saliency, runner.autocast, transform=risk_map, **kw)
+    return HeatmapWriter(out, objective.names, saliency, runner.autocast, **kw)

@@ -1,4 +1,5 @@
-"""What people see during `wsitrain fit`: a live rich display, or plain lines with --quiet (Slurm logs)."""
+"""What people see during `wsitrain fit`: a live rich display in a terminal; plain lines otherwise (Slurm logs, CI,
+a pipe): one every ``log.every`` optimizer steps and one per epoch. ``brief`` (the CLI's --quiet): epoch lines only."""
 
 from __future__ import annotations
 
@@ -30,11 +31,15 @@ class LiveTilesColumn(ProgressColumn):
 
 
 class FitProgress:
-    """Epoch and slide bars with loss, tiles and peak memory; ``quiet`` keeps only one line per epoch/validation."""
+    """Epoch and slide bars with loss, tiles and peak memory, when ``console`` is a terminal and not ``quiet``;
+    otherwise plain step lines (not with ``brief``) and epoch lines."""
 
-    def __init__(self, console: Console | None, quiet: bool, epochs: int, engine: SFT) -> None:
+    def __init__(self, console: Console | None, quiet: bool, epochs: int, engine: SFT, brief: bool = False) -> None:
         self.console = console or Console()
-        self.quiet = quiet
+        # A batch job's log is a file: redrawn bars would fill it with control codes, so plain lines there.
+        self.live = not quiet and not brief and self.console.is_terminal
+        self.quiet = not self.live  # kept for callers that read it: True means plain lines
+        self.brief = brief
         self.epochs = epochs
         self.engine = engine
         # CUDA: the step's peak of allocated tensors (what the engine's budget bounds); CPU: the whole process's
@@ -43,9 +48,13 @@ class FitProgress:
         self._progress: Progress | None = None
         self._task: Any = None
         self._epoch_start = 0.0
+        self._slides = 0  # this epoch's slides, tiles and memory high-water mark, for the plain lines
+        self._tiles = 0
+        self._peak: int | None = None
+        self._slide_tiles = 0
 
     def __enter__(self) -> FitProgress:
-        if not self.quiet:
+        if self.live:
             self._progress = Progress(
                 TextColumn("[bold]epoch {task.fields[epoch]}/{task.fields[epochs]}"),
                 BarColumn(),
@@ -73,6 +82,7 @@ class FitProgress:
 
     def start_epoch(self, epoch: int, n_slides: int, done: int) -> None:
         self._epoch_start = time.perf_counter()
+        self._slides, self._tiles, self._peak = 0, 0, None
         if self._progress is None:
             return
         if self._task is not None:
@@ -84,27 +94,39 @@ class FitProgress:
 
     def start_slide(self, slide: str, tiles_total: int) -> None:
         """``tiles_total``: forward plus backward tiles of this slide's plan."""
+        self._slide_tiles = tiles_total
         if self._progress is not None and self._task is not None:
             self._progress.update(self._task, tiles_total=tiles_total)
 
     def end_slide(self, loss: float, peak_bytes: int | None) -> None:
+        self._slides += 1
+        self._tiles += self._slide_tiles
+        if peak_bytes is not None:
+            self._peak = max(self._peak or 0, peak_bytes)
         if self._progress is not None and self._task is not None:
             self._progress.update(self._task, advance=1, loss=f"{loss:.4f}", peak=format_bytes(peak_bytes))
 
     def step_line(self, epoch: int, index: int, n: int, step: int, loss: float, lr: float, peak: int | None) -> None:
-        """With --quiet (no live display), one plain line per ``log.every`` optimizer steps for batch logs."""
-        if self.quiet:
+        """Without the live display, one plain line per ``log.every`` optimizer steps for batch logs."""
+        if not self.live and not self.brief:
+            secs = time.perf_counter() - self._epoch_start
             self.print(
                 f"epoch {epoch + 1}/{self.epochs} slide {index + 1}/{n} step {step}: loss {loss:.4f}, lr {lr:.3g}, "
-                f"{self.peak_label} {format_bytes(peak)}",
+                f"{self.peak_label} {format_bytes(peak)}, {self._tiles} tiles, {secs:.1f} s",
                 markup=False, highlight=False,
             )
 
     def end_epoch(self, epoch: int, train_loss: float, lr: float) -> None:
         secs = time.perf_counter() - self._epoch_start
-        self.print(f"epoch {epoch + 1}/{self.epochs}: train loss {train_loss:.4f}, lr {lr:.3g}, {secs:.1f} s")
+        self.print(f"epoch {epoch + 1}/{self.epochs}: train loss {train_loss:.4f}, lr {lr:.3g}, {self._slides} slides, "
+                   f"{self._tiles} tiles, {self.peak_label} {format_bytes(self._peak)}, {secs:.1f} s",
+                   markup=False, highlight=False)
 
     def validation(self, epoch: int, metrics: dict[str, float]) -> None:
+        if "accuracy" not in metrics:  # a task's metrics (c_index, r2 ..., macro_auc and per label)
+            shown = ", ".join(f"{k} {_fmt(v)}" for k, v in metrics.items() if k not in ("n", "n_patients", "seconds"))
+            self.print(f"epoch {epoch + 1}/{self.epochs} validation: {shown}")
+            return
         self.print(
             f"epoch {epoch + 1}/{self.epochs} validation: loss {_fmt(metrics.get('loss'))}, "
             f"accuracy {_fmt(metrics.get('accuracy'))}, balanced accuracy {_fmt(metrics.get('balanced_accuracy'))}, "

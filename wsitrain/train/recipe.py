@@ -29,6 +29,7 @@ from wsitrain.report.curves import write_curves
 from wsitrain.report.roc import write_validation_figures
 from wsitrain.slides.dataset import PrefetchLoader, SlideDataset, SlideRecord
 from wsitrain.slides.stream import ReadResult
+from wsitrain.tasks.objective import Objective, per_patient
 from wsitrain.train import distributed as D
 from wsitrain.train.attention_mask import attention_masked
 from wsitrain.train.checkpoint import rng_states, save_checkpoint, set_rng_states
@@ -38,9 +39,17 @@ from wsitrain.train.loop import Trainer
 from wsitrain.train.metrics import classification_metrics
 from wsitrain.train.oom import OomRetry
 from wsitrain.train.optim import build_optimizer, build_scheduler
+from wsitrain.train.preempt import Preempted, SafePoint, StopSignals, find_job_run, parse_signal, write_job_file
 from wsitrain.train.progress import FitProgress
 from wsitrain.train.recorder import RunRecorder
-from wsitrain.train.runfolder import check_log_dir, create_run_dir, load_resume, write_run_files
+from wsitrain.train.runfolder import (
+    check_log_dir,
+    create_run_dir,
+    drop_rows_after_step,
+    load_resume,
+    write_json,
+    write_run_files,
+)
 from wsitrain.train.state import FitState
 
 Item = tuple[torch.Tensor, int, SlideRecord, ReadResult]  # (image (3, H, W) uint8, label, record, how it was read)
@@ -64,19 +73,29 @@ class FitRecipe:
         dist: D.DistInfo,
         callbacks: Sequence[FitCallback] = (),
         shapes_only: bool = False,
+        brief: bool = False,
     ) -> None:
         self.cfg = cfg
         self.shapes_only = shapes_only  # preflight skips tissue detection
         self.dist = dist
         self.quiet = quiet or not dist.is_main
-        self.out = console if dist.is_main else Console(quiet=True)
+        # brief (the CLI's --quiet): only epoch summaries, validation and warnings (``self.say``), no setup chatter
+        self.brief = brief
+        self.say = console if dist.is_main else Console(quiet=True)
+        self.out = console if dist.is_main and not brief else Console(quiet=True)
         self.callbacks = list(callbacks)
         self.state = FitState()
+        # The stop-signal handlers, installed only while train() runs and restored after it (see preempt.py).
+        self.signals = StopSignals(parse_signal(cfg.train.stop_signal))
+        self.safe = SafePoint(self.signals, dist, cfg.train.checkpoint_minutes)
+        self._resumed_losses: list[float] = []  # this epoch's losses before the checkpoint a resume starts from
 
     # ---- setup: every input check first, then the run folder
     def setup(self, *, resume: Path | None, force: bool, name: str | None) -> Path:
         """Check inputs, build everything, then create (or reopen) the run folder; return it."""
         cfg, t = self.cfg, self.cfg.train
+        if resume is not None and str(resume) == "auto":
+            resume = self._auto_resume(name)
         if resume is None:
             _check_run_target(cfg, name)
         self.device = resolve_device(cfg.engine.device, self.dist)
@@ -92,8 +111,13 @@ class FitRecipe:
             ckpt, resume_dir = load_resume(Path(resume), self.cfg_dict, force)
             _check_same_classes(resume, ckpt, self.data)
 
+        self.objective: Objective | None = self.data.objective
+        if self.objective is not None:
+            self.objective.check_head(cfg.model.num_classes)
+        n_outputs = self.objective.n_outputs if self.objective is not None else len(self.data.class_names)
+
         seed_everything(cfg.seed, cfg.deterministic)
-        self.model = build_model(cfg.model, len(self.data.class_names))
+        self.model = build_model(cfg.model, n_outputs)
         self.engine = wrap_engine(self.model, cfg.engine, self.device, self.budget.bytes, t.optimizer)
         optimizer = build_optimizer(self.model.parameters(), t.optimizer, t.lr, t.momentum, t.weight_decay)
         n_train = len(D.shard(list(range(len(self.data.train))), self.dist))
@@ -102,54 +126,80 @@ class FitRecipe:
         self.trainer = Trainer(
             self.engine, optimizer, scheduler, device=self.device, precision=t.precision, loss=t.loss,
             clip_grad_norm=t.clip_grad_norm, dist=self.dist, bucket_mb=cfg.distributed.bucket_mb,
+            objective=self.objective,
         )  # fmt: skip
         rk = read_kwargs(cfg, self.model.stride)
         self.train_ds = SlideDataset(self.data.train, rk, augment_settings(cfg), cfg.seed)
         self.val_ds = SlideDataset(self.data.val, rk, None, cfg.seed) if self.data.val else None
+        self.test_ds = SlideDataset(self.data.test, rk, None, cfg.seed) if self.data.test else None
+        self.test_metrics: dict[str, float] = {}
+        self._best_weights: dict[str, torch.Tensor] | None = None  # best.pt's weights, for the test evaluation
 
         # ---- the run folder: a new one, or the resumed one (only rank 0 writes)
         run_dir = resume_dir
         if self.dist.is_main and run_dir is None:
             run_dir, note = create_run_dir(Path(cfg.log.dir), name or cfg.name)
             if note:
-                self.out.print(f"[yellow]{escape(note)}[/yellow]")
+                self.say.print(f"[yellow]{escape(note)}[/yellow]")
         self.run_dir = Path(D.broadcast_object(str(run_dir), self.dist))
         if self.dist.is_main:
             write_run_files(self.run_dir, self.cfg_dict, ckpt is not None, self.device, self.data)
+            if ckpt is None:
+                write_job_file(self.run_dir)  # the Slurm job that started it, for `--resume auto` after a requeue
 
         if ckpt is not None:
             self.model.load_state_dict(ckpt["model"])
             self.trainer.load_state_dict(ckpt)
             self.state = FitState.from_checkpoint(ckpt)
             set_rng_states(ckpt["rng"])
+            # rank 0 carries every rank's losses of the interrupted epoch: the epoch's mean covers all its slides
+            self._resumed_losses = list(ckpt.get("epoch_losses") or []) if self.dist.is_main else []
             self.out.print(
                 f"resuming {escape(str(self.run_dir))} at epoch {self.state.epoch + 1}, slide "
                 f"{self.state.next_index + 1}, step {self.state.global_step} (lr {self.trainer.lr:.3g})"
             )
+        if ckpt is not None and self.dist.is_main:
+            # the steps logged after the checkpoint are redone: drop them so no step appears twice
+            for log_name in ("metrics.jsonl", "tiles.jsonl"):
+                drop_rows_after_step(self.run_dir / log_name, self.state.global_step)
         self._print_setup()
         self.recorder = RunRecorder(self.run_dir if self.dist.is_main else None, cfg.log, t.precision, self.engine,
                                     self.out)  # fmt: skip
         self.oom = OomRetry(self.trainer, self.engine, self._log_replan, self.recorder.metrics.write)
         if ckpt is not None:
-            # Rows after this marker redo the steps a killed run had logged past its last checkpoint.
+            # Rows a stopped run logged past its checkpoint were dropped above; the marker says where it resumed.
             self.recorder.metrics.write({"kind": "resume", "epoch": self.state.epoch + 1,
                                          "index": self.state.next_index, "step": self.state.global_step,
                                          "forced": bool(force)})  # fmt: skip
         return self.run_dir
 
+    def _auto_resume(self, name: str | None) -> Path | None:
+        """``--resume auto``: the run this Slurm job started and checkpointed (rank 0 looks, every rank follows),
+        else None: a new run."""
+        found = find_job_run(Path(self.cfg.log.dir)) if self.dist.is_main else None
+        found = D.broadcast_object(None if found is None else str(found), self.dist)
+        if found is None:
+            self.out.print("--resume auto: no checkpointed run of this job yet; starting a new run", markup=False)
+            return None
+        self.out.print(f"--resume auto: continuing {found}, started by this job", markup=False)
+        return Path(found)
+
     def _print_setup(self) -> None:
         cfg, data = self.cfg, self.data
         self.out.print(f"run folder: {self.run_dir}", markup=False)
+        head = (f"{len(data.class_names)} classes ({', '.join(map(str, data.class_names))})" if self.objective is None
+                else f"task {self.objective.kind}, head {self.objective.describe_head()}")  # fmt: skip
         self.out.print(
             f"model {cfg.model.name}: {sum(p.numel() for p in self.model.parameters()):,} parameters, "
-            f"{len(data.class_names)} classes ({', '.join(map(str, data.class_names))}); "
-            f"{batchnorm_note(self.model, cfg.model.freeze_bn)}",
+            f"{head}; {batchnorm_note(self.model, cfg.model.freeze_bn)}",
             markup=False,
         )
         allocator = f"; {self.allocator_note}" if self.device.type == "cuda" and self.allocator_note else ""
         self.out.print(f"memory budget: {self.budget.describe()}{allocator}", markup=False)
         self.out.print(
-            f"data: {len(data.train)} training and {len(data.val)} validation slides; device {self.device}"
+            f"data: {len(data.train)} training and {len(data.val)} validation slides"
+            + (f", {len(data.test)} test slides (evaluated once, with best.pt, after training)" if data.test else "")
+            + f"; device {self.device}"
             + (f"; {self.dist.world_size} ranks" if self.dist.enabled else ""),
             markup=False,
         )
@@ -159,11 +209,15 @@ class FitRecipe:
     def train(self) -> None:
         """The epochs from where the state stands; interrupted runs say how to continue."""
         try:
-            with FitProgress(self.out, self.quiet, self.cfg.train.epochs, self.engine) as progress:
+            progress_display = FitProgress(self.say, self.quiet, self.cfg.train.epochs, self.engine, self.brief)
+            with self.signals, progress_display as progress:
+                self.safe.saved()  # the time-based checkpoint clock starts with the training
                 for epoch in range(self.state.epoch, self.cfg.train.epochs):
                     self._epoch(epoch, progress)
+            if self.test_ds is not None:
+                self.test()
         except KeyboardInterrupt:
-            self.out.print(
+            self.say.print(
                 f"[yellow]interrupted; the last checkpoint is {escape(str(self.run_dir / 'last.pt'))}; continue with "
                 f"`wsitrain fit CONFIG --resume {escape(str(self.run_dir))}`[/yellow]"
             )
@@ -177,7 +231,8 @@ class FitRecipe:
         order = D.shard(epoch_order(len(self.data.train), cfg.seed, epoch), self.dist)
         start = st.next_index if epoch == st.epoch else 0
         progress.start_epoch(epoch, len(order), start)
-        losses: list[float] = []
+        losses: list[float] = list(self._resumed_losses) if epoch == st.epoch and start > 0 else []
+        self._resumed_losses = []
         window_start = start
         todo = order[start:]
         loader = PrefetchLoader(self.train_ds, todo) if cfg.data.prefetch else _in_order(self.train_ds, todo)
@@ -188,8 +243,9 @@ class FitRecipe:
             with self._plan_errors_named(record.slide_id):
                 self.recorder.plan_if_new(image, record.slide_id)
                 progress.start_slide(record.slide_id, self.recorder.tiles_total(image))
+                target = label if self.objective is None else self.objective.target(record)
                 with attention_masked(self.model, read):
-                    step = self.oom.train_slide(image, label, 1.0 / window, record.slide_id)
+                    step = self.oom.train_slide(image, target, 1.0 / window, record.slide_id)
                 self.recorder.plan_if_new(image, record.slide_id)  # logs the new plan after an out-of-memory re-plan
             losses.append(step.loss)
             lr = trainer.lr
@@ -204,9 +260,19 @@ class FitRecipe:
             if closes:
                 if st.global_step % cfg.log.every == 0:
                     progress.step_line(epoch, j, len(order), st.global_step, step.loss, lr, step.peak_bytes)
+                # The safe point: every rank agrees whether to stop (a signal) or checkpoint (the clock) here.
+                stop, due = self.safe.poll()
                 every = t.checkpoint_every
-                if every and st.global_step % every == 0 and j + 1 < len(order):
-                    self.save("last.pt", epoch, j + 1)
+                periodic = bool(every and st.global_step % every == 0) or due
+                if stop or (periodic and j + 1 < len(order)):  # an epoch's end writes last.pt anyway
+                    self.save("last.pt", epoch, j + 1, epoch_losses=_gather_flat(losses, self.dist))
+                if stop:
+                    raise Preempted(
+                        f"preempted ({self.signals.requested or 'a signal to another rank'}) at epoch {epoch + 1} step "
+                        f"{st.global_step}; resume with `wsitrain fit CONFIG --resume {self.run_dir}`",
+                        hint=f"last.pt in {self.run_dir} holds step {st.global_step}; in a Slurm job, "
+                        "`wsitrain fit CONFIG --resume auto` finds it after a requeue",
+                    )
                 for cb in self.callbacks:
                     cb.on_step_end(st)
             t_wait = time.perf_counter()
@@ -219,8 +285,9 @@ class FitRecipe:
             self.recorder.validation(epoch, st.global_step, metrics)
             progress.validation(epoch, metrics)
             st.history[-1].update({f"val_{k}": v for k, v in metrics.items()})
-            improved = metrics["loss"] < st.best
-            st.best = min(st.best, metrics["loss"])
+            score = self._selection_score(metrics)
+            improved = score < st.best
+            st.best = min(st.best, score)
         elif self.val_ds is None and train_loss < st.best:
             improved, st.best = True, train_loss  # no validation slides: best by training loss
         st.epoch, st.next_index = epoch + 1, 0
@@ -229,10 +296,12 @@ class FitRecipe:
         self.save("last.pt", epoch + 1, 0)
         if improved:
             self.save("best.pt", epoch + 1, 0)
+            if self.test_ds is not None:  # every rank keeps them: the test pass runs on all ranks
+                self._best_weights = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         D.barrier(self.dist)
 
     def _log_replan(self, text: str) -> None:
-        self.out.print(f"[yellow]{escape(text)}[/yellow]")
+        self.say.print(f"[yellow]{escape(text)}[/yellow]")
         self.recorder.forget_plans()  # every shape is planned again within the lowered budget
 
     @contextlib.contextmanager
@@ -243,10 +312,21 @@ class FitRecipe:
         except PlanError as err:
             raise annotate_plan_error(err, self.cfg, slide, has_batchnorm(self.model)) from err
 
+    def _selection_score(self, metrics: dict[str, float]) -> float:
+        """What best.pt minimizes: the validation loss (classification), or the task's metric, negated when larger
+        is better (an undefined metric, e.g. no comparable pairs, never counts as an improvement)."""
+        if self.objective is None:
+            return metrics["loss"]
+        key, larger = self.objective.selection
+        value = metrics.get(key, math.nan)
+        return math.inf if math.isnan(value) else (-value if larger else value)
+
     # ---- validate
     def validate(self) -> dict[str, float]:
         """Loss, accuracy, balanced accuracy and ROC AUC over the validation slides (split across ranks)."""
         assert self.val_ds is not None
+        if self.objective is not None or any(r.patient is not None for r in self.data.val):
+            return self._evaluate(self.val_ds, self.objective, "val")
         mine = list(range(len(self.data.val)))[self.dist.rank :: self.dist.world_size]
         results = []
         t0 = time.perf_counter()
@@ -267,20 +347,96 @@ class FitRecipe:
                                      [r[3] for r in results], [r[4] for r in results])  # fmt: skip
         return metrics
 
+    def test(self) -> dict[str, float]:
+        """The test slides, once, with best.pt's weights (the last weights when no epoch improved): the figures no
+        training or checkpoint choice has seen. Written to metrics.jsonl as kind "test" and to the summary."""
+        assert self.test_ds is not None
+        best = self._best_weights
+        if best is None and (self.run_dir / "best.pt").is_file():  # resumed after the best epoch
+            best = torch.load(self.run_dir / "best.pt", map_location="cpu", weights_only=False)["model"]
+        if best is not None:
+            self.model.load_state_dict(best)
+        self.test_metrics = self._evaluate(self.test_ds, self.objective, "test")
+        self.recorder.metrics.write({"kind": "test", "epoch": self.state.epoch, "step": self.state.global_step,
+                                     "weights": "best.pt" if best is not None else "last", **self.test_metrics})
+        shown = ", ".join(f"{k} {v:.4g}" for k, v in self.test_metrics.items() if k not in ("n", "seconds"))
+        self.out.print(f"test ({len(self.data.test)} slides, held out, best.pt): {shown}", markup=False)
+        return self.test_metrics
+
+    def _evaluate(self, ds: SlideDataset, objective: Objective | None, kind: str) -> dict[str, float]:
+        """Loss and the task's metrics over ``ds`` (split across ranks), per slide and, where the CSV names
+        patients, per patient (each patient's slide outputs averaged); rank 0 writes the rows to {kind}.json
+        (task_validation.json for validation, so classification's validation.json keeps its meaning)."""
+        mine = list(range(len(ds)))[self.dist.rank :: self.dist.world_size]
+        rows = []
+        t0 = time.perf_counter()
+        for i in mine:
+            image, label, record, read = ds[i]
+            target = label if objective is None else objective.target(record)
+            with self._plan_errors_named(record.slide_id), attention_masked(self.model, read):
+                r = self.trainer.eval_slide(image, target)
+            truth = [float(label)] if objective is None else list(record.target)
+            rows.append({"slide": record.slide_id, "path": str(record.path), "patient": record.patient,
+                         "target": truth, "loss": r.loss, "outputs": [float(v) for v in r.probs.tolist()]})  # fmt: skip
+        rows = [x for part in D.gather_objects(rows, self.dist) for x in part]
+        y = np.array([r["target"] for r in rows], dtype=np.float64)
+        out = np.array([r["outputs"] for r in rows], dtype=np.float64)
+        metrics = {"loss": float(np.mean([r["loss"] for r in rows]))}
+        metrics.update(_task_metrics(objective, y, out))
+        metrics["n"] = len(rows)
+        if any(r["patient"] is not None for r in rows):
+            ids, py, pout = per_patient([r["patient"] for r in rows], y, out)
+            metrics.update({f"patient_{k}": v for k, v in _task_metrics(objective, py, pout).items()})
+            metrics["n_patients"] = len(ids)
+        metrics["seconds"] = time.perf_counter() - t0
+        if self.dist.is_main:
+            names = self.data.class_names if objective is None else objective.names
+            name = "task_validation.json" if kind == "val" else f"{kind}.json"
+            write_json(self.run_dir / name, {"kind": kind, "task": objective.kind if objective else "classification",
+                                             "outputs": names, "patients_averaged": "mean of the slides' outputs",
+                                             "metrics": metrics, "slides": rows})  # fmt: skip
+            if objective is not None:  # Kaplan-Meier, predicted against true, ROC per label
+                from wsitrain.report.task_figures import write_task_figures
+
+                write_task_figures(self.run_dir)
+            if objective is None and kind == "val":  # the classification figures, as before
+                labels = y[:, 0].astype(int)
+                write_validation_figures(self.run_dir, labels, out, self.data.class_names,
+                                         [r["slide"] for r in rows], [r["path"] for r in rows])  # fmt: skip
+        return metrics
+
     # ---- save
-    def save(self, file_name: str, epoch: int, next_index: int) -> None:
-        """Write a checkpoint (rank 0 only) that resumes at slide ``next_index`` of epoch ``epoch``."""
+    def save(self, file_name: str, epoch: int, next_index: int, epoch_losses: list[float] | None = None) -> None:
+        """Write a checkpoint (rank 0 only) that resumes at slide ``next_index`` of epoch ``epoch``;
+        ``epoch_losses``: the epoch's training losses so far (all ranks), for its mean after a resume."""
+        if file_name == "last.pt":
+            self.safe.saved()
         if not self.dist.is_main:
             return
         st = self.state
         save_checkpoint(
             self.run_dir / file_name, model=self.model.state_dict(), **self.trainer.state_dict(), epoch=epoch,
             next_index=next_index, global_step=st.global_step, best=st.best, history=st.history, rng=rng_states(),
-            config=self.cfg_dict, class_names=self.data.class_names,
+            config=self.cfg_dict, class_names=self.data.class_names, epoch_losses=list(epoch_losses or []),
+            **({"task": self.objective.state()} if self.objective is not None else {}),
         )  # fmt: skip
 
     def summary(self, wall_s: float) -> dict[str, Any]:
-        return self.recorder.summary(self.run_dir, self.state, wall_s)
+        out = self.recorder.summary(self.run_dir, self.state, wall_s)
+        if self.objective is not None:  # the task's validation metrics replace classification's
+            for key in ("val_accuracy", "val_balanced_accuracy", "val_roc_auc", "best_val_loss"):
+                out.pop(key, None)
+            last = self.recorder.last_validation
+            out.update({f"val_{k}": v for k, v in last.items() if k not in ("loss", "seconds")})
+            key, larger = self.objective.selection
+            best = self.state.best
+            out[f"best_val_{key}"] = (-best if larger else best) if last and math.isfinite(best) else math.nan
+            out["task"] = self.objective.kind
+        elif any(k.startswith("patient_") for k in self.recorder.last_validation):
+            out.update({f"val_{k}": v for k, v in self.recorder.last_validation.items() if k.startswith("patient_")})
+        if self.test_metrics:  # held out: marked as test, never mixed with the validation figures
+            out.update({f"test_{k}": v for k, v in self.test_metrics.items() if k != "seconds"})
+        return out
 
 
 def annotate_plan_error(err: PlanError, cfg: WsiTrainConfig, slide: str, batchnorm: bool) -> PlanError:
@@ -323,9 +479,20 @@ def _check_same_classes(resume: Path, ckpt: dict[str, Any], data: FitData) -> No
         )
 
 
+def _task_metrics(objective: Objective | None, targets: np.ndarray, outputs: np.ndarray) -> dict[str, float]:
+    if objective is None:
+        return classification_metrics(targets[:, 0].astype(int), outputs)
+    return objective.metrics(targets, outputs)
+
+
 def _in_order(ds: SlideDataset, order: list[int]) -> Iterator[Item]:
     for i in order:
         yield ds[i]
+
+
+def _gather_flat(values: list[float], dist: D.DistInfo) -> list[float]:
+    """Every rank's ``values``, concatenated in rank order (a collective: every rank calls it at the same step)."""
+    return [v for part in D.gather_objects(values, dist) for v in part]
 
 
 def _mean_over_ranks(values: list[float], dist: D.DistInfo) -> float:

@@ -139,6 +139,10 @@ class RunRecorder:
                 if not math.isnan(metrics.get(k, math.nan)):
                     self.tb.add_scalar(f"val/{k}", metrics[k], step)
 
+    @property
+    def last_validation(self) -> dict[str, float]:
+        return dict(self._last_val)
+
     # ---- end
     def summary(self, run_dir: Path, state: FitState, wall_s: float) -> dict[str, Any]:
         def mean(key: str) -> float:

@@ -18,7 +18,7 @@ import torch
 import yaml
 
 import wsitrain
-from wsitrain.config import check_run_name, diff_configs
+from wsitrain.config import TaskConfig, check_run_name, diff_configs
 from wsitrain.errors import WsiTrainError
 from wsitrain.train.checkpoint import NO_SPACE, load_checkpoint
 from wsitrain.train.data import FitData
@@ -173,6 +173,34 @@ class JsonlWriter:
             self._f = None
 
 
+def drop_rows_after_step(path: Path, step: int) -> int:
+    """Rewrite a JSON-lines log without the rows of optimizer steps after ``step`` (what a stopped run logged past
+    its last checkpoint, which the resume redoes): no step appears twice. Rows without a step are kept; a torn last
+    line is dropped. Atomic (temp file + os.replace): a kill leaves the old or the new file. Returns rows dropped."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            dropped += 1
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] > step:
+            dropped += 1
+            continue
+        kept.append(line)
+    if dropped:
+        tmp = path.with_name(f".{path.name}.tmp")
+        with _disk_full_named(path), open(tmp, "w") as f:
+            f.write("".join(f"{line}\n" for line in kept))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    return dropped
+
+
 # Keys whose change makes a checkpoint's weights meaningless for the new config: refused even with --force.
 ARCHITECTURE_KEYS = ("model.name",)
 
@@ -193,6 +221,8 @@ def load_resume(resume: Path, cfg_dict: dict[str, Any], force: bool) -> tuple[di
         )
     ckpt = load_checkpoint(path)
     old = ckpt.get("config", {})
+    if "task" not in old:  # written before the task section existed: such a run was the default classification
+        old = {**old, "task": TaskConfig().model_dump(mode="json")}
     changed = [k for k in diff_configs(old, cfg_dict) if k != "name"]
     fixed = [k for k in changed if k in ARCHITECTURE_KEYS]
     if fixed:
@@ -227,6 +257,11 @@ def write_run_files(
         write_json(run_dir / "data.json", {
             "labels": str(data.labels_csv), "classes": data.class_names,
             "train": [r.slide_id for r in data.train], "val": [r.slide_id for r in data.val],
+            # only where there is something to say, so a plain classification run's data.json is as before
+            **({"test": [r.slide_id for r in data.test]} if data.test else {}),
+            **({"task": data.objective.state()} if data.objective is not None else {}),
+            **({"patients": {r.slide_id: r.patient for r in data.train + data.val + data.test if r.patient}}
+               if any(r.patient for r in data.train + data.val + data.test) else {}),
         })  # fmt: skip
         return
     saved = run_dir / "config.yaml"

@@ -17,6 +17,7 @@ exists whole. Backward gives each recomputed tile the gradient softmax-then-sum 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -75,12 +76,22 @@ class AttentionPool(nn.Module):
         return torch.softmax(s.flatten(2), dim=-1).view_as(s)
 
     def forward(self, hs: torch.Tensor) -> torch.Tensor:
-        h = hs[:, : -self.branches]  # (B, C, H, W)
-        a = self.weights(hs)  # (B, K, H, W)
-        return torch.einsum("bkn,bcn->bkc", a.flatten(2), h.flatten(2))  # (B, K, C)
+        # in the map's dtype even under autocast (bf16 tiles accumulate in float32): as the fused pool computes it
+        with without_autocast(hs):
+            h = hs[:, : -self.branches]  # (B, C, H, W)
+            a = self.weights(hs).to(hs.dtype)  # (B, K, H, W)
+            return torch.einsum("bkn,bcn->bkc", a.flatten(2), h.flatten(2))  # (B, K, C)
 
     def extra_repr(self) -> str:
         return f"branches={self.branches}"
+
+
+def without_autocast(x: torch.Tensor) -> contextlib.AbstractContextManager[object]:
+    """Autocast off for ``x``'s device type while the block runs (meta tensors, shapes only, have no autocast)."""
+    kind = x.device.type
+    if kind in ("cpu", "cuda") and torch.is_autocast_enabled(kind):
+        return torch.autocast(kind, enabled=False)
+    return contextlib.nullcontext()
 
 
 def check_mask(mask: torch.Tensor) -> None:
@@ -125,6 +136,13 @@ class AttentionAccumulator:
 
     def add(self, y: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> None:
         """One tile ``y`` (B, C + K, th, tw) covering ``rows`` x ``cols`` of the map."""
+        # The forward sweep runs under the step's autocast: a bf16 einsum here rounded the pooled value, and the
+        # score gradients' sum over the map (0: G . sum_p a_p h_p - G . z) no longer cancelled (measured: the
+        # attention layers' bf16 gradients 12-40x further from float64 than plain bf16's).
+        with without_autocast(y):
+            self._add(y, rows, cols)
+
+    def _add(self, y: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> None:
         self.dtype = y.dtype
         s = self._scores(y, rows, cols)  # (B, K, th, tw)
         h = y[:, : -self.k].to(s.dtype)  # (B, C, th, tw)
@@ -163,6 +181,11 @@ class AttentionAccumulator:
 
     def tile_grad(self, g: torch.Tensor, y: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> torch.Tensor:
         """The gradient (B, C + K, th, tw) of tile ``y`` given the pooled gradient ``g`` (B, K, C)."""
+        with without_autocast(y):
+            return self._tile_grad(g, y, rows, cols)
+
+    def _tile_grad(self, g: torch.Tensor, y: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int]
+                   ) -> torch.Tensor:  # fmt: skip
         assert self.m is not None and self.d is not None
         s = self._scores(y, rows, cols)
         h = y[:, : -self.k].to(s.dtype)
