@@ -45,7 +45,7 @@ import yaml
 
 from wsitrain.config import load_config
 from wsitrain.slides.synth import write_synthetic_dataset
-from wsitrain.slides.synth_lesions import BLOCK, LESION_MPP, read_sidecar
+from wsitrain.slides.synth.lesions import BLOCK, LESION_MPP, read_sidecar
 
 THUMB_MPP = LESION_MPP * BLOCK  # pyramid level 2: 512 px for a 2048 px slide
 

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from wsitrain.cli import app
 from wsitrain.errors import WsiTrainError
 from wsitrain.slides.synth import MANIFEST, write_synthetic_dataset
-from wsitrain.slides.synth_lesions import (
+from wsitrain.slides.synth.lesions import (
     BLOCK,
     LESION_MPP,
     LesionScene,

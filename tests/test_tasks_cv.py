@@ -14,7 +14,7 @@ from rich.console import Console
 
 from wsitrain.config import WsiTrainConfig
 from wsitrain.errors import WsiTrainError
-from wsitrain.slides.synth_targets import write_task_dataset
+from wsitrain.slides.synth.targets import write_task_dataset
 from wsitrain.train.cv import run_cv
 
 

@@ -1,4 +1,4 @@
-"""Fit learns each task on synthetic cohorts whose targets depend on what the slides show (synth_targets), and
+"""Fit learns each task on synthetic cohorts whose targets depend on what the slides show (synth.targets), and
 is judged on held-out test slides: survival c-index >= 0.75, regression R^2 >= 0.6, multi-label macro AUC >= 0.9.
 
 Each cohort: 48 slides of 256 px, one per patient, 16 patients split=test, 8 val, 24 train; the tiny CNN trains for
@@ -20,7 +20,7 @@ from rich.console import Console
 
 from wsitrain.config import WsiTrainConfig
 from wsitrain.report.html import write_report
-from wsitrain.slides.synth_targets import write_task_dataset
+from wsitrain.slides.synth.targets import write_task_dataset
 from wsitrain.train.checkpoint import load_checkpoint
 from wsitrain.train.fit import run_fit
 from wsitrain.train.predict import run_predict

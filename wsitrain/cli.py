@@ -467,7 +467,7 @@ def synth(
         raise typer.BadParameter("--lesions small makes classification slides; leave out --task",
                                  param_hint="'--lesions'")
     if task != "classification":
-        write_task = _entry("wsitrain.slides.synth_targets", "write_task_dataset", "synth")
+        write_task = _entry("wsitrain.slides.synth.targets", "write_task_dataset", "synth")
         csv_path = write_task(out_dir, task, n=n, size=size, seed=seed, test_fraction=test_fraction)
         _console().print(f"wrote {n} slides for task {task}; labels: {csv_path}", soft_wrap=True)
         return

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from wsitrain.errors import WsiTrainError
+from wsitrain.slides.synth.fields import smooth_noise, upsample
 
 LESION_MODES = ("none", "small")
 LESION_MPP = 2.5  # um per level-0 pixel (a 4x scan): a 2048 px slide is 5 mm of tissue, nuclei are 3-8 px
@@ -80,7 +81,7 @@ class LesionScene:
         gw, gh = -(-lw // g), -(-lh // g)
         u, v = (np.arange(gw) + 0.5) / gw, (np.arange(gh) + 0.5) / gh
         field = np.zeros((gh, gw), dtype=np.float32)
-        wobble = 0.1 * _smooth_noise(rng, (gh, gw), 6)
+        wobble = 0.1 * smooth_noise(rng, (gh, gw), 6)
         for _ in range(12):  # add lobes until the tissue covers enough of the field
             cx, cy = rng.uniform(0.35, 0.65, size=2)
             rx, ry = rng.uniform(0.25, 0.45, size=2)
@@ -91,8 +92,8 @@ class LesionScene:
             field = np.maximum(field, np.exp(-(a * a + b * b)).astype(np.float32))
             if ((field - wobble) > 0.35).mean() >= 0.6:
                 break
-        drift = _smooth_noise(rng, (gh, gw), 5)
-        field, drift = _upsample(field - wobble, (lh, lw)), _upsample(drift, (lh, lw))
+        drift = smooth_noise(rng, (gh, gw), 5)
+        field, drift = upsample(field - wobble, (lh, lw)), upsample(drift, (lh, lw))
         self.tissue = field > 0.35
         base = np.array([232, 150, 196], dtype=np.float32) + rng.uniform(-8, 8, size=3)
         colour = base + drift[..., None] * np.array([8, 18, 12], dtype=np.float32)
@@ -287,27 +288,6 @@ def render_lesion_slide(size: int | tuple[int, int], positive: bool, seed: int) 
     scene = LesionScene(w, h, positive, seed)
     img = np.concatenate([scene.band(y, min(h, y + 256)) for y in range(0, h, 256)], axis=0)
     return img, scene
-
-
-# The two field helpers are synth.py's; copied, not imported, because synth.py imports this module for its
-# ``lesions`` hook and the package keeps its imports free of circles (tests/test_cli.py).
-def _smooth_noise(rng: np.random.Generator, shape: tuple[int, int], grid: int) -> np.ndarray:
-    """Bilinear upsampling of a ``grid`` x ``grid`` field of uniform [-1, 1] values to ``shape``."""
-    g = rng.uniform(-1, 1, size=(grid, grid)).astype(np.float32)
-    h, w = shape
-    ys, xs = np.linspace(0, grid - 1, h), np.linspace(0, grid - 1, w)
-    y0, x0 = np.minimum(ys.astype(int), grid - 2), np.minimum(xs.astype(int), grid - 2)
-    fy, fx = (ys - y0)[:, None], (xs - x0)[None, :]
-    top = g[y0][:, x0] * (1 - fx) + g[y0][:, x0 + 1] * fx
-    bot = g[y0 + 1][:, x0] * (1 - fx) + g[y0 + 1][:, x0 + 1] * fx
-    return (top * (1 - fy) + bot * fy).astype(np.float32)
-
-
-def _upsample(a: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
-    from PIL import Image
-
-    img = Image.fromarray(np.ascontiguousarray(a, dtype=np.float32), mode="F")
-    return np.asarray(img.resize((shape[1], shape[0]), Image.Resampling.BILINEAR), dtype=np.float32)
 
 
 def write_sidecar(out: Path, slides: dict[str, dict[str, Any]]) -> Path:

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from wsitrain.errors import SlideError, WsiTrainError
+from wsitrain.slides.synth.fields import smooth_noise, upsample
 
 TILE = 256
 LEVEL_MIN_SIDE = 512  # stop adding pyramid levels below this
@@ -56,9 +57,9 @@ class _Scene:
             a = (dx * np.cos(th) + dy * np.sin(th)) / rx
             b = (-dx * np.sin(th) + dy * np.cos(th)) / ry
             field = np.maximum(field, np.exp(-(a * a + b * b)).astype(np.float32))
-        field = field - 0.12 * _smooth_noise(rng, (gh, gw), 6)
-        drift = _smooth_noise(rng, (gh, gw), 5)
-        field, drift = _upsample(field, (lh, lw)), _upsample(drift, (lh, lw))
+        field = field - 0.12 * smooth_noise(rng, (gh, gw), 6)
+        drift = smooth_noise(rng, (gh, gw), 5)
+        field, drift = upsample(field, (lh, lw)), upsample(drift, (lh, lw))
         self.tissue = field > 0.45  # (lh, lw) bool
         base = np.array([232, 150, 196], dtype=np.float32) + rng.uniform(-10, 10, size=3)
         colour = base + drift[..., None] * np.array([8, 18, 12], dtype=np.float32)
@@ -114,27 +115,6 @@ class _Scene:
         return np.clip(img, 0, 255).astype(np.uint8)
 
 
-def _smooth_noise(rng: np.random.Generator, shape: tuple[int, int], grid: int) -> np.ndarray:
-    """Bilinear upsampling of a ``grid`` x ``grid`` field of uniform [-1, 1] values to ``shape``."""
-    g = rng.uniform(-1, 1, size=(grid, grid)).astype(np.float32)
-    h, w = shape
-    ys = np.linspace(0, grid - 1, h)
-    xs = np.linspace(0, grid - 1, w)
-    y0 = np.minimum(ys.astype(int), grid - 2)
-    x0 = np.minimum(xs.astype(int), grid - 2)
-    fy, fx = (ys - y0)[:, None], (xs - x0)[None, :]
-    top = g[y0][:, x0] * (1 - fx) + g[y0][:, x0 + 1] * fx
-    bot = g[y0 + 1][:, x0] * (1 - fx) + g[y0 + 1][:, x0 + 1] * fx
-    return (top * (1 - fy) + bot * fy).astype(np.float32)
-
-
-def _upsample(a: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
-    from PIL import Image
-
-    img = Image.fromarray(np.ascontiguousarray(a, dtype=np.float32), mode="F")
-    return np.asarray(img.resize((shape[1], shape[0]), Image.Resampling.BILINEAR), dtype=np.float32)
-
-
 def _as_wh(size: int | tuple[int, int]) -> tuple[int, int]:
     if isinstance(size, int):
         w = h = size
@@ -173,7 +153,7 @@ def write_synthetic_slide(
 ) -> Path:
     """Write one pyramidal Aperio-style SVS (tiled JPEG, 2x levels down to ~512 px) and return its path.
 
-    ``scene``: a prepared scene of this size (synth_targets draws its own nuclei; synth_lesions.LesionScene renders
+    ``scene``: a prepared scene of this size (synth.targets draws its own nuclei; lesions.LesionScene renders
     lesions and distractors); else one from positive, seed."""
     import tifffile
 
@@ -259,7 +239,7 @@ def write_synthetic_dataset(
 ) -> Path:
     """Write ``out_dir/slide_000.svs ...`` and ``out_dir/labels.csv`` (slide,label); return the CSV path.
 
-    ``lesions="small"``: the scenes of ``synth_lesions`` (small lesions and look-alike distractors, at its own mpp
+    ``lesions="small"``: the scenes of ``synth.lesions`` (small lesions and look-alike distractors, at its own mpp
     and magnification unless given), with their boxes in ``lesions.json``; ``"none"``: the scenes above.
 
     Labels are "negative"/"positive", ``round(n * positive_fraction)`` positives in a seeded order. A folder that
@@ -272,7 +252,7 @@ def write_synthetic_dataset(
     if lesions not in ("none", "small"):
         raise WsiTrainError(f"synth: lesions {lesions!r} is not one of none, small", hint="e.g. --lesions small")
     if lesions != "none":
-        from wsitrain.slides import synth_lesions as SL
+        import wsitrain.slides.synth.lesions as SL
 
         mpp, app_mag = mpp or SL.LESION_MPP, app_mag or SL.LESION_APP_MAG
         SL.check_size(*_as_wh(size), mpp)  # before any folder is made
@@ -341,7 +321,7 @@ def _write_dataset(out: Path, params: dict[str, object], names: list[str], csv_p
         tmp = staging / name
         scene = None
         if lesions != "none":
-            from wsitrain.slides import synth_lesions as SL
+            import wsitrain.slides.synth.lesions as SL
 
             scene = SL.LesionScene(*_as_wh(size), bool(lab), seed * 100_003 + i, mpp)  # type: ignore[arg-type]
             boxes[name] = {"label": "positive" if lab else "negative", "tissue_px": scene.tissue_px,
