@@ -109,7 +109,9 @@ def render_heatmap(
     for ax, b in zip(axes[0], branches, strict=False):
         assert att is not None
         _base(ax, thumb, tissue)
-        im = ax.imshow(att[b], extent=_map_extent(att.shape[1:], maps.stride, where), cmap="inferno", alpha=0.6,
+        # positions without attention (off the tissue mask) stay unpainted, so the slide shows through
+        im = ax.imshow(np.ma.masked_equal(att[b], 0.0), extent=_map_extent(att.shape[1:], maps.stride, where),
+                       cmap="inferno", alpha=0.6,
                        vmin=0.0, vmax=float(att[b].max()) or 1.0, interpolation="nearest")
         fig.colorbar(im, ax=ax, fraction=0.046, pad=0.03, label="attention weight (sums to 1)")
         ax.set_title("attention" if len(branches) == 1 and att.shape[0] == 1 else f"attention, branch {class_names[b]}",
