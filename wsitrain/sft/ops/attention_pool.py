@@ -116,7 +116,9 @@ class AttentionAccumulator:
         self.k, self.h, self.w = branches, height, width
         if mask is not None and tuple(mask.shape[-2:]) != (height, width):
             raise ValueError(f"attention mask is {tuple(mask.shape[-2:])} but the map is {(height, width)}")
-        self.mask = mask  # (B or 1, 1, H, W) bool
+        self.mask = mask  # (B or 1, 1, H, W) bool, where the caller made it (read by holds_gradient: no device sync)
+        self._device_mask: torch.Tensor | None = None  # the same on the tiles' device, copied once, not per tile
+        self._z: torch.Tensor | None = None  # the pooled value, once forward is complete (backward reads it per tile)
         self.m: torch.Tensor | None = None  # (B, K) running maximum score
         self.d: torch.Tensor | None = None  # (B, K) running denominator, relative to m
         self.s: torch.Tensor | None = None  # (B, K, C) running weighted feature sum, relative to m
@@ -130,7 +132,9 @@ class AttentionAccumulator:
         """The tile's scores (B, K, th, tw) in the accumulation dtype, -inf outside the mask."""
         s = y[:, -self.k :].to(_acc_dtype(y.dtype))
         if self.mask is not None:
-            m = self.mask[:, :, rows[0] : rows[1], cols[0] : cols[1]].to(s.device)
+            if self._device_mask is None or self._device_mask.device != s.device:
+                self._device_mask = self.mask.to(s.device)
+            m = self._device_mask[:, :, rows[0] : rows[1], cols[0] : cols[1]]
             s = s.masked_fill(~m, float("-inf"))
         return s
 
@@ -143,7 +147,7 @@ class AttentionAccumulator:
             self._add(y, rows, cols)
 
     def _add(self, y: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> None:
-        self.dtype = y.dtype
+        self.dtype, self._z = y.dtype, None
         s = self._scores(y, rows, cols)  # (B, K, th, tw)
         h = y[:, : -self.k].to(s.dtype)  # (B, C, th, tw)
         tile_max = s.amax((2, 3))  # (B, K); -inf where the tile is wholly masked
@@ -162,7 +166,9 @@ class AttentionAccumulator:
     def pooled(self) -> torch.Tensor:
         """z (B, K, C) in the accumulation dtype."""
         assert self.s is not None and self.d is not None, "no tile was added"
-        return self.s / self.d[:, :, None]
+        if self._z is None:
+            self._z = self.s / self.d[:, :, None]
+        return self._z
 
     def result(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The pooled (B, K, C), as plain PyTorch computes it (in ``dtype``, by default the tiles')."""

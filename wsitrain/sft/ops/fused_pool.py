@@ -75,7 +75,6 @@ def pool_kind(node: fx.Node, module: nn.Module | None) -> str | None:
 class PoolAccumulator:
     """Forward: folds tiles of the (B, C, H, W) map into the pooled (B, C), keeping what backward needs."""
 
-    share_reads_output = False  # amax: set per instance (a tile's share reads its own output)
 
     def __init__(self, kind: str, height: int, width: int) -> None:
         self.kind, self.h, self.w = kind, height, width
@@ -86,7 +85,6 @@ class PoolAccumulator:
         # AMAX: each tile's maximum (B, C) by its output rows and cols, to tell in backward which tiles hold a
         # maximum without recomputing them (B x C values per tile: 8 KiB at 2048 channels in fp32)
         self.tile_max: dict[tuple[tuple[int, int], tuple[int, int]], torch.Tensor] = {}
-        self.share_reads_output = kind == AMAX
 
     def add(self, y: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> None:
         """One tile ``y`` (B, C, th, tw) covering ``rows`` x ``cols`` of the map."""
@@ -126,6 +124,11 @@ class PoolAccumulator:
         if self.kind == AVG:
             return (self.value / (self.h * self.w)).to(dtype)
         return self.value
+
+    @property
+    def share_reads_output(self) -> bool:
+        """Does a tile's gradient share read the tile's own output? (amax: its ties with the maximum)"""
+        return self.kind == AMAX
 
     def grad_view(self, grad_out: torch.Tensor) -> torch.Tensor:
         """The pooled value's gradient as (B, C)."""
