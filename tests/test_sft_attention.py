@@ -254,3 +254,20 @@ def test_budget_holds_when_simulated(pool: str, spec: AttentionSpec) -> None:
         assert s.plan.segments[-1].fused_pool == "attention"
     assert s.within_budget and s.host_within_plan, simulation_text(s)
     assert -0.03 <= s.over_replay <= 0.03, simulation_text(s)
+
+
+def test_bad_attention_settings_are_named() -> None:
+    """An unknown pool, attention settings without an attention pool, and plan --pool: one clear error each."""
+    from typer.testing import CliRunner
+
+    from wsitrain.cli import app
+    from wsitrain.config import WsiTrainConfig
+
+    with pytest.raises(ValueError, match="unknown pool 'mean': choose one of avg, max, attention, gated_attention"):
+        WsiTrainConfig.model_validate({"model": {"pool": "mean"}})
+    with pytest.raises(ValueError, match="model.attention applies to pool: attention or gated_attention"):
+        WsiTrainConfig.model_validate({"model": {"pool": "avg", "attention": {"dim": 64}}})
+    with pytest.raises(ValueError, match="branches"):
+        WsiTrainConfig.model_validate({"model": {"pool": "attention", "attention": {"branches": "many"}}})
+    res = CliRunner().invoke(app, ["plan", "--model", "tiny", "--size", "256", "--memory", "1GiB", "--pool", "mean"])
+    assert res.exit_code == 2 and "--pool: unknown pool 'mean'" in res.output
