@@ -117,6 +117,49 @@ def test_unwritable_log_dir(synth_dir: Path, tmp_path: Path, monkeypatch: pytest
     assert not (tmp_path / "locked").exists()
 
 
+def test_log_dir_not_writable_is_refused_before_the_slides_are_checked(
+    synth_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A container's /runs volume owned by another uid: os.access says so (as root it never would: patch it).
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: Path(p) != locked and real_access(p, mode, **kw))
+    result = invoke("fit", str(config_file(tmp_path, synth_dir)), "--set", f"log.dir={locked / 'runs'}")
+    assert result.exit_code == 2, result.output
+    assert f"log.dir {locked / 'runs'} (its existing parent {locked}): not writable" in result.output
+    assert "--user $(id -u):$(id -g)" in result.output
+    assert list(locked.iterdir()) == []
+
+
+@pytest.mark.parametrize("where", ["write_run_files", "write_job_file", "RunRecorder"])
+def test_a_start_that_fails_while_filling_the_run_folder_leaves_none(
+    synth_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    import wsitrain.train.recipe as recipe
+
+    def fail(*args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(recipe, where, fail)
+    with pytest.raises(OSError, match="Input/output error"):
+        run_fit(make_cfg(synth_dir, tmp_path / "runs"), console=QUIET, quiet=True)
+    assert list((tmp_path / "runs").iterdir()) == []
+
+
+def test_a_failed_resume_keeps_the_resumed_folder(synth_dir: Path, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    import wsitrain.train.recipe as recipe
+
+    run = run_fit(make_cfg(synth_dir, tmp_path / "runs"), console=QUIET, quiet=True)
+    before = tree(run)
+    monkeypatch.setattr(recipe, "RunRecorder", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.EIO, "I/O")))
+    cfg = make_cfg(synth_dir, tmp_path / "runs", train={"epochs": 2})
+    with pytest.raises(OSError):
+        run_fit(cfg, console=QUIET, quiet=True, resume=run, force=True)
+    assert run.is_dir() and set(before) <= set(tree(run))
+
+
 # ---- predict: --out a folder, a checkpoint of another model
 
 

@@ -119,6 +119,18 @@ def broadcast_object(obj: Any, info: DistInfo) -> Any:
     return box[0]
 
 
+def all_ok(ok: bool, info: DistInfo) -> bool:
+    """True when every rank says ``ok``: one all_reduce (MIN), so a rank whose start failed stops the others before
+    they write anything (a rank that just exits leaves the others a "Connection closed by peer" instead)."""
+    if not info.enabled:
+        return ok
+    flag = torch.tensor([1.0 if ok else 0.0])
+    if dist.get_backend() == "nccl":
+        flag = flag.cuda()
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item() > 0)
+
+
 def barrier(info: DistInfo) -> None:
     if info.enabled:
         dist.barrier()

@@ -45,6 +45,7 @@ from wsitrain.train.recorder import RunRecorder
 from wsitrain.train.runfolder import (
     check_log_dir,
     create_run_dir,
+    discard_run_dir,
     drop_rows_after_step,
     load_resume,
     write_json,
@@ -92,10 +93,29 @@ class FitRecipe:
 
     # ---- setup: every input check first, then the run folder
     def setup(self, *, resume: Path | None, force: bool, name: str | None) -> Path:
-        """Check inputs, build everything, then create (or reopen) the run folder; return it."""
-        cfg, t = self.cfg, self.cfg.train
+        """Check inputs, build everything, then create (or reopen) the run folder; return it.
+
+        A failed start leaves no run folder: every rank finishes its checks and builds and all agree (one
+        all_reduce) before rank 0 makes the folder, and a failure while the folder is being filled removes it.
+        """
         if resume is not None and str(resume) == "auto":
             resume = self._auto_resume(name)
+        try:
+            ckpt, resume_dir = self._prepare(resume, force, name)
+        except Exception:
+            with contextlib.suppress(Exception):  # the others may be gone already; the first error is the news
+                D.all_ok(False, self.dist)
+            raise
+        if not D.all_ok(True, self.dist):
+            raise WsiTrainError(
+                "another rank failed to start (its error is in its own output); no run folder was made",
+                hint="fix what that rank reported and start again",
+            )
+        return self._open_run_folder(ckpt, resume_dir, force, name)
+
+    def _prepare(self, resume: Path | None, force: bool, name: str | None) -> tuple[dict[str, Any] | None, Path | None]:
+        """Every check and build, nothing written: the checkpoint to resume from and its folder (None, None new)."""
+        cfg, t = self.cfg, self.cfg.train
         if resume is None:
             _check_run_target(cfg, name)
         self.device = resolve_device(cfg.engine.device, self.dist)
@@ -134,37 +154,58 @@ class FitRecipe:
         self.test_ds = SlideDataset(self.data.test, rk, None, cfg.seed) if self.data.test else None
         self.test_metrics: dict[str, float] = {}
         self._best_weights: dict[str, torch.Tensor] | None = None  # best.pt's weights, for the test evaluation
+        return ckpt, resume_dir
 
-        # ---- the run folder: a new one, or the resumed one (only rank 0 writes)
-        run_dir = resume_dir
-        if self.dist.is_main and run_dir is None:
-            run_dir, note = create_run_dir(Path(cfg.log.dir), name or cfg.name)
-            if note:
-                self.say.print(f"[yellow]{escape(note)}[/yellow]")
-        self.run_dir = Path(D.broadcast_object(str(run_dir), self.dist))
-        if self.dist.is_main:
-            write_run_files(self.run_dir, self.cfg_dict, ckpt is not None, self.device, self.data)
-            if ckpt is None:
-                write_job_file(self.run_dir)  # the Slurm job that started it, for `--resume auto` after a requeue
+    def _open_run_folder(
+        self, ckpt: dict[str, Any] | None, resume_dir: Path | None, force: bool, name: str | None
+    ) -> Path:
+        """A new run folder (rank 0 makes it, every rank learns its path) or the resumed one, with its files."""
+        cfg, t = self.cfg, self.cfg.train
+        made: Path | None = None  # the folder this start created: removed again if the start fails
+        try:
+            claim: tuple[str | None, str | None] = (str(resume_dir) if resume_dir else None, None)
+            if self.dist.is_main and resume_dir is None:
+                try:
+                    made, note = create_run_dir(Path(cfg.log.dir), name or cfg.name)
+                    claim = (str(made), None)
+                    if note:
+                        self.say.print(f"[yellow]{escape(note)}[/yellow]")
+                except WsiTrainError as e:
+                    claim = (None, str(e))
+                    D.broadcast_object(claim, self.dist)  # the others stop with rank 0, not on a closed connection
+                    raise
+            folder, problem = D.broadcast_object(claim, self.dist)
+            if folder is None:
+                raise WsiTrainError(f"rank 0 could not create the run folder: {problem}",
+                                    hint="see rank 0's message")  # fmt: skip
+            self.run_dir = Path(folder)
+            if self.dist.is_main:
+                write_run_files(self.run_dir, self.cfg_dict, ckpt is not None, self.device, self.data)
+                if ckpt is None:
+                    write_job_file(self.run_dir)  # the Slurm job that started it, for `--resume auto` after a requeue
 
-        if ckpt is not None:
-            self.model.load_state_dict(ckpt["model"])
-            self.trainer.load_state_dict(ckpt)
-            self.state = FitState.from_checkpoint(ckpt)
-            set_rng_states(ckpt["rng"])
-            # rank 0 carries every rank's losses of the interrupted epoch: the epoch's mean covers all its slides
-            self._resumed_losses = list(ckpt.get("epoch_losses") or []) if self.dist.is_main else []
-            self.out.print(
-                f"resuming {escape(str(self.run_dir))} at epoch {self.state.epoch + 1}, slide "
-                f"{self.state.next_index + 1}, step {self.state.global_step} (lr {self.trainer.lr:.3g})"
-            )
-        if ckpt is not None and self.dist.is_main:
-            # the steps logged after the checkpoint are redone: drop them so no step appears twice
-            for log_name in ("metrics.jsonl", "tiles.jsonl"):
-                drop_rows_after_step(self.run_dir / log_name, self.state.global_step)
-        self._print_setup()
-        self.recorder = RunRecorder(self.run_dir if self.dist.is_main else None, cfg.log, t.precision, self.engine,
-                                    self.out)  # fmt: skip
+            if ckpt is not None:
+                self.model.load_state_dict(ckpt["model"])
+                self.trainer.load_state_dict(ckpt)
+                self.state = FitState.from_checkpoint(ckpt)
+                set_rng_states(ckpt["rng"])
+                # rank 0 carries every rank's losses of the interrupted epoch: the epoch's mean covers all its slides
+                self._resumed_losses = list(ckpt.get("epoch_losses") or []) if self.dist.is_main else []
+                self.out.print(
+                    f"resuming {escape(str(self.run_dir))} at epoch {self.state.epoch + 1}, slide "
+                    f"{self.state.next_index + 1}, step {self.state.global_step} (lr {self.trainer.lr:.3g})"
+                )
+            if ckpt is not None and self.dist.is_main:
+                # the steps logged after the checkpoint are redone: drop them so no step appears twice
+                for log_name in ("metrics.jsonl", "tiles.jsonl"):
+                    drop_rows_after_step(self.run_dir / log_name, self.state.global_step)
+            self._print_setup()
+            self.recorder = RunRecorder(self.run_dir if self.dist.is_main else None, cfg.log, t.precision,
+                                        self.engine, self.out)  # fmt: skip
+        except BaseException:
+            if made is not None:
+                discard_run_dir(made)
+            raise
         self.oom = OomRetry(self.trainer, self.engine, self._log_replan, self.recorder.metrics.write)
         if ckpt is not None:
             # Rows a stopped run logged past its checkpoint were dropped above; the marker says where it resumed.

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import sys
 from collections.abc import Iterator
 from datetime import datetime
@@ -25,7 +26,9 @@ from wsitrain.train.data import FitData
 
 
 def check_log_dir(base: Path) -> None:
-    """Refuse a log.dir that cannot hold run folders because part of its path is a file (checked before any write)."""
+    """Refuse a log.dir that cannot hold run folders (checked before any write): part of its path is a file, or the
+    folder where run folders would be made (its nearest existing part) is not writable by this process, e.g. a
+    container's /runs volume owned by another uid."""
     base = Path(base)
     for part in (base, *base.parents):
         if part.exists():
@@ -35,7 +38,28 @@ def check_log_dir(base: Path) -> None:
                     f"log.dir {base}: {where}, not a folder",
                     hint="set log.dir to a folder (it is created when missing), e.g. --set log.dir=runs",
                 )
+            if not os.access(part, os.W_OK | os.X_OK):
+                where = "" if part == base else f" (its existing parent {part})"
+                raise WsiTrainError(
+                    f"log.dir {base}{where}: not writable by this process (uid {_uid()})",
+                    hint="make it writable (chown or chmod the folder), set log.dir to a folder you can write to "
+                    "(e.g. --set log.dir=runs), or in a container run as its owner: docker run --user "
+                    "$(id -u):$(id -g) ...",
+                )
             return
+
+
+def _uid() -> str:
+    return str(os.getuid()) if hasattr(os, "getuid") else "?"
+
+
+def discard_run_dir(run_dir: Path) -> None:
+    """Remove a run folder this start made when the start fails before training: a failed start leaves no folder.
+
+    Only for a folder ``create_run_dir`` claimed moments ago (it holds nothing but the files this start wrote);
+    never for a resumed one. A folder that cannot be removed is left, not an error on top of the first.
+    """
+    shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def create_run_dir(base: Path, name: str | None) -> tuple[Path, str | None]:
