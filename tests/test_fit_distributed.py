@@ -143,7 +143,18 @@ class _SignalRankOne:
             os.kill(os.getpid(), _signal.SIGUSR1)
 
 
+def _slow_save_checkpoint(path: Path, **state: Any) -> None:
+    """Rank 0's checkpoint write, a second slower: as a large model's, which takes seconds."""
+    import time
+
+    from wsitrain.train import checkpoint
+
+    time.sleep(1.0)
+    checkpoint.save_checkpoint(path, **state)
+
+
 def _preempt_worker(rank: int, world: int, port: int, root: str, name: str, stop: bool, resume: bool) -> None:
+    from wsitrain.train import recipe
     from wsitrain.train.preempt import Preempted
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
@@ -151,11 +162,17 @@ def _preempt_worker(rank: int, world: int, port: int, root: str, name: str, stop
     torch.set_num_threads(1)
     cfg = _cfg(Path(root), name, accumulate=1)
     cfg.train.stop_signal = "SIGUSR1"
+    if stop and rank == 0:
+        recipe.save_checkpoint = _slow_save_checkpoint  # this process only (mp.spawn starts a fresh interpreter)
     try:
         run_fit(cfg, console=Console(file=io.StringIO()), quiet=True, callbacks=[_SignalRankOne()] if stop else [],
                 resume=Path(root) / "runs" / name if resume else None)
     except Preempted as err:
-        (Path(root) / f"{name}-rank{rank}.stopped").write_text(err.message)
+        # What this rank finds on disk as it leaves: under torchrun its exit ends the step on its node, and srun
+        # --kill-on-bad-exit (scripts/slurm/) then kills the other nodes' ranks, rank 0 included.
+        last = Path(root) / "runs" / name / "last.pt"
+        step = load_checkpoint(last)["global_step"] if last.is_file() else None
+        (Path(root) / f"{name}-rank{rank}.stopped").write_text(f"{err.message}\nlast.pt step {step}")
 
 
 @pytest.mark.slow
@@ -173,6 +190,8 @@ def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step(tmp_path: Path) 
     assert said[1].startswith("preempted (SIGUSR1) at epoch 1 step 2;"), said
     assert said[0].startswith("preempted (a signal to another rank) at epoch 1 step 2;"), said  # the same step
     assert load_checkpoint(tmp_path / "runs" / "cut" / "last.pt")["global_step"] == 2
+    # no rank leaves before rank 0 has written last.pt (its write was made a second slower)
+    assert [s.splitlines()[-1] for s in said] == ["last.pt step 2", "last.pt step 2"], said
     mp.spawn(_preempt_worker, args=(2, _free_port(), str(tmp_path), "cut", False, True), nprocs=2, join=True)
     a = load_checkpoint(tmp_path / "runs" / "full" / "last.pt")
     b = load_checkpoint(tmp_path / "runs" / "cut" / "last.pt")

@@ -308,6 +308,9 @@ class FitRecipe:
                 if stop or (periodic and j + 1 < len(order)):  # an epoch's end writes last.pt anyway
                     self.save("last.pt", epoch, j + 1, epoch_losses=_gather_flat(losses, self.dist))
                 if stop:
+                    # No rank leaves before rank 0 has written last.pt: under torchrun a rank's exit ends its node's
+                    # step, and srun --kill-on-bad-exit (scripts/slurm/) then kills the others mid-write.
+                    D.barrier(self.dist)
                     raise Preempted(
                         f"preempted ({self.signals.requested or 'a signal to another rank'}) at epoch {epoch + 1} step "
                         f"{st.global_step}; resume with `wsitrain fit CONFIG --resume {self.run_dir}`",
