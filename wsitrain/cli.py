@@ -13,7 +13,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import click
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -42,7 +41,7 @@ def hoist_global_options(args: list[str]) -> list[str]:
 
 
 class _Group(TyperGroup):
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
         return super().parse_args(ctx, hoist_global_options(args))
 
 
