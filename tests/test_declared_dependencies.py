@@ -18,7 +18,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Imported directly, installed by a declared distribution that requires it (checked below, so this cannot go stale).
 BROUGHT_BY = {
-    "pillow": "matplotlib",  # PIL: slide pixels and PNGs; matplotlib and torchvision both require pillow
     "huggingface-hub": "timm",  # huggingface_hub: timm's pretrained weights; imported only with the timm extra
 }
 
