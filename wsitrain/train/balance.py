@@ -14,7 +14,8 @@ predicted step cost (``wsitrain.train.slide_cost``) to put slides of similar cos
 3. Inside a step each slide, dearest first, goes to the rank with the least predicted work that still has room
    (longest processing time first, with every rank taking ``accumulate`` slides).
 4. The window's steps then run in the order of their earliest slide in the epoch's order, and a rank's slides in a
-   step run grouped by shape bucket, so consecutive slides reuse one engine plan.
+   step run grouped by shape bucket (the preflight's groups, planned together). Sorting by cost already puts slides
+   of one bucket into the same steps, as their costs are alike.
 
 Nothing is communicated: every rank computes the same assignment from the same costs, seed and epoch. One process
 has no one to wait for and keeps the epoch's order as it is.
@@ -33,7 +34,8 @@ from wsitrain.train.distributed import padded_order
 # over a longer stretch. Simulated (`python scripts/bench_balance.py --simulate`: costs uniform in [1, 4], 4096
 # slides, every slide taking exactly its cost): 2 ranks wait 16.5% of their time with round_robin, and 10.6%, 6.1%,
 # 3.4%, 1.8% with windows of 2, 4, 8, 16 steps (4 ranks: 26.4% and 5.2% at 8; accumulate 4: 8.6% and 0.2% at 8).
-# At 8 the rest is below what a step's measured time varies on its own; the regrouping stays within 8 steps.
+# 8 takes most of the gain (a fifth of round robin's waiting) while regrouping only 8 steps at a time, so steps
+# still mix slides differently each epoch. Measured (docs/bench_balance.md, 2 CPU ranks, 24 slides): 16.6% -> 7.1%.
 WINDOW_STEPS = 8
 
 

@@ -185,6 +185,8 @@ class FitRecipe:
         resume runs the same steps as the run it continues."""
         cfg, n = self.cfg, len(self.data.train)
         mode = cfg.distributed.balance if self.dist.enabled else "round_robin"
+        if ckpt is not None and "balance" not in ckpt:
+            mode = "round_robin"  # written before balancing existed: the run goes on dealing slides as it did
         balance = Balance(mode, cfg.seed, self.dist.world_size, cfg.train.accumulate)
         if mode != "time":
             return balance
