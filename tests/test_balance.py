@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -156,9 +158,24 @@ def test_waiting_share_arithmetic() -> None:
     assert one_rank_works.share == pytest.approx(3 / 4)
 
 
-def test_a_bad_balance_value_is_a_config_error(tmp_path) -> None:
+def test_a_bad_balance_value_is_a_config_error(tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text("distributed: {balance: fastest}\n")
     result = CliRunner().invoke(app, ["validate", str(path)])
     assert result.exit_code == 2, result.output
     assert "distributed.balance: 'fastest' is not a valid choice; choose one of time, round_robin" in result.output
+
+
+def test_the_benchmarks_simulation_runs_and_favours_time() -> None:
+    """scripts/bench_balance.py --simulate (docs/bench_balance.md's simulated table), on fewer slides."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_balance.py"
+    spec = importlib.util.spec_from_file_location("bench_balance", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.simulate(n=512)
+    share = {(r["world"], r["accumulate"], r["balance"]): r["wait_share"] for r in rows}
+    for world, accumulate in ((2, 1), (4, 1), (2, 4)):
+        rr = share[(world, accumulate, "round_robin")]
+        assert share[(world, accumulate, "time, window 8")] < rr / 2 < rr
+        assert share[(world, accumulate, "time, window 32")] <= share[(world, accumulate, "time, window 2")]
