@@ -71,6 +71,10 @@ def test_two_process_fit_equals_one_process_with_accumulation(tmp_path: Path) ->
     a = load_checkpoint(tmp_path / "runs" / "ddp" / "last.pt")
     b = load_checkpoint(single / "last.pt")
     assert a["global_step"] == b["global_step"] == 3
+    # distributed.balance: time (the default) pairs slides by predicted cost; these slides are alike (256 px, whole,
+    # every tile on the border), so the costs tie and each step holds round robin's two slides: one process's
+    # accumulation windows (tests/test_balance.py: test_equal_costs_keep_round_robins_steps)
+    assert a["balance"]["mode"] == "time" and len(set(a["balance"]["costs"])) == 1, a["balance"]
     for key in a["model"]:
         torch.testing.assert_close(a["model"][key], b["model"][key], rtol=1e-5, atol=1e-6, msg=key)
     val = [_last_val(tmp_path / "runs" / name / "metrics.jsonl") for name in ("ddp", "single")]

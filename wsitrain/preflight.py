@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -41,6 +42,9 @@ from wsitrain.units import format_bytes
 PROGRESS_DELAY_S = 1.0
 # Slides named per problem before "and N more": a bucket of 300 slides stays one readable line.
 NAMES_SHOWN = 8
+# Cells per side of a slide's tissue grid (SlideShape.tissue_cells): 4 KB a slide, finer than the tile grids the
+# planner picks for any slide below 64 tiles a side, which is what the predicted step time counts tiles on.
+TISSUE_CELLS = 64
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,10 @@ class SlideShape:
     mpp: float | None
     shape: tuple[int, int]
     bucket: tuple[int, int]
+    # data.mask_background: which of TISSUE_CELLS x TISSUE_CELLS cells of the read hold (dilated) tissue, for the
+    # predicted step time (wsitrain.train.slide_cost); None when masking is off, no tissue was found, the region is
+    # fixed, or --shapes-only skipped tissue detection
+    tissue_cells: np.ndarray | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -217,10 +225,12 @@ def slide_shape(cfg: WsiTrainConfig, path: Path, stride: int, *, shapes_only: bo
     """How ``path`` will be read under ``cfg`` (the same arithmetic as ``read_slide_region``), or its problem."""
     from wsitrain.slides.readers import open_slide
     from wsitrain.slides.resolution import choose_resolution
-    from wsitrain.slides.stream import _tissue_box
+    from wsitrain.slides.stream import _tissue
+    from wsitrain.slides.tissue import region_mask
 
     d = cfg.data
     name = path.name
+    cells = None
     try:
         with open_slide(path, tuple(d.background)) as reader:
             info = reader.info
@@ -231,14 +241,21 @@ def slide_shape(cfg: WsiTrainConfig, path: Path, stride: int, *, shapes_only: bo
                 assert d.size is not None  # the config's own validator requires it
                 h, w = (d.size, d.size) if isinstance(d.size, int) else tuple(d.size)
             else:
-                # Tissue boxes go through the reader's per-process cache, so fit does not detect them twice.
-                box = _tissue_box(reader) if d.region == "tissue" and not shapes_only else None
-                bw, bh = info.dimensions if box is None else box[2:]
+                # Tissue detections go through the reader's per-process cache, so fit does not detect them twice.
+                tissue = _tissue(reader) if (d.region == "tissue" or d.mask_background) and not shapes_only else None
+                box = tissue.box if tissue is not None and d.region == "tissue" else None
+                bx, by, bw, bh = (0, 0, *info.dimensions) if box is None else box
                 w, h = max(1, round(bw / res.downsample)), max(1, round(bh / res.downsample))
+                padded = (-(-h // stride) * stride, -(-w // stride) * stride)
+                if tissue is not None and d.mask_background:
+                    mask = region_mask(tissue, info.dimensions, (bx, by), res.downsample, padded, reader.background)
+                    cells = None if mask is None else mask.cells(min(TISSUE_CELLS, padded[0]),
+                                                                 min(TISSUE_CELLS, padded[1]))  # fmt: skip
     except SlideError as e:
         return Problem(name, _without_name(e.message, name), e.hint or "check the slide file")
     shape = (-(-h // stride) * stride, -(-w // stride) * stride)
-    return SlideShape(name, path, res.level, res.mpp, shape, bucket_shape(shape, multiple=stride, steps=d.bucket))
+    bucket = bucket_shape(shape, multiple=stride, steps=d.bucket)
+    return SlideShape(name, path, res.level, res.mpp, shape, bucket, cells)
 
 
 def _without_name(message: str, name: str) -> str:

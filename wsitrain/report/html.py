@@ -131,7 +131,8 @@ def _header(run_dir: Path) -> str:
     if not s:
         return head + _note("summary.json is missing: the run did not finish (or is still running).")
     keys = ("epochs", "optimizer_steps", "val_loss", "val_accuracy", "val_balanced_accuracy", "val_roc_auc",
-            "best_val_loss", "mean_slide_s", "mean_forward_s", "mean_backward_s", "peak_bytes", "wall_s")
+            "best_val_loss", "mean_slide_s", "mean_forward_s", "mean_backward_s", "peak_bytes", "wall_s",
+            "balance", "rank_wait_share")  # the last two: several ranks only
     # a task's metrics and the held-out test figures, where the run has them (test_ keys: marked as test)
     keys += tuple(k for k in s if k not in keys and (k == "task" or k.startswith(("val_", "best_val_", "test_"))))
     shown = {(f"{k} (held-out test)" if k.startswith("test_") else k): s.get(k) for k in keys if k in s}

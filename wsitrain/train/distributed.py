@@ -10,6 +10,7 @@ is exact and simple.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -57,14 +58,20 @@ def init_distributed(
     return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank)
 
 
+def padded_order(order: Sequence[int], world_size: int) -> list[int]:
+    """``order`` wrapped around to a multiple of ``world_size``: every rank runs the same number of steps
+    (collectives would hang otherwise); the first few slides appear twice when the count does not divide."""
+    if not order:
+        return []
+    per_rank = -(-len(order) // world_size)
+    return [order[i % len(order)] for i in range(per_rank * world_size)]
+
+
 def shard(order: list[int], info: DistInfo) -> list[int]:
-    """This rank's slides: every world_size-th of ``order``, padded by wrapping around so every rank runs the same
-    number of steps (collectives would hang otherwise)."""
+    """This rank's slides under ``distributed.balance: round_robin``: every world_size-th of the padded ``order``."""
     if not info.enabled or not order:
         return list(order)
-    per_rank = -(-len(order) // info.world_size)
-    padded = [order[i % len(order)] for i in range(per_rank * info.world_size)]
-    return padded[info.rank :: info.world_size]
+    return padded_order(order, info.world_size)[info.rank :: info.world_size]
 
 
 def allreduce_gradients(params: list[torch.nn.Parameter], info: DistInfo, bucket_mb: float = 25.0) -> int:

@@ -116,10 +116,12 @@ class FitProgress:
                 markup=False, highlight=False,
             )
 
-    def end_epoch(self, epoch: int, train_loss: float, lr: float) -> None:
+    def end_epoch(self, epoch: int, train_loss: float, lr: float, wait_share: float | None = None) -> None:
+        """``wait_share``: the share of rank-time spent waiting for the slowest rank (None: one process)."""
         secs = time.perf_counter() - self._epoch_start
+        waited = "" if wait_share is None else f", ranks waited {100 * wait_share:.1f}% of their time"
         self.print(f"epoch {epoch + 1}/{self.epochs}: train loss {train_loss:.4f}, lr {lr:.3g}, {self._slides} slides, "
-                   f"{self._tiles} tiles, {self.peak_label} {format_bytes(self._peak)}, {secs:.1f} s",
+                   f"{self._tiles} tiles, {self.peak_label} {format_bytes(self._peak)}, {secs:.1f} s{waited}",
                    markup=False, highlight=False)
 
     def validation(self, epoch: int, metrics: dict[str, float]) -> None:

@@ -24,7 +24,7 @@ from wsitrain.config import WsiTrainConfig, check_run_name, config_to_dict
 from wsitrain.errors import PlanError, WsiTrainError
 from wsitrain.gpus import Budget, run_budget
 from wsitrain.memory import tune_owned_process
-from wsitrain.preflight import check_run
+from wsitrain.preflight import PreflightReport, check_run
 from wsitrain.report.curves import write_curves
 from wsitrain.report.roc import write_validation_figures
 from wsitrain.slides.dataset import PrefetchLoader, SlideDataset, SlideRecord
@@ -32,8 +32,9 @@ from wsitrain.slides.stream import ReadResult
 from wsitrain.tasks.objective import Objective, per_patient
 from wsitrain.train import distributed as D
 from wsitrain.train.attention_mask import attention_masked
+from wsitrain.train.balance import Balance
 from wsitrain.train.checkpoint import rng_states, save_checkpoint, set_rng_states
-from wsitrain.train.data import FitData, augment_settings, epoch_order, load_fit_data, masking_note, read_kwargs
+from wsitrain.train.data import FitData, augment_settings, load_fit_data, masking_note, read_kwargs
 from wsitrain.train.engine import batchnorm_note, build_model, resolve_device, seed_everything, wrap_engine
 from wsitrain.train.loop import Trainer
 from wsitrain.train.metrics import classification_metrics
@@ -51,7 +52,9 @@ from wsitrain.train.runfolder import (
     write_json,
     write_run_files,
 )
+from wsitrain.train.slide_cost import slide_costs
 from wsitrain.train.state import FitState
+from wsitrain.train.waiting import RankWaits
 
 Item = tuple[torch.Tensor, int, SlideRecord, ReadResult]  # (image (3, H, W) uint8, label, record, how it was read)
 
@@ -123,13 +126,15 @@ class FitRecipe:
         # wsitrain owns this process: memory follows live tensors, and on CUDA the budget is the allocator's limit
         self.allocator_note = tune_owned_process(self.device, self.budget.bytes)
         # every slide and shape bucket planned within the budget, all problems at once, before any folder exists
-        check_run(cfg, self.device, shapes_only=self.shapes_only, console=self.out, budget_bytes=self.budget.bytes)
+        report = check_run(cfg, self.device, shapes_only=self.shapes_only, console=self.out,
+                           budget_bytes=self.budget.bytes)  # fmt: skip
         self.data: FitData = load_fit_data(cfg)
         self.cfg_dict = config_to_dict(cfg)
         ckpt, resume_dir = None, None
         if resume is not None:
             ckpt, resume_dir = load_resume(Path(resume), self.cfg_dict, force)
             _check_same_classes(resume, ckpt, self.data)
+        self.balance = self._balance(report, ckpt)
 
         self.objective: Objective | None = self.data.objective
         if self.objective is not None:
@@ -207,12 +212,32 @@ class FitRecipe:
                 discard_run_dir(made)
             raise
         self.oom = OomRetry(self.trainer, self.engine, self._log_replan, self.recorder.metrics.write)
+        self.waits = RankWaits(self.dist, self.device)
         if ckpt is not None:
             # Rows a stopped run logged past its checkpoint were dropped above; the marker says where it resumed.
             self.recorder.metrics.write({"kind": "resume", "epoch": self.state.epoch + 1,
                                          "index": self.state.next_index, "step": self.state.global_step,
                                          "forced": bool(force)})  # fmt: skip
         return self.run_dir
+
+    def _balance(self, report: PreflightReport | None, ckpt: dict[str, Any] | None) -> Balance:
+        """distributed.balance over the ranks: "time" costs each slide from the preflight's plans, once, and takes
+        rank 0's costs on every rank (budgets detected per GPU could plan differently) or the checkpoint's, so a
+        resume runs the same steps as the run it continues."""
+        cfg, n = self.cfg, len(self.data.train)
+        mode = cfg.distributed.balance if self.dist.enabled else "round_robin"
+        if ckpt is not None and "balance" not in ckpt:
+            mode = "round_robin"  # written before balancing existed: the run goes on dealing slides as it did
+        balance = Balance(mode, cfg.seed, self.dist.world_size, cfg.train.accumulate)
+        if mode != "time":
+            return balance
+        saved = (ckpt or {}).get("balance") or {}
+        if len(saved.get("costs") or ()) == n:
+            costs, buckets = list(saved["costs"]), list(saved["buckets"])
+        else:
+            assert report is not None  # fit has slides, so the preflight ran
+            costs, buckets = D.broadcast_object(slide_costs(report, self.data.train), self.dist)
+        return Balance(mode, cfg.seed, self.dist.world_size, cfg.train.accumulate, tuple(costs), tuple(buckets))
 
     def _auto_resume(self, name: str | None) -> Path | None:
         """``--resume auto``: the run this Slurm job started and checkpointed (rank 0 looks, every rank follows),
@@ -269,7 +294,7 @@ class FitRecipe:
     def _epoch(self, epoch: int, progress: FitProgress) -> None:
         cfg, t, st, trainer = self.cfg, self.cfg.train, self.state, self.trainer
         self.train_ds.set_epoch(epoch)  # augmentations depend on (seed, epoch, slide) only: a resume redraws them
-        order = D.shard(epoch_order(len(self.data.train), cfg.seed, epoch), self.dist)
+        order = self.balance.rank_slides(len(self.data.train), epoch, self.dist.rank)
         start = st.next_index if epoch == st.epoch else 0
         progress.start_epoch(epoch, len(order), start)
         losses: list[float] = list(self._resumed_losses) if epoch == st.epoch and start > 0 else []
@@ -277,6 +302,7 @@ class FitRecipe:
         window_start = start
         todo = order[start:]
         loader = PrefetchLoader(self.train_ds, todo) if cfg.data.prefetch else _in_order(self.train_ds, todo)
+        self.waits.start_epoch()
         t_wait = time.perf_counter()
         for j, (image, label, record, read) in enumerate(loader, start=start):
             wait_s = time.perf_counter() - t_wait
@@ -292,6 +318,8 @@ class FitRecipe:
             lr = trainer.lr
             closes = j + 1 - window_start == window
             step_no = st.global_step + 1  # the optimizer step this slide's gradient goes into (1-based)
+            if closes:
+                self.waits.ready()  # this rank's compute for the step ends at the gradient all_reduce
             opt = trainer.optimizer_step() if closes else None
             if closes:
                 st.global_step += 1
@@ -301,6 +329,7 @@ class FitRecipe:
             if closes:
                 if st.global_step % cfg.log.every == 0:
                     progress.step_line(epoch, j, len(order), st.global_step, step.loss, lr, step.peak_bytes)
+                    self._log_waits(epoch, "steps")
                 # The safe point: every rank agrees whether to stop (a signal) or checkpoint (the clock) here.
                 stop, due = self.safe.poll()
                 every = t.checkpoint_every
@@ -319,10 +348,13 @@ class FitRecipe:
                     )
                 for cb in self.callbacks:
                     cb.on_step_end(st)
+                self.waits.start()
             t_wait = time.perf_counter()
+        self._log_waits(epoch, "steps")
         train_loss = _mean_over_ranks(losses, self.dist)
         st.history.append({"epoch": epoch + 1, "train_loss": train_loss})
-        progress.end_epoch(epoch, train_loss, trainer.lr)
+        wait_share = self._log_waits(epoch, "epoch")
+        progress.end_epoch(epoch, train_loss, trainer.lr, wait_share)
         improved = False
         if self.val_ds is not None and ((epoch + 1) % t.val_every == 0 or epoch + 1 == t.epochs):
             metrics = self.validate()
@@ -343,6 +375,16 @@ class FitRecipe:
             if self.test_ds is not None:  # every rank keeps them: the test pass runs on all ranks
                 self._best_weights = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         D.barrier(self.dist)
+
+    def _log_waits(self, epoch: int, scope: str) -> float | None:
+        """scope "steps": gather the steps since the last gather (a collective) and log them; "epoch": log the epoch's
+        tally. A metrics.jsonl "ranks" row each; returns the waiting share (None in one process)."""
+        tally = self.waits.gather() if scope == "steps" else self.waits.epoch
+        if tally is None or not tally.steps:
+            return None
+        self.recorder.metrics.write({"kind": "ranks", "scope": scope, "epoch": epoch + 1,
+                                     "step": self.state.global_step, "balance": self.balance.mode, **tally.row()})
+        return tally.share
 
     def _log_replan(self, text: str) -> None:
         self.say.print(f"[yellow]{escape(text)}[/yellow]")
@@ -462,6 +504,7 @@ class FitRecipe:
             self.run_dir / file_name, model=self.model.state_dict(), **self.trainer.state_dict(), epoch=epoch,
             next_index=next_index, global_step=st.global_step, best=st.best, history=st.history, rng=rng_states(),
             config=self.cfg_dict, class_names=self.data.class_names, epoch_losses=list(epoch_losses or []),
+            balance=self.balance.state(),
             **({"task": self.objective.state()} if self.objective is not None else {}),
         )  # fmt: skip
 
@@ -478,6 +521,9 @@ class FitRecipe:
             out["task"] = self.objective.kind
         elif any(k.startswith("patient_") for k in self.recorder.last_validation):
             out.update({f"val_{k}": v for k, v in self.recorder.last_validation.items() if k.startswith("patient_")})
+        if self.dist.enabled:  # the share of rank-time spent waiting at the gradient all_reduce (waiting.py)
+            out["balance"] = self.balance.mode
+            out["rank_wait_share"] = self.waits.run.share if self.waits.run.share is not None else math.nan
         if self.test_metrics:  # held out: marked as test, never mixed with the validation figures
             out.update({f"test_{k}": v for k, v in self.test_metrics.items() if k != "seconds"})
         return out
