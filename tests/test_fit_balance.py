@@ -15,11 +15,13 @@ import torch
 import torch.multiprocessing as mp
 from rich.console import Console
 
-from wsitrain.config import WsiTrainConfig
+from wsitrain.config import WsiTrainConfig, config_to_dict
+from wsitrain.errors import WsiTrainError
 from wsitrain.slides.synth import write_synthetic_slide
 from wsitrain.train.balance import Balance
 from wsitrain.train.checkpoint import load_checkpoint
 from wsitrain.train.fit import run_fit
+from wsitrain.train.runfolder import load_resume
 
 SIDES = [128, 384, 160, 320, 192, 352, 224, 288]  # 9x in area from the smallest to the largest
 
@@ -95,3 +97,15 @@ def test_two_ranks_train_balanced_steps_and_report_their_waiting(tmp_path: Path)
     one = json.loads((single / "summary.json").read_text())
     assert "rank_wait_share" not in one and "balance" not in one
     assert not math.isnan(one["last_epoch_train_loss"])
+
+    # a run folder written before distributed.balance existed resumes without --force (the key is not a change)
+    ckpt = load_checkpoint(single / "last.pt")
+    del ckpt["config"]["distributed"]["balance"], ckpt["balance"]
+    torch.save(ckpt, single / "last.pt")
+    cfg_dict = config_to_dict(_cfg(tmp_path, "one"))
+    assert load_resume(single, cfg_dict, force=False)[1] == single
+    ckpt["config"]["distributed"]["balance"] = "time"
+    torch.save(ckpt, single / "last.pt")
+    cfg_dict["distributed"]["balance"] = "round_robin"  # a real change of a recorded value still needs --force
+    with pytest.raises(WsiTrainError, match="distributed.balance"):
+        load_resume(single, cfg_dict, force=False)

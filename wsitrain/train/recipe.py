@@ -114,6 +114,8 @@ class FitRecipe:
                 "another rank failed to start (its error is in its own output); no run folder was made",
                 hint="fix what that rank reported and start again",
             )
+        # after the agreement: it broadcasts, and a collective must not meet a failed rank's all_ok
+        self.balance = self._balance(self._preflight, ckpt)
         return self._open_run_folder(ckpt, resume_dir, force, name)
 
     def _prepare(self, resume: Path | None, force: bool, name: str | None) -> tuple[dict[str, Any] | None, Path | None]:
@@ -134,7 +136,7 @@ class FitRecipe:
         if resume is not None:
             ckpt, resume_dir = load_resume(Path(resume), self.cfg_dict, force)
             _check_same_classes(resume, ckpt, self.data)
-        self.balance = self._balance(report, ckpt)
+        self._preflight: PreflightReport | None = report  # for the slide costs, once every rank has started (setup)
 
         self.objective: Objective | None = self.data.objective
         if self.objective is not None:

@@ -247,6 +247,9 @@ def load_resume(resume: Path, cfg_dict: dict[str, Any], force: bool) -> tuple[di
     old = ckpt.get("config", {})
     if "task" not in old:  # written before the task section existed: such a run was the default classification
         old = {**old, "task": TaskConfig().model_dump(mode="json")}
+    if "balance" not in old.get("distributed", {}):  # written before distributed.balance: not a change of config (the
+        # resume deals slides round robin, as that run did: recipe._balance reads the checkpoint)
+        old = {**old, "distributed": {**old.get("distributed", {}), "balance": cfg_dict["distributed"]["balance"]}}
     changed = [k for k in diff_configs(old, cfg_dict) if k != "name"]
     fixed = [k for k in changed if k in ARCHITECTURE_KEYS]
     if fixed:
