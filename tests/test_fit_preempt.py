@@ -199,6 +199,11 @@ def test_cli_preempted_exit_code_and_message(
     res = CliRunner().invoke(cli.app, ["fit", str(cfg_path)])
     assert res.exit_code == PREEMPTED_EXIT_CODE, res.output
     assert "stopped: preempted (SIGTERM) at epoch 1 step 0" in res.output and "error" not in res.output
+    # under torchrun every rank stops; only rank 0 says so (a Slurm log showed the line once per rank)
+    monkeypatch.setenv("RANK", "1")
+    res = CliRunner().invoke(cli.app, ["fit", str(cfg_path), "--name", "rank1"])
+    assert res.exit_code == PREEMPTED_EXIT_CODE, res.output
+    assert "preempted" not in res.output
 
 
 # ---- logs for batch jobs

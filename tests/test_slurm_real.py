@@ -33,7 +33,8 @@ HOOK = Path(__file__).resolve().parent / "slurm_hook"
 JOB_TIMEOUT_S = 240.0
 PAUSE_AFTER_STEP = 1  # the requeue test's signal comes after this optimizer step; the ranks stop after the next
 
-pytestmark = pytest.mark.slow
+# one worker runs the whole file under pytest-xdist (make test: --dist loadgroup), so one private Slurm serves it
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import importlib
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -83,6 +84,8 @@ def _handled(fn: F) -> F:
         except WsiTrainError as err:
             if _state["verbose"] and err.__cause__ is not None:  # an internal error chained: show where it was
                 log.traceback()
+            if err.notice and os.environ.get("RANK", "0") != "0":
+                raise typer.Exit(err.exit_code) from None  # an expected stop (preempted) is said once, by rank 0
             (log.notice if err.notice else log.error)(err.message, err.hint)
             raise typer.Exit(err.exit_code) from None
         except Exception as err:
