@@ -203,7 +203,7 @@ def test_cli_preempted_exit_code_and_message(
     monkeypatch.setenv("RANK", "1")
     res = CliRunner().invoke(cli.app, ["fit", str(cfg_path), "--name", "rank1"])
     assert res.exit_code == PREEMPTED_EXIT_CODE, res.output
-    assert "preempted" not in res.output
+    assert "stopped:" not in res.output and "resume with" not in res.output
 
 
 # ---- logs for batch jobs
