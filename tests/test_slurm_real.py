@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -33,8 +34,7 @@ HOOK = Path(__file__).resolve().parent / "slurm_hook"
 JOB_TIMEOUT_S = 240.0
 PAUSE_AFTER_STEP = 1  # the requeue test's signal comes after this optimizer step; the ranks stop after the next
 
-# one worker runs the whole file under pytest-xdist (make test: --dist loadgroup), so one private Slurm serves it
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]
+pytestmark = pytest.mark.slow  # one private Slurm per run: make test's --dist loadfile keeps this file on one worker
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +80,17 @@ def job_env(config: Path, run_name: str, **extra: str) -> dict[str, str]:
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
         # one thread a rank: 2 ranks on 2 cores, and the same float sums whatever the number of ranks on a node
         "OMP_NUM_THREADS": "1",
+        # a port free now, not the scripts' 29500 + job id: this private cluster numbers its jobs from 1 like any
+        # other, so that port may be another local cluster's or job's (two clusters at once once failed a CI run so)
+        "WSITRAIN_RDZV_PORT": str(_free_port()),
         **extra,
     }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def submit(cluster: LocalSlurm, tmp: Path, script: str, env: dict[str, str], *sbatch: str) -> tuple[str, Path]:
