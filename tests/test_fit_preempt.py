@@ -70,6 +70,8 @@ def test_signal_mid_epoch_then_resume_gives_the_same_weights(
 
     resumed, out = fit(cfg, resume=stopped)
     assert resumed == stopped and "resuming" in out
+    # the resumed epoch's line counts the slides trained since the resume, and says so
+    assert "epoch 1/2: train loss" in out and "2 slides since the resume at slide 5," in out, out
     a, b = model_weights(full / "last.pt"), model_weights(stopped / "last.pt")
     assert set(a) == set(b)
     for key in a:

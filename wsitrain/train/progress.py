@@ -48,6 +48,7 @@ class FitProgress:
         self._progress: Progress | None = None
         self._task: Any = None
         self._epoch_start = 0.0
+        self._resumed_at = 0
         self._slides = 0  # this epoch's slides, tiles and memory high-water mark, for the plain lines
         self._tiles = 0
         self._peak: int | None = None
@@ -83,6 +84,7 @@ class FitProgress:
     def start_epoch(self, epoch: int, n_slides: int, done: int) -> None:
         self._epoch_start = time.perf_counter()
         self._slides, self._tiles, self._peak = 0, 0, None
+        self._resumed_at = done  # slides of this epoch trained before a resume: the counts below start after them
         if self._progress is None:
             return
         if self._task is not None:
@@ -120,8 +122,11 @@ class FitProgress:
         """``wait_share``: the share of rank-time spent waiting for the slowest rank (None: one process)."""
         secs = time.perf_counter() - self._epoch_start
         waited = "" if wait_share is None else f", ranks waited {100 * wait_share:.1f}% of their time"
-        self.print(f"epoch {epoch + 1}/{self.epochs}: train loss {train_loss:.4f}, lr {lr:.3g}, {self._slides} slides, "
-                   f"{self._tiles} tiles, {self.peak_label} {format_bytes(self._peak)}, {secs:.1f} s{waited}",
+        # the loss covers the whole epoch (the checkpoint carries the losses before the resume); the counts do not
+        since = f" since the resume at slide {self._resumed_at + 1}" if self._resumed_at else ""
+        self.print(f"epoch {epoch + 1}/{self.epochs}: train loss {train_loss:.4f}, lr {lr:.3g}, "
+                   f"{self._slides} slides{since}, {self._tiles} tiles, {self.peak_label} {format_bytes(self._peak)}, "
+                   f"{secs:.1f} s{waited}",
                    markup=False, highlight=False)
 
     def validation(self, epoch: int, metrics: dict[str, float]) -> None:
