@@ -9,10 +9,10 @@ Measured: a synthetic cohort (``write_synthetic_slide``) whose slide sides are d
 areas vary more than the slides do; the table gives their spread from the preflight). Two ranks (``mp.spawn``, gloo,
 one torch thread and one read thread each, as the 2-core machine has two cores) train the tiny model for --epochs
 epochs with ``distributed.balance`` round_robin, then time; the same seed, so both runs see the same epoch orders.
-Per epoch: the waiting share the fit logs (metrics.jsonl "ranks" rows; ``wsitrain.train.waiting``) and optimizer
+Per epoch: the waiting share the fit logs (metrics.jsonl "ranks" rows; ``wsitrain.train.balance.waiting``) and optimizer
 steps per second (rank 0's step ends, first step of the epoch excluded). The first epoch plans every new shape
 and warms up, so the summary row averages the later epochs. Also: the Pearson correlation of each slide's predicted
-cost (``wsitrain.train.slide_cost``) with its measured forward + backward seconds on rank 0.
+cost (``wsitrain.train.balance.cost``) with its measured forward + backward seconds on rank 0.
 
 Simulated (--simulate): costs drawn uniform in [1, 4] (the 4x spread), every slide taking exactly its cost; the
 waiting share of round_robin and of time with windows of 1 to 32 steps (``balance.WINDOW_STEPS``).
@@ -129,8 +129,8 @@ def cost_check(labels: Path, run: Path, epochs: int) -> dict[str, float]:
     from wsitrain.config import WsiTrainConfig
     from wsitrain.preflight import run_preflight
     from wsitrain.slides.dataset import load_labels
-    from wsitrain.train.balance import Balance
-    from wsitrain.train.slide_cost import slide_costs
+    from wsitrain.train.balance.cost import slide_costs
+    from wsitrain.train.balance.deal import Balance
 
     cfg = WsiTrainConfig.model_validate(config(labels, run, "check", "time", 1))  # the runs' data settings
     report = run_preflight(cfg, 2 * 2**30, "cpu")
@@ -155,7 +155,7 @@ def cost_check(labels: Path, run: Path, epochs: int) -> dict[str, float]:
 
 
 def simulate(n: int = 4096, seed: int = 0) -> list[dict[str, Any]]:
-    from wsitrain.train.balance import balanced, round_robin
+    from wsitrain.train.balance.deal import balanced, round_robin
     from wsitrain.train.data import epoch_order
 
     costs = np.random.default_rng(seed).uniform(1.0, 4.0, n).tolist()

@@ -12,10 +12,10 @@ import torch
 from typer.testing import CliRunner
 
 from wsitrain.cli import app
-from wsitrain.train.balance import Balance, balanced, rank_slides, round_robin
+from wsitrain.train.balance.deal import Balance, balanced, rank_slides, round_robin
+from wsitrain.train.balance.waiting import WaitTally
 from wsitrain.train.data import epoch_order
 from wsitrain.train.distributed import DistInfo, shard
-from wsitrain.train.waiting import WaitTally
 
 
 def _skewed_costs(n: int, seed: int = 0) -> list[float]:
@@ -30,7 +30,7 @@ def _steps(ranks: list[list[int]], accumulate: int) -> list[list[list[int]]]:
 
 
 def _wait_share(ranks: list[list[int]], costs: list[float], accumulate: int) -> float:
-    """The waiting share (wsitrain.train.waiting) if every slide took exactly its cost."""
+    """The waiting share (wsitrain.train.balance.waiting) if every slide took exactly its cost."""
     per_step = torch.tensor([[sum(costs[i] for i in mine) for mine in step] for step in _steps(ranks, accumulate)])
     tally = WaitTally(len(ranks))
     tally.add(per_step.T.double())

@@ -18,7 +18,7 @@ from rich.console import Console
 from wsitrain.config import WsiTrainConfig, config_to_dict
 from wsitrain.errors import WsiTrainError
 from wsitrain.slides.synth import write_synthetic_slide
-from wsitrain.train.balance import Balance
+from wsitrain.train.balance.deal import Balance
 from wsitrain.train.checkpoint import load_checkpoint
 from wsitrain.train.fit import run_fit
 from wsitrain.train.runfolder import load_resume

@@ -16,7 +16,7 @@ from wsitrain.sft import SFT
 from wsitrain.sft.planning.tissue_share import tissue_tile_share
 from wsitrain.slides.dataset import load_labels
 from wsitrain.slides.synth import write_synthetic_slide
-from wsitrain.train.slide_cost import predicted_cost, slide_costs, tile_share
+from wsitrain.train.balance.cost import predicted_cost, slide_costs, tile_share
 
 H = W = 512
 BACKGROUND = 240

@@ -286,7 +286,7 @@ class DistributedConfig(Section):
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     bucket_mb: float = Field(25.0, gt=0)
     collective_timeout_minutes: float = Field(COLLECTIVE_TIMEOUT_MINUTES, gt=0)
-    # Which slides each rank trains per step (wsitrain.train.balance): "time" puts slides of similar predicted step
+    # Which slides each rank trains per step (wsitrain.train.balance.deal): "time" puts slides of similar predicted step
     # time into the same step so ranks wait less for the slowest; "round_robin" deals the shuffled order out in turn.
     balance: Literal["time", "round_robin"] = "time"
 

@@ -70,7 +70,7 @@ class SlideShape:
     shape: tuple[int, int]
     bucket: tuple[int, int]
     # data.mask_background: which of TISSUE_CELLS x TISSUE_CELLS cells of the read hold (dilated) tissue, for the
-    # predicted step time (wsitrain.train.slide_cost); None when masking is off, no tissue was found, the region is
+    # predicted step time (wsitrain.train.balance.cost); None when masking is off, no tissue was found, the region is
     # fixed, or --shapes-only skipped tissue detection
     tissue_cells: np.ndarray | None = field(default=None, compare=False, repr=False)
 

@@ -5,5 +5,6 @@ counters a checkpoint keeps), predict (run_predict), loop (Evaluator and Trainer
 optimizer step, one evaluation, each with its peak memory), data (labels, split, read settings, epoch order),
 engine (device, seeds, model + SFT wrapper), optim (optimizers, schedules, losses), metrics, runfolder (run folders,
 resume, JSON-lines logs), checkpoint (atomic save/load), recorder (metrics.jsonl, tiles.jsonl, plans), progress
-(live display, summary table), distributed (torchrun helpers).
+(live display, summary table), distributed (torchrun helpers), preempt (stop signals, --resume auto), balance/
+(which slides each rank trains per step, and how long ranks wait).
 """

@@ -32,7 +32,9 @@ from wsitrain.slides.stream import ReadResult
 from wsitrain.tasks.objective import Objective, per_patient
 from wsitrain.train import distributed as D
 from wsitrain.train.attention_mask import attention_masked
-from wsitrain.train.balance import Balance
+from wsitrain.train.balance.cost import slide_costs
+from wsitrain.train.balance.deal import Balance
+from wsitrain.train.balance.waiting import RankWaits
 from wsitrain.train.checkpoint import rng_states, save_checkpoint, set_rng_states
 from wsitrain.train.data import FitData, augment_settings, load_fit_data, masking_note, read_kwargs
 from wsitrain.train.engine import batchnorm_note, build_model, resolve_device, seed_everything, wrap_engine
@@ -52,9 +54,7 @@ from wsitrain.train.runfolder import (
     write_json,
     write_run_files,
 )
-from wsitrain.train.slide_cost import slide_costs
 from wsitrain.train.state import FitState
-from wsitrain.train.waiting import RankWaits
 
 Item = tuple[torch.Tensor, int, SlideRecord, ReadResult]  # (image (3, H, W) uint8, label, record, how it was read)
 
@@ -523,7 +523,7 @@ class FitRecipe:
             out["task"] = self.objective.kind
         elif any(k.startswith("patient_") for k in self.recorder.last_validation):
             out.update({f"val_{k}": v for k, v in self.recorder.last_validation.items() if k.startswith("patient_")})
-        if self.dist.enabled:  # the share of rank-time spent waiting at the gradient all_reduce (waiting.py)
+        if self.dist.enabled:  # the share of rank-time spent waiting at the gradient all_reduce (balance/waiting.py)
             out["balance"] = self.balance.mode
             out["rank_wait_share"] = self.waits.run.share if self.waits.run.share is not None else math.nan
         if self.test_metrics:  # held out: marked as test, never mixed with the validation figures

@@ -7,7 +7,7 @@ bucket's area (training reads the slide's own shape; the bucket's plan is the on
 sweep and reused, so the tiled work counts only the tiles that touch tissue (``Plan.slowdown_at``'s rule), counted
 on the preflight's coarse tissue grid (``SlideShape.tissue_cells``) laid over the bucket's tiles.
 
-The costs only rank slides against each other (``wsitrain.train.balance``): their unit does not matter, but every
+The costs only rank slides against each other (``wsitrain.train.balance.deal``): their unit does not matter, but every
 slide's must be the same, so a run in which any slide lacks a plan falls back to pixel area for all.
 """
 

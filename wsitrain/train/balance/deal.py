@@ -3,7 +3,7 @@
 Every step ends in the gradient all_reduce, so a step lasts as long as its slowest rank. ``round_robin`` deals the
 epoch's order out (rank r takes every world_size-th slide) and ignores what each slide costs: a rank that draws a
 slide ten times the area of its neighbour's sets the pace while the others wait. ``time`` uses each slide's
-predicted step cost (``wsitrain.train.slide_cost``) to put slides of similar cost into the same step:
+predicted step cost (``wsitrain.train.balance.cost``) to put slides of similar cost into the same step:
 
 1. The epoch's order (``epoch_order``: seed and epoch) is padded by wrapping around to a whole number of slides per
    rank (``padded_order``), as ``round_robin`` pads it, so coverage is the same: every slide once, the first few
