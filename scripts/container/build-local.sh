@@ -16,7 +16,7 @@
 # 114 s, docker build 16 s, the two-rank fit 25 s; apt-get adds its own time where the tools are missing); 47 s with
 # the base kept from an earlier run (the default; REBUILD_BASE=1 makes it again) and the project changed; 26 s with
 # nothing changed (docker's layer cache).
-# CI does not run it: CI's whole .ci/run must stay under 15 minutes on 2 cores and already takes 11.5 (measured), and
+# CI does not run it: CI's whole .ci/run must stay under 15 minutes on 2 cores and already takes 10.5 (measured), and
 # this needs root, a Docker daemon and downloads (Debian's packages, PyPI's wheels). Run it by hand after changing
 # the Dockerfile, the entrypoint (docker/entrypoint.sh) or the dependencies; tests/test_container.py checks the
 # entrypoint and the Dockerfile's wiring without Docker in every `make test`.
