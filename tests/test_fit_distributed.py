@@ -48,6 +48,15 @@ def _fit_worker(rank: int, world: int, port: int, root: str) -> None:
     run_fit(_cfg(Path(root), "ddp", accumulate=1), console=Console(file=io.StringIO()), quiet=True)
 
 
+def _six_train_two_val(root: Path) -> None:
+    """root/slides: 8 synthetic slides of 256 px; root/labels.csv: 6 to train (3 per rank), 2 to validate."""
+    rows = list(csv.DictReader(write_synthetic_dataset(root / "slides", n=8, size=256, seed=0).open()))
+    with (root / "labels.csv").open("w") as f:
+        f.write("slide,label,split\n")
+        for i, r in enumerate(rows):
+            f.write(f"{r['slide']},{r['label']},{'val' if i >= 6 else 'train'}\n")
+
+
 def test_shard_pads_so_every_rank_runs_the_same_steps() -> None:
     order = [4, 0, 3, 1, 2]
     parts = [shard(order, DistInfo(r, 2, r)) for r in range(2)]
@@ -57,14 +66,7 @@ def test_shard_pads_so_every_rank_runs_the_same_steps() -> None:
 
 @pytest.mark.slow
 def test_two_process_fit_equals_one_process_with_accumulation(tmp_path: Path) -> None:
-    slides = tmp_path / "slides"
-    labels = write_synthetic_dataset(slides, n=8, size=256, seed=0)
-    rows = list(csv.DictReader(labels.open()))
-    # 6 training slides (3 per rank), 2 for validation.
-    with (tmp_path / "labels.csv").open("w") as f:
-        f.write("slide,label,split\n")
-        for i, r in enumerate(rows):
-            f.write(f"{r['slide']},{r['label']},{'val' if i >= 6 else 'train'}\n")
+    _six_train_two_val(tmp_path)
     mp.spawn(_fit_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
     single = run_fit(_cfg(tmp_path, "single", accumulate=2), console=Console(file=io.StringIO()), quiet=True)
 
@@ -181,13 +183,7 @@ def _preempt_worker(rank: int, world: int, port: int, root: str, name: str, stop
 
 @pytest.mark.slow
 def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step(tmp_path: Path) -> None:
-    slides = tmp_path / "slides"
-    labels = write_synthetic_dataset(slides, n=8, size=256, seed=0)
-    rows = list(csv.DictReader(labels.open()))
-    with (tmp_path / "labels.csv").open("w") as f:
-        f.write("slide,label,split\n")
-        for i, r in enumerate(rows):
-            f.write(f"{r['slide']},{r['label']},{'val' if i >= 6 else 'train'}\n")
+    _six_train_two_val(tmp_path)
     mp.spawn(_preempt_worker, args=(2, _free_port(), str(tmp_path), "full", False, False), nprocs=2, join=True)
     mp.spawn(_preempt_worker, args=(2, _free_port(), str(tmp_path), "cut", True, False), nprocs=2, join=True)
     said = [(tmp_path / f"cut-rank{r}.stopped").read_text() for r in range(2)]

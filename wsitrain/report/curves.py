@@ -11,6 +11,7 @@ matplotlib.use("Agg")  # files only; never a window
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from wsitrain.report.figures import save_png  # noqa: E402
 from wsitrain.report.runlog import epoch_curves  # noqa: E402
 
 CURVES = "curves.png"
@@ -55,7 +56,4 @@ def write_curves(run_dir: Path) -> Path:
     ax.set_title("learning rate (per step)")
     ax.set_xlabel("epoch")
     ax.grid(alpha=0.3)
-    path = run_dir / CURVES
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_png(fig, run_dir / CURVES)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from pathlib import Path
 from typing import Any
 
 import matplotlib
@@ -15,6 +16,15 @@ from wsitrain.report.runlog import TileTimes  # noqa: E402
 from wsitrain.units import format_bytes  # noqa: E402
 
 MiB = 1024**2
+
+
+def save_png(fig: Any, path: Path, dpi: int = 100, *, tight: bool = False) -> Path:
+    """Write ``fig`` to ``path`` as PNG and close it (pyplot keeps every open figure alive until then)."""
+    if tight:
+        fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
 
 
 def png_bytes(fig: Any, dpi: int = 100) -> bytes:

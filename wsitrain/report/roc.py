@@ -11,6 +11,7 @@ matplotlib.use("Agg")  # files only; never a window
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from wsitrain.report.figures import save_png  # noqa: E402
 from wsitrain.report.runlog import VALIDATION  # noqa: E402
 from wsitrain.train.metrics import binary_roc_auc  # noqa: E402
 from wsitrain.train.runfolder import write_json  # noqa: E402
@@ -77,8 +78,7 @@ def write_validation_figures(
     ax.set_ylim(-0.01, 1.01)
     ax.legend(loc="lower right", fontsize=8)
     roc = run_dir / ROC
-    fig.savefig(roc, dpi=100)
-    plt.close(fig)
+    save_png(fig, roc)
 
     cm = confusion_matrix(y, pred, len(names))
     fig, ax = plt.subplots(figsize=(0.9 * len(names) + 2.6, 0.8 * len(names) + 2.2), layout="constrained")
@@ -93,8 +93,7 @@ def write_validation_figures(
     ax.set_ylabel("true")
     ax.set_title("validation confusion matrix")
     confusion = run_dir / CONFUSION
-    fig.savefig(confusion, dpi=100)
-    plt.close(fig)
+    save_png(fig, confusion)
 
     ids = list(slides) if slides is not None else [f"#{i}" for i in range(len(y))]
     write_json(run_dir / VALIDATION, {

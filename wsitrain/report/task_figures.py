@@ -14,6 +14,7 @@ matplotlib.use("Agg")  # files only; never a window
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from wsitrain.report.figures import save_png  # noqa: E402
 from wsitrain.report.heatmap import SlideMaps  # noqa: E402
 from wsitrain.report.roc import roc_points  # noqa: E402
 from wsitrain.report.runlog import read_json  # noqa: E402
@@ -65,9 +66,7 @@ def _km(data: dict[str, Any], what: str, png: Path) -> None:
     ax.set(xlabel="time", ylabel="survival", ylim=(0, 1.05),
            title=f"{what}: Kaplan-Meier by median predicted risk\n{len(ids)} patients, log-rank p = {ptext}")
     ax.legend(loc="lower left", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
+    save_png(fig, png, tight=True)
 
 
 def _scatter(data: dict[str, Any], what: str, png: Path) -> None:
@@ -80,9 +79,7 @@ def _scatter(data: dict[str, Any], what: str, png: Path) -> None:
         ax.plot([lo, hi], [lo, hi], "k--", lw=1, label="predicted = true")
         ax.set(xlabel=f"true {n}", ylabel=f"predicted {n}", title=f"{what}: {n} ({len(ids)} patients)")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
+    save_png(fig, png, tight=True)
 
 
 def _rocs(data: dict[str, Any], what: str, png: Path) -> None:
@@ -97,9 +94,7 @@ def _rocs(data: dict[str, Any], what: str, png: Path) -> None:
     ax.set(xlabel="false positive rate", ylabel="true positive rate", title=f"{what}: ROC per label "
            f"({len(ids)} patients)")  # fmt: skip
     ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
+    save_png(fig, png, tight=True)
 
 
 def risk_map(maps: SlideMaps) -> SlideMaps:

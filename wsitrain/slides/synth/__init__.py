@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from wsitrain.errors import SlideError, WsiTrainError
-from wsitrain.slides.synth.fields import smooth_noise, upsample
+from wsitrain.slides.synth.fields import add_lobe, coarse_grid, smooth_noise, upsample
 
 TILE = 256
 LEVEL_MIN_SIDE = 512  # stop adding pyramid levels below this
@@ -44,19 +44,10 @@ class _Scene:
         lw, lh = -(-width // self.f), -(-height // self.f)
         # Smooth fields are computed on a grid of at most 256 px and bilinearly upsampled: thresholding the
         # upsampled field still gives smooth tissue outlines.
-        g = max(1, int(np.ceil(max(lw, lh) / 256)))
-        gw, gh = -(-lw // g), -(-lh // g)
-        u = (np.arange(gw) + 0.5) / gw
-        v = (np.arange(gh) + 0.5) / gh
+        gw, gh, u, v = coarse_grid(lw, lh)
         field = np.zeros((gh, gw), dtype=np.float32)
         for _ in range(int(rng.integers(2, 5))):
-            cx, cy = rng.uniform(0.3, 0.7, size=2)
-            rx, ry = rng.uniform(0.12, 0.25, size=2)
-            th = rng.uniform(0, np.pi)
-            dx, dy = u[None, :] - cx, v[:, None] - cy
-            a = (dx * np.cos(th) + dy * np.sin(th)) / rx
-            b = (-dx * np.sin(th) + dy * np.cos(th)) / ry
-            field = np.maximum(field, np.exp(-(a * a + b * b)).astype(np.float32))
+            field = add_lobe(field, rng, u, v, centre=(0.3, 0.7), radii=(0.12, 0.25))
         field = field - 0.12 * smooth_noise(rng, (gh, gw), 6)
         drift = smooth_noise(rng, (gh, gw), 5)
         field, drift = upsample(field, (lh, lw)), upsample(drift, (lh, lw))

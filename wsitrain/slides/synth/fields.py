@@ -24,3 +24,26 @@ def upsample(a: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
 
     img = Image.fromarray(np.ascontiguousarray(a, dtype=np.float32), mode="F")
     return np.asarray(img.resize((shape[1], shape[0]), Image.Resampling.BILINEAR), dtype=np.float32)
+
+
+def coarse_grid(w: int, h: int) -> tuple[int, int, np.ndarray, np.ndarray]:
+    """The grid smooth shapes are drawn on for a w x h image: at most 256 cells a side (then upsampled), and the
+    cell centres in [0, 1] along x (u, gw values) and y (v, gh values): (gw, gh, u, v)."""
+    g = max(1, int(np.ceil(max(w, h) / 256)))
+    gw, gh = -(-w // g), -(-h // g)
+    return gw, gh, (np.arange(gw) + 0.5) / gw, (np.arange(gh) + 0.5) / gh
+
+
+def add_lobe(
+    field: np.ndarray, rng: np.random.Generator, u: np.ndarray, v: np.ndarray,
+    centre: tuple[float, float], radii: tuple[float, float],
+) -> np.ndarray:
+    """``field`` with one more tissue lobe: an elliptical Gaussian at a random centre (both coordinates uniform in
+    ``centre``), with random radii (uniform in ``radii``) and a random angle, drawn from ``rng`` in that order."""
+    cx, cy = rng.uniform(*centre, size=2)
+    rx, ry = rng.uniform(*radii, size=2)
+    th = rng.uniform(0, np.pi)
+    dx, dy = u[None, :] - cx, v[:, None] - cy
+    a = (dx * np.cos(th) + dy * np.sin(th)) / rx
+    b = (-dx * np.sin(th) + dy * np.cos(th)) / ry
+    return np.maximum(field, np.exp(-(a * a + b * b)).astype(np.float32))

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from wsitrain.errors import WsiTrainError
-from wsitrain.slides.synth.fields import smooth_noise, upsample
+from wsitrain.slides.synth.fields import add_lobe, coarse_grid, smooth_noise, upsample
 
 LESION_MODES = ("none", "small")
 LESION_MPP = 2.5  # um per level-0 pixel (a 4x scan): a 2048 px slide is 5 mm of tissue, nuclei are 3-8 px
@@ -77,19 +77,11 @@ class LesionScene:
         """One large tissue piece (55-80% of the field) with a smooth colour drift, on a coarse grid."""
         self.f = max(1, int(np.ceil(max(self.w, self.h) / 2048)))
         lw, lh = -(-self.w // self.f), -(-self.h // self.f)
-        g = max(1, int(np.ceil(max(lw, lh) / 256)))
-        gw, gh = -(-lw // g), -(-lh // g)
-        u, v = (np.arange(gw) + 0.5) / gw, (np.arange(gh) + 0.5) / gh
+        gw, gh, u, v = coarse_grid(lw, lh)
         field = np.zeros((gh, gw), dtype=np.float32)
         wobble = 0.1 * smooth_noise(rng, (gh, gw), 6)
         for _ in range(12):  # add lobes until the tissue covers enough of the field
-            cx, cy = rng.uniform(0.35, 0.65, size=2)
-            rx, ry = rng.uniform(0.25, 0.45, size=2)
-            th = rng.uniform(0, np.pi)
-            dx, dy = u[None, :] - cx, v[:, None] - cy
-            a = (dx * np.cos(th) + dy * np.sin(th)) / rx
-            b = (-dx * np.sin(th) + dy * np.cos(th)) / ry
-            field = np.maximum(field, np.exp(-(a * a + b * b)).astype(np.float32))
+            field = add_lobe(field, rng, u, v, centre=(0.35, 0.65), radii=(0.25, 0.45))
             if ((field - wobble) > 0.35).mean() >= 0.6:
                 break
         drift = smooth_noise(rng, (gh, gw), 5)
