@@ -7,9 +7,12 @@ an affine function of the output index whose coefficients come from the whole ma
 
 - nearest: ``floor(o * scale)`` (clamped to ``in - 1``), ``scale = in / out``, in float64 for float64 maps on CPU
   and in float32 otherwise (CUDA computes nearest scales in float32; not checked on a GPU here);
-- bilinear, ``align_corners=False``: ``real = max(0, scale * (o + 0.5) - 0.5)`` with ``scale = in / out``; in
-  float64 the CPU kernel fuses the multiply-add (rounded once, an FMA), in float32 it rounds twice on all but very
-  short axes (its loop is vectorized or not): indices and weights are bit for bit the kernel's in float64;
+- bilinear, ``align_corners=False``: ``real = max(0, scale * (o + 0.5) - 0.5)`` with ``scale = in / out``. Whether
+  the CPU kernel rounds that once (an FMA) or twice depends on the torch build and the loop it takes, not on the
+  formula (measured, torch 2.14.1 on x86-64: float64 fuses in the AVX2 loop and not under
+  ``ATEN_CPU_CAPABILITY=default``; float32 fused on long axes with 2.15.0 and not with 2.14.1). The stand-in fuses
+  in float64 and rounds twice in float32; its weights equal the kernel's or lie one rounding of ``real`` (at most
+  ``ulp(in)``) from them, and ``tests/test_sft_ops_stretch.py`` asserts exactly that, not bit equality;
   ``align_corners=True``: ``real = scale * o`` with ``scale = (in - 1) / (out - 1)`` (0 when ``out == 1``). Both in
   the op's math type (float64 for float64 maps, float32 otherwise). The layer reads ``i0 = floor(real)`` (clamped
   to ``in - 1``) and ``i0 + 1`` (``i0`` at the last pixel) with weights ``1 - l`` and ``l = real - i0``. The CPU
