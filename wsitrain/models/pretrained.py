@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from wsitrain.errors import WsiTrainError
-from wsitrain.models.weights import first_line
+from wsitrain.safe_load import first_line
 
 if TYPE_CHECKING:  # timm is optional: its types only for annotations
     from timm.models import PretrainedCfg

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from wsitrain.errors import WsiTrainError
+from wsitrain.safe_load import safe_torch_load
 
 CHECKPOINT_FORMAT = 1
 
@@ -67,10 +68,16 @@ def _is_no_space(e: BaseException) -> bool:
 
 
 def rng_states() -> dict[str, Any]:
-    """Every RNG the training loop draws from, so a resume continues the same random streams."""
+    """Every RNG the training loop draws from, so a resume continues the same random streams.
+
+    Plain data only (tensors, lists, numbers, strings), so the checkpoint loads with a bare
+    ``torch.load(weights_only=True)``: numpy's state tuple holds an ndarray, stored here as a list of ints.
+    """
+    name, key, pos, has_gauss, cached_gaussian = np.random.get_state()
     states: dict[str, Any] = {
         "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(),
+        "numpy": {"bit_generator": str(name), "key": [int(k) for k in key], "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},  # fmt: skip
         "python": random.getstate(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -81,10 +88,18 @@ def rng_states() -> dict[str, Any]:
 def set_rng_states(states: dict[str, Any]) -> None:
     """Restore what ``rng_states`` captured."""
     torch.set_rng_state(states["torch"])
-    np.random.set_state(states["numpy"])
+    np.random.set_state(_numpy_state(states["numpy"]))
     random.setstate(states["python"])
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def _numpy_state(saved: Any) -> tuple[Any, ...]:
+    """np.random.set_state's tuple from what ``rng_states`` saved (a dict), or as written before (the tuple itself)."""
+    if not isinstance(saved, dict):
+        return tuple(saved)
+    key = np.array(saved["key"], dtype=np.uint32)
+    return saved["bit_generator"], key, saved["pos"], saved["has_gauss"], saved["cached_gaussian"]
 
 
 def save_checkpoint(path: Path, **state: Any) -> None:
@@ -92,21 +107,16 @@ def save_checkpoint(path: Path, **state: Any) -> None:
     atomic_torch_save({"format": CHECKPOINT_FORMAT, **state}, path)
 
 
-def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Load a checkpoint written by ``save_checkpoint``; clear errors for missing or foreign files."""
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """Load a checkpoint written by ``save_checkpoint`` onto the CPU; clear errors for missing or foreign files."""
     path = Path(path)
     if not path.is_file():
         raise WsiTrainError(
             f"checkpoint {path} does not exist",
             hint="pass a file written by `wsitrain fit`, e.g. runs/NAME/best.pt or runs/NAME/last.pt",
         )
-    try:
-        # Our checkpoints hold numpy RNG state and plain dicts; they are files this tool wrote itself.
-        ckpt = torch.load(path, map_location=map_location, weights_only=False)
-    except Exception as exc:  # torch raises many types for a corrupt file
-        raise WsiTrainError(
-            f"checkpoint {path} cannot be read: {exc}", hint="use last.pt or best.pt from a wsitrain run folder"
-        ) from exc
+    # Read as data only: a crafted file (an object that runs code when unpickled) is refused here, exit 2.
+    ckpt = safe_torch_load(path, "checkpoint")
     if not isinstance(ckpt, dict) or "model" not in ckpt or "format" not in ckpt:
         raise WsiTrainError(
             f"checkpoint {path} was not written by `wsitrain fit` (no model/format entries)",
