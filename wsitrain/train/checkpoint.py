@@ -3,7 +3,7 @@ complete file or the new complete file, never a torn one."""
 
 from __future__ import annotations
 
-import errno
+import contextlib
 import os
 import random
 import tempfile
@@ -15,41 +15,39 @@ import torch
 
 from wsitrain.errors import WsiTrainError
 from wsitrain.safe_load import safe_torch_load
+from wsitrain.train.write_errors import RecordingFile, os_error, write_error
 
 CHECKPOINT_FORMAT = 1
-
-
-# A full disk or quota: the user's to fix, not a bug (torch.save can also wrap it in a RuntimeError).
-NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
     """torch.save into a temp file in the same folder, fsync, then os.replace (atomic on POSIX).
 
-    A full disk raises WsiTrainError naming the file; the previous file at ``path`` is left intact.
+    A failed write (full disk, file-size limit, read-only or failing disk, permissions) raises WsiTrainError naming
+    the file and the cause; the previous file at ``path`` is left intact and no temp file remains.
     """
     path = Path(path)
-    tmp = None
+    tmp, out = None, None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            out = RecordingFile(f)
+            torch.save(obj, out)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as e:
         # Also on KeyboardInterrupt: never leave temp files behind; the old checkpoint stays intact.
         if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
-        if _is_no_space(e):
-            kept = f"; the previous {path.name} is intact" if path.exists() else ""
-            raise WsiTrainError(
-                f"no space left on the device while writing the checkpoint {path}{kept}",
-                hint=f"free disk space in {path.parent} (or set log.dir to a larger disk), then continue with "
-                f"`wsitrain fit CONFIG --resume {path.parent}`",
-            ) from e
-        raise
+            with contextlib.suppress(OSError):  # a disk that fails the write may fail this too: the first error counts
+                os.unlink(tmp)
+        cause = os_error(e, out.error if out is not None else None)
+        if cause is None:
+            raise
+        kept = f"; the previous {path.name} is intact" if path.exists() else ""
+        raise write_error(path, cause, "the checkpoint", then=f"continue with `wsitrain fit CONFIG --resume "
+                          f"{path.parent}`", kept=kept) from e  # fmt: skip
     # fsync the folder so the rename itself survives a power cut.
     try:
         dfd = os.open(path.parent, os.O_RDONLY)
@@ -59,12 +57,6 @@ def atomic_torch_save(obj: Any, path: Path) -> None:
             os.close(dfd)
     except OSError:
         pass
-
-
-def _is_no_space(e: BaseException) -> bool:
-    if isinstance(e, OSError) and e.errno in NO_SPACE:
-        return True
-    return isinstance(e, RuntimeError) and "No space left on device" in str(e)
 
 
 def rng_states() -> dict[str, Any]:
