@@ -157,6 +157,24 @@ def test_model_weights_refuse_a_crafted_file(tmp_path: Path, synth_dir: Path, pa
     assert err.value.exit_code == 2 and str(path) in err.value.message and REFUSED in err.value.message
 
 
+@pytest.mark.parametrize("payload", sorted(PAYLOADS))
+def test_a_planted_torchvision_cache_file_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     payload: str) -> None:  # fmt: skip
+    """model.weights: imagenet reads torchvision's cache through torch.hub, whose default is weights_only=False."""
+    from wsitrain.models.pretrained import torchvision_cache_file
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    path, _ = torchvision_cache_file("resnet18")
+    path.parent.mkdir(parents=True)
+    marker = tmp_path / "MARKER"
+    crafted(path, marker, payload)
+    with pytest.raises(WsiTrainError) as err:
+        build("torchvision/resnet18", 2, weights="imagenet")
+    assert not marker.exists()
+    assert err.value.exit_code == 2 and str(path) in err.value.message and REFUSED in err.value.message
+    assert "TORCH_FORCE_WEIGHTS_ONLY_LOAD" not in os.environ  # held only while the library loads
+
+
 def test_the_message_names_what_the_file_asked_for(tmp_path: Path) -> None:
     path = crafted(tmp_path / "evil.pt", tmp_path / "MARKER", "os.system")
     with pytest.raises(WsiTrainError) as err:

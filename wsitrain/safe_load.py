@@ -17,8 +17,11 @@ objects inside an array would still go through the restricted unpickler.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import pickle
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +59,7 @@ def safe_torch_load(path: Path, what: str) -> Any:
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:  # weights_only refused something, or the bytes are no pickle
         raise WsiTrainError(
-            f"{what} {path} is not a wsitrain checkpoint or asks to run code{_asked_for(exc)}; nothing in it was "
-            "run and it was not loaded",
+            f"{what} {path} {refusal(exc)}",
             hint="use best.pt or last.pt of a wsitrain run, or a state dict saved with "
             "torch.save(model.state_dict(), path); checkpoints are read as data (tensors and plain values) only",
         ) from exc
@@ -66,6 +68,36 @@ def safe_torch_load(path: Path, what: str) -> Any:
             f"{what} {path} cannot be read: {first_line(exc)}",
             hint="use best.pt or last.pt of a wsitrain run (a torn file from a killed copy: copy it again)",
         ) from exc
+
+
+# torch.load reads weights_only whatever its caller passed while this is set (torch >= 2.4).
+FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
+
+
+@contextlib.contextmanager
+def library_loads_weights_only() -> Iterator[None]:
+    """Within: every torch.load reads weights_only, also in libraries that pass ``weights_only=False``.
+
+    torchvision's pretrained builders read ``$TORCH_HOME/hub/checkpoints`` through
+    ``torch.hub.load_state_dict_from_url``, whose default is ``weights_only=False`` (torchvision 0.29.1): a file
+    planted in that cache would run code. torch honours TORCH_FORCE_WEIGHTS_ONLY_LOAD at each call, so it is set
+    for the call and restored after (a process-wide variable, held only while the library loads).
+    """
+    old = os.environ.get(FORCE_WEIGHTS_ONLY)
+    os.environ[FORCE_WEIGHTS_ONLY] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(FORCE_WEIGHTS_ONLY, None)
+        else:
+            os.environ[FORCE_WEIGHTS_ONLY] = old
+
+
+def refusal(exc: pickle.UnpicklingError) -> str:
+    """The end of a sentence that starts with the file: why a weights_only load refused it."""
+    asked = _asked_for(exc)
+    return f"is not a wsitrain checkpoint or asks to run code{asked}; nothing in it was run and it was not loaded"
 
 
 def _asked_for(exc: BaseException) -> str:
