@@ -146,6 +146,26 @@ def test_report_refuses_a_crafted_checkpoint(tmp_path: Path, run_dir: Path, payl
     assert_refused(result, path, marker)
 
 
+def test_cv_refuses_a_crafted_fold_checkpoint(tmp_path: Path, synth_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cv rerun resumes each fold with a last.pt (fit --resume): a planted one is refused the same way."""
+    import wsitrain.train.cv as cv
+
+    cfg = str(config_file(tmp_path, synth_dir))
+
+    def stop(*args: Any, **kwargs: Any) -> None:
+        raise WsiTrainError("stopped before the first fold trained")
+
+    monkeypatch.setattr(cv, "run_fit", stop)  # the first run only lays out the folds (cv.json, fold CSVs)
+    assert invoke("cv", cfg, "--folds", "2").exit_code == 2
+    monkeypatch.undo()
+    cv_dir = tmp_path / "runs" / "exp-cv2"
+    assert (cv_dir / "cv.json").is_file()
+    (cv_dir / "fold-1").mkdir()
+    marker = tmp_path / "MARKER"
+    path = crafted(cv_dir / "fold-1" / "last.pt", marker, "pathlib.Path.touch")
+    assert_refused(invoke("cv", cfg, "--folds", "2"), path, marker)
+
+
 @pytest.mark.parametrize("payload", sorted(PAYLOADS))
 def test_model_weights_refuse_a_crafted_file(tmp_path: Path, synth_dir: Path, payload: str) -> None:
     """model.weights: a local file is data too (fit reads it before training)."""
