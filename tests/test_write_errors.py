@@ -1,5 +1,5 @@
 """Files written by a failing disk: any write error of a checkpoint, a run log or a report is exit 2 with the file,
-the cause in words and, for a checkpoint, the previous one intact (wsitrain.train.write_errors).
+the cause in words and, for a checkpoint, the previous one intact (wsitrain.write_errors).
 
 The file-size limit is real (RLIMIT_FSIZE, what `ulimit -f` sets): in a subprocess for a whole fit, in this process
 (lowered, then restored) for single writes. Other errors are injected where the bytes are written, below torch.save,

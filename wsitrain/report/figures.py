@@ -13,8 +13,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from wsitrain.report.runlog import TileTimes  # noqa: E402
-from wsitrain.train.write_errors import named_write_errors  # noqa: E402
 from wsitrain.units import format_bytes  # noqa: E402
+from wsitrain.write_errors import named_write_errors  # noqa: E402
 
 MiB = 1024**2
 

@@ -21,7 +21,7 @@ from wsitrain.report.heatmap_tiff import write_heatmap_tiff
 from wsitrain.report.map_grid import MapGrid
 from wsitrain.report.overlay import Placement, Thumbnail, render_heatmap, slide_thumbnail
 from wsitrain.train.attention_mask import attention_masked
-from wsitrain.train.write_errors import named_write_errors
+from wsitrain.write_errors import named_write_errors
 
 INDEX = "heatmaps.json"
 # Saliency cells: at least the model's stride, and coarse enough that the map's longer side stays <= this.

@@ -18,8 +18,8 @@ import yaml
 from wsitrain.errors import WsiTrainError
 from wsitrain.report.figures import plan_memory_figure, tile_histograms
 from wsitrain.report.runlog import VALIDATION, plans, read_json, step_peaks, tile_times
-from wsitrain.train.write_errors import named_write_errors
 from wsitrain.units import format_bytes
+from wsitrain.write_errors import named_write_errors
 
 REPORT = "report.html"
 HEATMAP_DIR = "heatmaps"

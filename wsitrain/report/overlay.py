@@ -18,7 +18,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from wsitrain.report.heatmap import SlideMaps  # noqa: E402
-from wsitrain.train.write_errors import named_write_errors  # noqa: E402
+from wsitrain.write_errors import named_write_errors  # noqa: E402
 
 # Panels per PNG at most: with many classes the most probable ones are drawn (the .npy holds every class).
 MAX_CLASS_PANELS = 4

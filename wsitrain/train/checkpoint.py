@@ -15,7 +15,7 @@ import torch
 
 from wsitrain.errors import WsiTrainError
 from wsitrain.safe_load import safe_torch_load
-from wsitrain.train.write_errors import RecordingFile, os_error, write_error
+from wsitrain.write_errors import RecordingFile, os_error, write_error
 
 CHECKPOINT_FORMAT = 1
 

@@ -34,7 +34,7 @@ from wsitrain.train import distributed as D
 from wsitrain.train.data import resolve_labels
 from wsitrain.train.fit import run_fit
 from wsitrain.train.runfolder import write_json
-from wsitrain.train.write_errors import named_write_errors
+from wsitrain.write_errors import named_write_errors
 
 CV_FILE = "cv.json"  # the fold assignment and the config, to recognize the same cross-validation on a rerun
 SUMMARY = "cv_summary.json"

@@ -25,7 +25,7 @@ from wsitrain.train.checkpoint import load_checkpoint
 from wsitrain.train.data import masking_note, read_kwargs
 from wsitrain.train.engine import resolve_device, wrap_engine
 from wsitrain.train.loop import Evaluator
-from wsitrain.train.write_errors import named_write_errors
+from wsitrain.write_errors import named_write_errors
 
 # data.* keys that change how a slide is read: predicting with other values reads slides differently from training.
 _READ_KEYS = ("level", "mpp", "magnification", "fallback_mpp", "region", "size", "mask_background")

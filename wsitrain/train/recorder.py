@@ -19,7 +19,7 @@ from wsitrain.slides.stream import ReadResult
 from wsitrain.train.loop import OptimizerStep, SlideStep
 from wsitrain.train.runfolder import JsonlWriter
 from wsitrain.train.state import FitState
-from wsitrain.train.write_errors import named_write_errors
+from wsitrain.write_errors import named_write_errors
 
 
 class RunRecorder:

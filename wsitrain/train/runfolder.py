@@ -22,7 +22,7 @@ from wsitrain.config import TaskConfig, check_run_name, diff_configs
 from wsitrain.errors import WsiTrainError
 from wsitrain.train.checkpoint import load_checkpoint
 from wsitrain.train.data import FitData
-from wsitrain.train.write_errors import named_write_errors
+from wsitrain.write_errors import named_write_errors
 
 
 def check_log_dir(base: Path) -> None:
