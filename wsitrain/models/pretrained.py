@@ -9,6 +9,7 @@ names the folder and the file expected and how to fill it, instead of a library 
 from __future__ import annotations
 
 import os
+import pickle
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 
 from wsitrain.errors import WsiTrainError
-from wsitrain.models.weights import first_line
+from wsitrain.safe_load import first_line, library_loads_weights_only, refusal
 
 if TYPE_CHECKING:  # timm is optional: its types only for annotations
     from timm.models import PretrainedCfg
@@ -64,8 +65,14 @@ def torchvision_net(arch: str, imagenet: bool) -> nn.Module:
     try:
         # torchvision's own loader: it reads the cached file (downloading only if it is missing) and applies the
         # key fix-ups some of its old checkpoints need (DenseNet).
-        return _build(lambda: torchvision.models.get_model(arch, weights="DEFAULT"))
+        with library_loads_weights_only():  # torch.hub's default is weights_only=False: a planted file would run
+            return _build(lambda: torchvision.models.get_model(arch, weights="DEFAULT"))
     except Exception as exc:  # network, file or unpickling errors: all mean the weights are not usable
+        if cached and isinstance(exc, pickle.UnpicklingError):  # a planted or foreign file: refused, nothing run
+            raise WsiTrainError(
+                f"the cached ImageNet weights of torchvision/{arch}: {path} {refusal(exc)}",
+                hint=f"delete {path} and download it again from {url}",
+            ) from exc
         if cached:
             raise WsiTrainError(
                 f"cannot read the cached ImageNet weights of torchvision/{arch} at {path}: {first_line(exc)}",
@@ -145,7 +152,8 @@ def timm_net(arch: str, imagenet: bool) -> nn.Module:
     cached = timm_cached(arch)
     files, how = timm_cache_files(arch)
     try:
-        return _build(lambda: timm.create_model(arch, pretrained=True))
+        with library_loads_weights_only():  # timm asks for weights_only itself; held to the same rule regardless
+            return _build(lambda: timm.create_model(arch, pretrained=True))
     except Exception as exc:  # hub, network, file or key errors: all mean the weights are not usable
         if cached:
             raise WsiTrainError(

@@ -2,49 +2,27 @@
 
 Accepted: a plain state dict (``torch.save(model.state_dict(), path)``), the common ``{"state_dict": ...}`` /
 ``{"model": ...}`` wrappers, and a wsitrain run checkpoint (``best.pt`` / ``last.pt``), whose model state is used.
-Files are read with ``weights_only=True``: tensors and plain containers only, nothing executed from the file.
+Files are read by ``wsitrain.safe_load`` (``weights_only=True``): tensors and plain containers only, nothing
+executed from the file.
 """
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from wsitrain.errors import WsiTrainError
+from wsitrain.safe_load import safe_torch_load
 
-_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _SHOW = 5  # keys listed in an error; a mismatch usually means a different architecture, a few names say which
 
 
-def first_line(exc: BaseException) -> str:
-    """An exception as one plain line: its type and the first line of its message, without terminal escapes
-    (torch's weights-only error carries ANSI bold codes)."""
-    text = _ANSI.sub("", str(exc)).strip()
-    return f"{exc.__class__.__name__}: {text.splitlines()[0]}" if text else exc.__class__.__name__
-
-
-def _numpy_rng_globals() -> list[Any]:
-    """What a run checkpoint's numpy RNG state pickles (an ndarray of uint32), allowed for weights_only loading."""
-    core = getattr(np, "_core", None) or np.core  # numpy 2 moved numpy.core to numpy._core
-    dtype_classes = [type(np.dtype(t)) for t in (np.uint32, np.int64, np.float64)]
-    return [np.ndarray, np.dtype, core.multiarray._reconstruct, *dtype_classes]
-
-
 def _read(path: Path) -> object:
-    try:
-        with torch.serialization.safe_globals(_numpy_rng_globals()):
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # pickle, zip or unsafe-type errors all mean: not a weights file we can read safely
-        raise WsiTrainError(
-            f"cannot read weights file {path}: {first_line(e)}",
-            hint="give a state dict saved with torch.save(model.state_dict(), path), or best.pt / last.pt of a "
-            "wsitrain run; only tensors and plain containers are loaded (weights_only)",
-        ) from e
+    """The file's contents as data (tensors and plain values): wsitrain.safe_load refuses anything that runs code."""
+    return safe_torch_load(path, "weights file")
 
 
 def _checkpoint_model_name(obj: dict[str, Any]) -> str | None:

@@ -14,6 +14,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from wsitrain.report.runlog import TileTimes  # noqa: E402
 from wsitrain.units import format_bytes  # noqa: E402
+from wsitrain.write_errors import named_write_errors  # noqa: E402
 
 MiB = 1024**2
 
@@ -22,8 +23,11 @@ def save_png(fig: Any, path: Path, dpi: int = 100, *, tight: bool = False) -> Pa
     """Write ``fig`` to ``path`` as PNG and close it (pyplot keeps every open figure alive until then)."""
     if tight:
         fig.tight_layout()
-    fig.savefig(path, dpi=dpi)
-    plt.close(fig)
+    try:
+        with named_write_errors(path, "the figure"):
+            fig.savefig(path, dpi=dpi)
+    finally:
+        plt.close(fig)
     return path
 
 

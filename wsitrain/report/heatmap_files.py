@@ -21,6 +21,7 @@ from wsitrain.report.heatmap_tiff import write_heatmap_tiff
 from wsitrain.report.map_grid import MapGrid
 from wsitrain.report.overlay import Placement, Thumbnail, render_heatmap, slide_thumbnail
 from wsitrain.train.attention_mask import attention_masked
+from wsitrain.write_errors import named_write_errors
 
 INDEX = "heatmaps.json"
 # Saliency cells: at least the model's stride, and coarse enough that the map's longer side stays <= this.
@@ -75,11 +76,10 @@ class HeatmapWriter:
         if self.transform is not None:
             maps = self.transform(maps)
         stem = _stem(slide)
-        np.save(self.out_dir / f"{stem}.cam.npy", maps.cam.float().numpy())
-        if maps.saliency is not None:
-            np.save(self.out_dir / f"{stem}.saliency.npy", maps.saliency.float().numpy())
-        if maps.attention is not None:
-            np.save(self.out_dir / f"{stem}.attention.npy", maps.attention.float().numpy())
+        for kind, values in (("cam", maps.cam), ("saliency", maps.saliency), ("attention", maps.attention)):
+            if values is not None:
+                with named_write_errors(self.out_dir / f"{stem}.{kind}.npy", "the heatmap"):
+                    np.save(self.out_dir / f"{stem}.{kind}.npy", values.float().numpy())
         with open_slide(slide) as reader:
             where = Placement(tuple(float(v) for v in read.box), float(read.downsample),  # type: ignore[arg-type]
                               tuple(reader.info.dimensions))  # type: ignore[arg-type]
@@ -153,7 +153,7 @@ class HeatmapWriter:
 
     def close(self) -> Path:
         path = self.out_dir / INDEX
-        with open(path, "w") as f:
+        with named_write_errors(path, "the heatmap index"), open(path, "w") as f:
             json.dump({"classes": self.class_names, "slides": self.records}, f, indent=2)
             f.write("\n")
         return path

@@ -19,6 +19,7 @@ from wsitrain.errors import WsiTrainError
 from wsitrain.report.figures import plan_memory_figure, tile_histograms
 from wsitrain.report.runlog import VALIDATION, plans, read_json, step_peaks, tile_times
 from wsitrain.units import format_bytes
+from wsitrain.write_errors import named_write_errors
 
 REPORT = "report.html"
 HEATMAP_DIR = "heatmaps"
@@ -114,7 +115,8 @@ def write_report(run_dir: Path, heatmaps: bool = True, console: Any = None) -> P
         + "\n</body></html>\n"
     )
     out = run_dir / REPORT
-    out.write_text(page, encoding="utf-8")
+    with named_write_errors(out, "the report", then=f"run `wsitrain report {run_dir}` again"):
+        out.write_text(page, encoding="utf-8")
     return out
 
 

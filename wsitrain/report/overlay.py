@@ -18,6 +18,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from wsitrain.report.heatmap import SlideMaps  # noqa: E402
+from wsitrain.write_errors import named_write_errors  # noqa: E402
 
 # Panels per PNG at most: with many classes the most probable ones are drawn (the .npy holds every class).
 MAX_CLASS_PANELS = 4
@@ -145,8 +146,11 @@ def render_heatmap(
         ax.set_ylim(y1, y0)
     k = maps.predicted
     fig.suptitle(f"{title}: predicted {class_names[k]} (p = {probs[k]:.3f}), {maps.pool}-pool head", fontsize=12)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        with named_write_errors(path, "the heatmap"):
+            fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)
     return path
 
 

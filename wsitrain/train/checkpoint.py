@@ -3,7 +3,7 @@ complete file or the new complete file, never a torn one."""
 
 from __future__ import annotations
 
-import errno
+import contextlib
 import os
 import random
 import tempfile
@@ -14,41 +14,40 @@ import numpy as np
 import torch
 
 from wsitrain.errors import WsiTrainError
+from wsitrain.safe_load import safe_torch_load
+from wsitrain.write_errors import RecordingFile, os_error, write_error
 
 CHECKPOINT_FORMAT = 1
-
-
-# A full disk or quota: the user's to fix, not a bug (torch.save can also wrap it in a RuntimeError).
-NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
     """torch.save into a temp file in the same folder, fsync, then os.replace (atomic on POSIX).
 
-    A full disk raises WsiTrainError naming the file; the previous file at ``path`` is left intact.
+    A failed write (full disk, file-size limit, read-only or failing disk, permissions) raises WsiTrainError naming
+    the file and the cause; the previous file at ``path`` is left intact and no temp file remains.
     """
     path = Path(path)
-    tmp = None
+    tmp, out = None, None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            out = RecordingFile(f)
+            torch.save(obj, out)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as e:
         # Also on KeyboardInterrupt: never leave temp files behind; the old checkpoint stays intact.
         if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
-        if _is_no_space(e):
-            kept = f"; the previous {path.name} is intact" if path.exists() else ""
-            raise WsiTrainError(
-                f"no space left on the device while writing the checkpoint {path}{kept}",
-                hint=f"free disk space in {path.parent} (or set log.dir to a larger disk), then continue with "
-                f"`wsitrain fit CONFIG --resume {path.parent}`",
-            ) from e
-        raise
+            with contextlib.suppress(OSError):  # a disk that fails the write may fail this too: the first error counts
+                os.unlink(tmp)
+        cause = os_error(e, out.error if out is not None else None)
+        if cause is None:
+            raise
+        kept = f"; the previous {path.name} is intact" if path.exists() else ""
+        raise write_error(path, cause, "the checkpoint", then=f"continue with `wsitrain fit CONFIG --resume "
+                          f"{path.parent}`", kept=kept) from e  # fmt: skip
     # fsync the folder so the rename itself survives a power cut.
     try:
         dfd = os.open(path.parent, os.O_RDONLY)
@@ -60,17 +59,17 @@ def atomic_torch_save(obj: Any, path: Path) -> None:
         pass
 
 
-def _is_no_space(e: BaseException) -> bool:
-    if isinstance(e, OSError) and e.errno in NO_SPACE:
-        return True
-    return isinstance(e, RuntimeError) and "No space left on device" in str(e)
-
-
 def rng_states() -> dict[str, Any]:
-    """Every RNG the training loop draws from, so a resume continues the same random streams."""
+    """Every RNG the training loop draws from, so a resume continues the same random streams.
+
+    Plain data only (tensors, lists, numbers, strings), so the checkpoint loads with a bare
+    ``torch.load(weights_only=True)``: numpy's state tuple holds an ndarray, stored here as a list of ints.
+    """
+    name, key, pos, has_gauss, cached_gaussian = np.random.get_state()
     states: dict[str, Any] = {
         "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(),
+        "numpy": {"bit_generator": str(name), "key": [int(k) for k in key], "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},  # fmt: skip
         "python": random.getstate(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -81,10 +80,18 @@ def rng_states() -> dict[str, Any]:
 def set_rng_states(states: dict[str, Any]) -> None:
     """Restore what ``rng_states`` captured."""
     torch.set_rng_state(states["torch"])
-    np.random.set_state(states["numpy"])
+    np.random.set_state(_numpy_state(states["numpy"]))
     random.setstate(states["python"])
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def _numpy_state(saved: Any) -> tuple[Any, ...]:
+    """np.random.set_state's tuple from what ``rng_states`` saved (a dict), or as written before (the tuple itself)."""
+    if not isinstance(saved, dict):
+        return tuple(saved)
+    key = np.array(saved["key"], dtype=np.uint32)
+    return saved["bit_generator"], key, saved["pos"], saved["has_gauss"], saved["cached_gaussian"]
 
 
 def save_checkpoint(path: Path, **state: Any) -> None:
@@ -92,21 +99,16 @@ def save_checkpoint(path: Path, **state: Any) -> None:
     atomic_torch_save({"format": CHECKPOINT_FORMAT, **state}, path)
 
 
-def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Load a checkpoint written by ``save_checkpoint``; clear errors for missing or foreign files."""
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """Load a checkpoint written by ``save_checkpoint`` onto the CPU; clear errors for missing or foreign files."""
     path = Path(path)
     if not path.is_file():
         raise WsiTrainError(
             f"checkpoint {path} does not exist",
             hint="pass a file written by `wsitrain fit`, e.g. runs/NAME/best.pt or runs/NAME/last.pt",
         )
-    try:
-        # Our checkpoints hold numpy RNG state and plain dicts; they are files this tool wrote itself.
-        ckpt = torch.load(path, map_location=map_location, weights_only=False)
-    except Exception as exc:  # torch raises many types for a corrupt file
-        raise WsiTrainError(
-            f"checkpoint {path} cannot be read: {exc}", hint="use last.pt or best.pt from a wsitrain run folder"
-        ) from exc
+    # Read as data only: a crafted file (an object that runs code when unpickled) is refused here, exit 2.
+    ckpt = safe_torch_load(path, "checkpoint")
     if not isinstance(ckpt, dict) or "model" not in ckpt or "format" not in ckpt:
         raise WsiTrainError(
             f"checkpoint {path} was not written by `wsitrain fit` (no model/format entries)",

@@ -34,6 +34,7 @@ from wsitrain.train import distributed as D
 from wsitrain.train.data import resolve_labels
 from wsitrain.train.fit import run_fit
 from wsitrain.train.runfolder import write_json
+from wsitrain.write_errors import named_write_errors
 
 CV_FILE = "cv.json"  # the fold assignment and the config, to recognize the same cross-validation on a rerun
 SUMMARY = "cv_summary.json"
@@ -96,7 +97,8 @@ def run_cv(cfg: WsiTrainConfig, *, folds: int, name: str | None = None, console:
                 write_report(cv_dir / f"fold-{k + 1}", heatmaps=False)
             summary = summarize(summaries)
             write_json(cv_dir / SUMMARY, summary)
-            (cv_dir / PAGE).write_text(cv_page(cv_dir, summary, cfg), encoding="utf-8")
+            with named_write_errors(cv_dir / PAGE, "the report"):
+                (cv_dir / PAGE).write_text(cv_page(cv_dir, summary, cfg), encoding="utf-8")
             console.print(_table(summary))
             console.print(f"cross-validation: {cv_dir / PAGE}", markup=False)
         D.barrier(info)

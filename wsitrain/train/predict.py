@@ -25,6 +25,7 @@ from wsitrain.train.checkpoint import load_checkpoint
 from wsitrain.train.data import masking_note, read_kwargs
 from wsitrain.train.engine import resolve_device, wrap_engine
 from wsitrain.train.loop import Evaluator
+from wsitrain.write_errors import named_write_errors
 
 # data.* keys that change how a slide is read: predicting with other values reads slides differently from training.
 _READ_KEYS = ("level", "mpp", "magnification", "fallback_mpp", "region", "size", "mask_background")
@@ -167,7 +168,7 @@ def run_predict(
     if maps is not None:
         console.print(f"wrote heatmaps of {len(paths)} slides to {maps.close().parent}", markup=False)
     header = _task_header(objective) if objective is not None else [*(f"prob_{c}" for c in class_names), "predicted"]
-    with open(out, "w", newline="") as f:
+    with named_write_errors(out, "the predictions"), open(out, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["slide", "path", *header])
         w.writerows(rows)
@@ -217,7 +218,7 @@ def _write_patients(out: Path, paths: list[Path], patient_of: dict[str, str], ou
     ids, _, mean = per_patient(patients, np.zeros((len(paths), 1)), np.asarray(outputs))
     counts = {i: sum(1 for q in patients if q == i) for i in ids}
     target = out.with_name(f"{out.stem}.patients.csv")
-    with open(target, "w", newline="") as f:
+    with named_write_errors(target, "the per-patient predictions"), open(target, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["patient", "slides", *header])
         for i, row in zip(ids, mean, strict=True):

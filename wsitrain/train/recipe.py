@@ -35,7 +35,7 @@ from wsitrain.train.attention_mask import attention_masked
 from wsitrain.train.balance.cost import slide_costs
 from wsitrain.train.balance.deal import Balance
 from wsitrain.train.balance.waiting import RankWaits
-from wsitrain.train.checkpoint import rng_states, save_checkpoint, set_rng_states
+from wsitrain.train.checkpoint import load_checkpoint, rng_states, save_checkpoint, set_rng_states
 from wsitrain.train.data import FitData, augment_settings, load_fit_data, masking_note, read_kwargs
 from wsitrain.train.engine import batchnorm_note, build_model, resolve_device, seed_everything, wrap_engine
 from wsitrain.train.loop import Trainer
@@ -441,7 +441,7 @@ class FitRecipe:
         assert self.test_ds is not None
         best = self._best_weights
         if best is None and (self.run_dir / "best.pt").is_file():  # resumed after the best epoch
-            best = torch.load(self.run_dir / "best.pt", map_location="cpu", weights_only=False)["model"]
+            best = load_checkpoint(self.run_dir / "best.pt")["model"]
         if best is not None:
             self.model.load_state_dict(best)
         self.test_metrics = self._evaluate(self.test_ds, self.objective, "test")

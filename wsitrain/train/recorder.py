@@ -19,6 +19,7 @@ from wsitrain.slides.stream import ReadResult
 from wsitrain.train.loop import OptimizerStep, SlideStep
 from wsitrain.train.runfolder import JsonlWriter
 from wsitrain.train.state import FitState
+from wsitrain.write_errors import named_write_errors
 
 
 class RunRecorder:
@@ -65,7 +66,7 @@ class RunRecorder:
                            highlight=False)
         self.plans.write({"slide": slide, "shape": list(shape), "plan": plan.to_dict()})
         if self.run_dir is not None:
-            with open(self.run_dir / "plan.txt", "a") as f:
+            with named_write_errors(self.run_dir / "plan.txt"), open(self.run_dir / "plan.txt", "a") as f:
                 f.write(f"# input {tuple(shape)}, first seen on slide {slide}\n{plan}\n\n")
 
     def tiles_total(self, image: torch.Tensor) -> int:

@@ -10,7 +10,6 @@ import os
 import platform
 import shutil
 import sys
-from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -21,8 +20,9 @@ import yaml
 import wsitrain
 from wsitrain.config import TaskConfig, check_run_name, diff_configs
 from wsitrain.errors import WsiTrainError
-from wsitrain.train.checkpoint import NO_SPACE, load_checkpoint
+from wsitrain.train.checkpoint import load_checkpoint
 from wsitrain.train.data import FitData
+from wsitrain.write_errors import named_write_errors
 
 
 def check_log_dir(base: Path) -> None:
@@ -131,23 +131,15 @@ def _version(module: str, attr: str = "__version__") -> str | None:
         return None
 
 
-@contextlib.contextmanager
-def _disk_full_named(path: Path) -> Iterator[None]:
-    """A full disk while writing a run file is the user's to fix: exit 2 naming the file, not an internal error."""
-    try:
-        yield
-    except OSError as e:
-        if e.errno not in NO_SPACE:
-            raise
-        raise WsiTrainError(
-            f"no space left on the device while writing {path}",
-            hint=f"free disk space in {Path(path).parent} (or set log.dir to a larger disk), then continue with "
-            "`wsitrain fit CONFIG --resume RUN_DIR`",
-        ) from e
+def _named(path: Path) -> contextlib.AbstractContextManager[None]:
+    """A failed write of a run file (full disk, file-size limit, read-only disk, ...): exit 2 naming the file."""
+    return named_write_errors(
+        path, then="run the command again (a fit continues with `wsitrain fit CONFIG --resume RUN_DIR`)"
+    )
 
 
 def write_yaml(path: Path, data: dict[str, Any]) -> None:
-    with _disk_full_named(path), open(path, "w") as f:
+    with _named(path), open(path, "w") as f:
         yaml.safe_dump(_plain(data), f, sort_keys=False)
 
 
@@ -157,7 +149,7 @@ def read_yaml(path: Path) -> dict[str, Any]:
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
-    with _disk_full_named(path), open(path, "w") as f:
+    with _named(path), open(path, "w") as f:
         json.dump(_plain(data), f, indent=2)
         f.write("\n")
 
@@ -182,12 +174,15 @@ class JsonlWriter:
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
-        self._f = open(path, "a") if path is not None else None
+        self._f = None
+        if path is not None:
+            with _named(path):
+                self._f = open(path, "a")  # noqa: SIM115 - kept open for the run; closed by close()
 
     def write(self, record: dict[str, Any]) -> None:
         if self._f is None:
             return
-        with _disk_full_named(self.path):
+        with _named(self.path):
             self._f.write(json.dumps(_plain(record)) + "\n")
             self._f.flush()
 
@@ -217,11 +212,12 @@ def drop_rows_after_step(path: Path, step: int) -> int:
         kept.append(line)
     if dropped:
         tmp = path.with_name(f".{path.name}.tmp")
-        with _disk_full_named(path), open(tmp, "w") as f:
-            f.write("".join(f"{line}\n" for line in kept))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        with _named(path):
+            with open(tmp, "w") as f:
+                f.write("".join(f"{line}\n" for line in kept))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
     return dropped
 
 
