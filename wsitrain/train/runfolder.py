@@ -275,9 +275,11 @@ def _get(d: dict[str, Any], dotted: str) -> Any:
 
 
 def write_run_files(
-    run_dir: Path, cfg_dict: dict[str, Any], resumed: bool, device: torch.device, data: FitData
+    run_dir: Path, cfg_dict: dict[str, Any], resumed: bool, device: torch.device, data: FitData,
+    tissue: dict[str, Any] | None = None,
 ) -> None:
-    """config.yaml, versions.json and data.json; on a resume with a changed config, config.resume-N.yaml instead."""
+    """config.yaml, versions.json and data.json; on a resume with a changed config, config.resume-N.yaml instead.
+    ``tissue``: each slide's kept and dropped tissue pieces (the preflight's ``tissue_records``), by file name."""
     if not resumed:
         write_yaml(run_dir / "config.yaml", cfg_dict)
         write_json(run_dir / "versions.json", library_versions(device))
@@ -289,6 +291,7 @@ def write_run_files(
             **({"task": data.objective.state()} if data.objective is not None else {}),
             **({"patients": {r.slide_id: r.patient for r in data.train + data.val + data.test if r.patient}}
                if any(r.patient for r in data.train + data.val + data.test) else {}),
+            **({"tissue": tissue} if tissue else {}),
         })  # fmt: skip
         return
     saved = run_dir / "config.yaml"
