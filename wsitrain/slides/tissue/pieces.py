@@ -30,20 +30,22 @@ DROP_REASONS = ("small", "pen", "dust", "label")
 
 # A piece is pen or dust when at least this share of its pixels is pen-coloured or dark colourless.
 ARTEFACT_SHARE = 0.5
-# Thin and long: a straight piece whose major axis is this many times its minor axis (a marker stroke of 0.5 mm
-# over 5 mm is 10; the kidney slide's fragment 1.6, CMU-1's main piece 2.9, *measured*) ...
+# Thin and long: a straight piece whose major axis is this many times its minor axis (the synthetic pen line: 43; the
+# real test slides' pieces of 64 thumbnail px or more: 1.5-3.1, *measured* on their 512 px thumbnails) ...
 PEN_ELONGATION = 5.0
 # ... or a curved line: perimeter^2 / (4 pi area) at least this (1 for a disc; a 4 px wide ring of radius 100 px is
-# about 50) with solidity below PEN_SOLIDITY (a ring's convex hull is mostly empty).
+# about 50) with solidity below PEN_SOLIDITY (a ring's convex hull is mostly empty). Lacy real tissue passes this
+# test too (CMU-1's main piece: 333 and 0.50), which is why a pen piece must also be mostly pen-coloured.
 PEN_CURVE = 4.0
 PEN_SOLIDITY = 0.5
 # Shapes of fewer thumbnail pixels say nothing reliable (a 2 x 3 px speck has any elongation).
 SHAPE_MIN_PX = 6
-# Label: at least this many thumbnail pixels, filling at least LABEL_EXTENT of its bounding box, with interior
-# luminance varying by at most LABEL_FLAT_STD (0-255). Stained tissue is textured: the real test slides' pieces vary
-# by 15 or more on their 512 px thumbnails, a synthetic label printed flat by about 3 (JPEG noise), *measured*.
+# Label: at least this many thumbnail pixels, filling at least LABEL_EXTENT of its bounding box (a pixelated disc fills
+# 0.76-0.90 of its own), with interior luminance varying by at most LABEL_FLAT_STD (0-255). The real test slides'
+# pieces of 64 px or more fill at most 0.62 of their box and vary by 16-36; the synthetic label fills 1.0 and varies
+# by 0.1 (flat synthetic tissue: 2-8), *measured* on 512 px thumbnails.
 LABEL_MIN_PX = 64
-LABEL_EXTENT = 0.9
+LABEL_EXTENT = 0.95
 LABEL_FLAT_STD = 6.0
 
 
