@@ -139,8 +139,8 @@ class PreflightReport:
         return t
 
     def tissue_records(self) -> dict[str, dict[str, Any]]:
-        """Each slide's tissue record (kept and dropped pieces), by file name: data.json's ``tissue``."""
-        return {s.slide: s.tissue for s in self.slides if s.tissue is not None}
+        """Each slide's tissue record (kept and dropped pieces) and its path, by file name: data.json's ``tissue``."""
+        return {s.slide: {**s.tissue, "path": str(s.path)} for s in self.slides if s.tissue is not None}
 
     def tissue_table(self) -> Table | None:
         """Per slide: kept and dropped pieces (count, mm²) and the largest dropped one; None without detection."""
