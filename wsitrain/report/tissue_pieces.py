@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import html
 import io
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -92,13 +91,14 @@ def tissue_section(records: dict[str, dict[str, Any]] | None, cfg: dict[str, Any
             pic = (f'<img alt="{_e(name)}" style="max-width:{SHOWN_SIDE}px;max-height:{SHOWN_SIDE}px" '
                    f'src="{data_uri(png)}">') if png else "(slide not readable now)"  # fmt: skip
         big = r["dropped"]["largest"]
+        largest = f"{big['area_mm2']:.4g} mm² {big['kind']}" if big else "–"
         doubts = "; ".join(f"{d['kind']} {d['area_mm2']:.4g} mm² at {d['box'][:2]}: {d['why']}" for d in r["doubts"])
         mpp = f"{r['mpp']:g}" + (" (assumed)" if r["mpp_assumed"] else "")
         rows.append(
             f'<tr class="{"wrong" if r["doubts"] else ""}"><td>{_e(name)}</td><td>{pic}</td>'
             f'<td class="num">{r["kept"]["count"]}</td><td class="num">{r["kept"]["area_mm2"]:.4g}</td>'
             f"<td>{_e(describe_dropped(r))}</td>"
-            f"<td>{_e(f'{big['area_mm2']:.4g} mm² {big['kind']}') if big else '–'}</td>"
+            f"<td>{_e(largest)}</td>"
             f"<td>{_e(doubts) if doubts else '–'}</td><td class=\"num\">{_e(mpp)}</td></tr>"
         )
     out.append("<table><tr><th>slide</th><th>thumbnail</th><th>kept</th><th>kept mm²</th><th>dropped</th>"
