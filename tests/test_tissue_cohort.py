@@ -42,9 +42,15 @@ def cohort(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Fr
     return d, scenes
 
 
+_DETECTED: dict[tuple[Path, TissueSettings | None], TissueResult] = {}
+
+
 def _detect(path: Path, settings: TissueSettings | None = None) -> TissueResult:
-    with open_slide(path) as reader:
-        return detect_tissue(reader, settings=settings)
+    """The detector's result (each slide and settings detected once in this module: the result is immutable)."""
+    if (path, settings) not in _DETECTED:
+        with open_slide(path) as reader:
+            _DETECTED[path, settings] = detect_tissue(reader, settings=settings)
+    return _DETECTED[path, settings]
 
 
 def _thumb_px(t: TissueResult, x: float, y: float) -> tuple[int, int]:
