@@ -200,3 +200,19 @@ def test_report_picture_marks_kept_outline_and_dropped_pieces(cohort: tuple[Path
     pic = np.asarray(Image.open(io.BytesIO(tissue_picture(thumb, t))).convert("RGB"))
     colours = {tuple(int(v) for v in c) for c in pic.reshape(-1, 3)}
     assert KEPT_OUTLINE in colours and all(REASON_COLOURS[k] in colours for k in ("pen", "label", "small", "dust"))
+
+
+def test_a_run_from_before_data_tissue_resumes_without_force(tmp_path: Path) -> None:
+    from wsitrain.config import config_to_dict
+    from wsitrain.errors import WsiTrainError
+    from wsitrain.train.checkpoint import CHECKPOINT_FORMAT
+    from wsitrain.train.runfolder import load_resume
+
+    cfg_dict = config_to_dict(WsiTrainConfig.model_validate({"model": {"name": "tiny"}}))
+    old = json.loads(json.dumps(cfg_dict))
+    del old["data"]["tissue"]
+    torch.save({"format": CHECKPOINT_FORMAT, "model": {}, "config": old}, tmp_path / "last.pt")
+    assert load_resume(tmp_path, cfg_dict, force=False)[1] == tmp_path
+    cfg_dict["data"]["tissue"]["min_fragment_mm2"] = 0.01  # a real change still needs --force
+    with pytest.raises(WsiTrainError, match="data.tissue.min_fragment_mm2"):
+        load_resume(tmp_path, cfg_dict, force=False)

@@ -19,7 +19,7 @@ import torch
 import yaml
 
 import wsitrain
-from wsitrain.config import TaskConfig, check_run_name, diff_configs
+from wsitrain.config import TaskConfig, TissueConfig, check_run_name, diff_configs
 from wsitrain.errors import WsiTrainError
 from wsitrain.train.checkpoint import NO_SPACE, load_checkpoint
 from wsitrain.train.data import FitData
@@ -250,6 +250,8 @@ def load_resume(resume: Path, cfg_dict: dict[str, Any], force: bool) -> tuple[di
     if "balance" not in old.get("distributed", {}):  # written before distributed.balance: not a change of config (the
         # resume deals slides round robin, as that run did: recipe._balance reads the checkpoint)
         old = {**old, "distributed": {**old.get("distributed", {}), "balance": cfg_dict["distributed"]["balance"]}}
+    if "tissue" not in old.get("data", {}):  # written before data.tissue existed: its default is no change of config
+        old = {**old, "data": {**old.get("data", {}), "tissue": TissueConfig().model_dump(mode="json")}}
     changed = [k for k in diff_configs(old, cfg_dict) if k != "name"]
     fixed = [k for k in changed if k in ARCHITECTURE_KEYS]
     if fixed:

@@ -67,11 +67,6 @@ class Piece:
         return {"kind": self.kind, "area_px": self.area_px, "area_mm2": self.area_mm2, "bbox": list(self.bbox),
                 "grey": self.grey}  # fmt: skip
 
-    @classmethod
-    def from_dict(cls, d: dict[str, object]) -> Piece:
-        r0, c0, r1, c1 = (int(v) for v in d["bbox"])  # type: ignore[union-attr]
-        return cls(str(d["kind"]), int(d["area_px"]), float(d["area_mm2"]), (r0, c0, r1, c1), float(d["grey"]))  # type: ignore[arg-type]
-
 
 def _thin_and_long(p: object) -> bool:
     if p.area < SHAPE_MIN_PX:  # type: ignore[attr-defined]
