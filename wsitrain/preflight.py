@@ -47,6 +47,8 @@ NAMES_SHOWN = 8
 # Cells per side of a slide's tissue grid (SlideShape.tissue_cells): 4 KB a slide, finer than the tile grids the
 # planner picks for any slide below 64 tiles a side, which is what the predicted step time counts tiles on.
 TISSUE_CELLS = 64
+# Slides shown in validate's tissue table (those with doubts first): a cohort of thousands stays one screen or two.
+TISSUE_ROWS = 40
 
 
 @dataclass(frozen=True)
@@ -143,16 +145,21 @@ class PreflightReport:
         return {s.slide: {**s.tissue, "path": str(s.path)} for s in self.slides if s.tissue is not None}
 
     def tissue_table(self) -> Table | None:
-        """Per slide: kept and dropped pieces (count, mm²) and the largest dropped one; None without detection."""
+        """Per slide: kept and dropped pieces (count, mm²) and the largest dropped one, slides with doubts first, at
+        most TISSUE_ROWS of them; None without detection."""
         from wsitrain.slides.tissue.summary import describe_dropped
 
         records = self.tissue_records()
         if not records:
             return None
-        t = Table(title="tissue pieces (data.tissue.min_fragment_mm2)", title_justify="left")
+        order = sorted(records, key=lambda n: not records[n]["doubts"])  # stable: CSV order within each group
+        more = len(order) - TISSUE_ROWS
+        t = Table(title="tissue pieces (data.tissue.min_fragment_mm2)", title_justify="left",
+                  caption=f"and {more} more slides (data.json's tissue lists every slide)" if more > 0 else None)
         for col in ("slide", "kept", "kept mm²", "dropped", "largest dropped", "doubts"):
             t.add_column(col, justify="left" if col in ("slide", "dropped", "largest dropped") else "right")
-        for name, r in records.items():
+        for name in order[:TISSUE_ROWS]:
+            r = records[name]
             big = r["dropped"]["largest"]
             scale = " (mpp assumed)" if r["mpp_assumed"] else ""
             t.add_row(
