@@ -1,8 +1,9 @@
-"""Tissue detection pieces: Otsu, connected components, small-object removal, bounding boxes, resolution choice."""
+"""Tissue detection pieces: the saturation threshold, pieces judged by size, colour and shape, bounding boxes,
+resolution choice."""
 
 from __future__ import annotations
 
-from collections import deque
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -10,58 +11,87 @@ import pytest
 from wsitrain.errors import SlideError
 from wsitrain.slides.metadata import SlideInfo
 from wsitrain.slides.resolution import choose_resolution
-from wsitrain.slides.tissue import label_components, mask_box, otsu_threshold, remove_small_objects, tissue_mask
+from wsitrain.slides.tissue import UNKNOWN_MPP, level0_mpp, mask_box, tissue_mask
+from wsitrain.slides.tissue.colour import MIN_SATURATION, classify_pixels, saturation_threshold
+from wsitrain.slides.tissue.pieces import classify_pieces
 
 
-def _flood_labels(mask: np.ndarray) -> np.ndarray:
-    """Reference 8-connected labelling by breadth-first flood fill."""
-    labels = np.zeros(mask.shape, dtype=np.int64)
-    n = 0
-    for start in zip(*np.nonzero(mask), strict=True):
-        if labels[start]:
-            continue
-        n += 1
-        labels[start] = n
-        q = deque([start])
-        while q:
-            y, x = q.popleft()
-            for dy in (-1, 0, 1):
-                for dx in (-1, 0, 1):
-                    v, u = y + dy, x + dx
-                    if 0 <= v < mask.shape[0] and 0 <= u < mask.shape[1] and mask[v, u] and not labels[v, u]:
-                        labels[v, u] = n
-                        q.append((v, u))
-    return labels
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_components_match_flood_fill(seed: int) -> None:
-    mask = np.random.default_rng(seed).random((40, 50)) < 0.45
-    got, want = label_components(mask), _flood_labels(mask)
-    assert got.max() == want.max()
-    # Same partition: each reference component maps to exactly one label and vice versa.
-    pairs = set(zip(got[mask].tolist(), want[mask].tolist(), strict=True))
-    assert len(pairs) == want.max() and (got[~mask] == 0).all()
-
-
-def test_otsu_splits_two_modes() -> None:
+def test_threshold_splits_two_modes_and_has_a_floor() -> None:
     v = np.concatenate([np.full(1000, 10), np.full(500, 200)]).astype(np.uint8)
-    t = otsu_threshold(v)
+    t = saturation_threshold(v)
     assert 10 <= t < 200
+    assert saturation_threshold(np.full(50, 3, dtype=np.uint8)) == MIN_SATURATION  # one value: nothing to split
+    noise = np.random.default_rng(0).integers(0, 8, size=1000).astype(np.uint8)
+    assert saturation_threshold(noise) == MIN_SATURATION  # glass noise alone never counts as tissue
 
 
-def test_tissue_mask_drops_specks_and_keeps_blob() -> None:
-    img = np.full((200, 200, 3), 245, dtype=np.uint8)
+def _glass(n: int = 200) -> np.ndarray:
+    return np.full((n, n, 3), 245, dtype=np.uint8)
+
+
+def test_tissue_mask_keeps_pieces_by_area_and_box_covers_them() -> None:
+    img = _glass()
     yy, xx = np.mgrid[:200, :200]
     img[(yy - 80) ** 2 + (xx - 120) ** 2 < 40**2] = (220, 120, 180)  # tissue blob
-    img[10:12, 10:12] = (200, 60, 60)  # a 2x2 speck
-    mask, thr = tissue_mask(img)
-    assert mask[80, 120] and not mask[10, 10]
-    assert mask_box(mask, 4.0, (800, 800), margin_px=0) == (324, 164, 316, 316)  # circle spans px 81..159
-    big = np.zeros((50, 50), bool)
-    big[5:30, 5:30] = True
-    big[40, 40] = True
-    assert remove_small_objects(big, 4).sum() == 625
+    img[10:12, 10:12] = (200, 60, 60)  # a 2x2 stained speck
+    img[(yy - 155) ** 2 + (xx - 25) ** 2 < 6**2] = (220, 120, 180)  # a fragment far from the blob
+    # 1 thumbnail px = 1e-4 mm²: the speck is 4e-4 mm², the fragment 0.0109 mm²
+    mask, _ = tissue_mask(img, px_mm2=1e-4, min_fragment_mm2=0.001)
+    assert mask[80, 120] and not mask[10, 10] and mask[155, 25]
+    # the box grows to the far fragment: columns 20..159, rows 41..160
+    assert mask_box(mask, 4.0, (800, 800), margin_px=0) == (80, 164, 560, 480)
+    # a larger threshold drops the fragment, a smaller one keeps the speck; no scale keeps every stained piece
+    assert not tissue_mask(img, px_mm2=1e-4, min_fragment_mm2=0.02)[0][155, 25]
+    assert tissue_mask(img, px_mm2=1e-4, min_fragment_mm2=0.0001)[0][10, 10]
+    assert tissue_mask(img)[0][10, 10]
+
+
+def _kinds(img: np.ndarray, px_mm2: float = 1e-4) -> dict[tuple[int, int], str]:
+    """The kind of the piece under each candidate pixel, by (row, col) of a probe point."""
+    labels, pieces = classify_pieces(classify_pixels(img), px_mm2, 0.001)
+    return {(int(r), int(c)): pieces[labels[r, c] - 1].kind for r, c in zip(*np.nonzero(labels), strict=True)}
+
+
+def test_pen_dust_and_label_are_dropped_by_colour_and_shape_not_size() -> None:
+    img = _glass(300)
+    yy, xx = np.mgrid[:300, :300]
+    img[(yy - 150) ** 2 + (xx - 200) ** 2 < 50**2] = (225, 130, 185)  # main tissue
+    img[100:104, 20:140] = (40, 75, 175)  # blue pen stroke: 4 x 120 px, 0.048 mm²
+    img[(yy - 250) ** 2 + (xx - 40) ** 2 < 12**2] = (70, 70, 72)  # dust clump, 0.045 mm²
+    img[0:30, 0:60] = (236, 222, 150)  # flat label in the corner, 0.18 mm²
+    img[(yy - 250) ** 2 + (xx - 120) ** 2 < 12**2] = (40, 75, 175)  # a blue round blob: pen colour, not pen shape
+    img[(yy - 40) ** 2 + (xx - 250) ** 2 < 10**2] = (70, 30, 120)  # a dense dark purple fragment
+    k = _kinds(img)
+    assert k[(150, 200)] == "tissue" and k[(102, 80)] == "pen" and k[(250, 40)] == "dust"
+    assert k[(15, 30)] == "label" and k[(250, 120)] == "tissue" and k[(40, 250)] == "tissue"
+
+
+def test_a_thin_strip_of_stained_tissue_is_not_pen() -> None:
+    img = _glass(300)
+    img[100:106, 20:280] = (200, 110, 170)  # a needle-biopsy-like strip: thin and long, but tissue-coloured
+    img[200:206, 20:280] = (60, 60, 60)  # the same shape in black ink
+    k = _kinds(img)
+    assert k[(103, 100)] == "tissue" and k[(203, 100)] == "pen"
+
+
+def test_a_textured_rectangle_is_tissue_and_the_largest_piece_is_never_a_label() -> None:
+    img = _glass(200)
+    img[20:180, 20:180] = (236, 222, 150)  # one flat rectangle, the only piece: kept
+    assert _kinds(img)[(100, 100)] == "tissue"
+    img = _glass(200)
+    img[120:180, 20:180] = (225, 130, 185)
+    tex = np.random.default_rng(0).integers(-40, 40, size=(40, 60, 3))
+    img[10:50, 10:70] = np.clip(np.array([225, 130, 185]) + tex, 0, 255)  # textured rectangle: tissue
+    assert _kinds(img)[(30, 40)] == "tissue"
+
+
+def test_unknown_mpp_falls_back() -> None:
+    def reader(mpp: tuple[float, float] | None) -> SimpleNamespace:
+        return SimpleNamespace(info=SimpleNamespace(mpp=mpp))
+
+    assert level0_mpp(reader((0.25, 0.26)), None) == (pytest.approx(0.255), False)  # type: ignore[arg-type]
+    assert level0_mpp(reader(None), 0.5) == (0.5, True)  # type: ignore[arg-type]
+    assert level0_mpp(reader(None), None) == (UNKNOWN_MPP, True)  # type: ignore[arg-type]
 
 
 def _info(mpp: tuple[float, float] | None, power: float | None) -> SlideInfo:

@@ -508,6 +508,9 @@ def validate(
     console.print(table)
     if report is not None:
         console.print(report.table())
+        pieces = report.tissue_table()
+        if pieces is not None:
+            console.print(pieces)
 
 
 @app.command()

@@ -37,6 +37,7 @@ from wsitrain.errors import ConfigError, WsiTrainError
 from wsitrain.models.heads import ATTENTION_POOLS, POOLS, AttentionSpec
 from wsitrain.models.registry import ModelNameError, is_imagenet, resolve_model_name
 from wsitrain.precision import Precision
+from wsitrain.slides.tissue.result import DEFAULT_MIN_FRAGMENT_MM2, TissueSettings
 from wsitrain.tasks.kinds import RegressionLoss, TaskKind
 from wsitrain.units import format_bytes, parse_bytes
 
@@ -107,6 +108,18 @@ class AugmentConfig(Section):
     jitter_strength: float = Field(0.05, ge=0, le=1)
 
 
+class TissueConfig(Section):
+    """``data.tissue``: how the tissue detector keeps pieces (wsitrain/slides/tissue)."""
+
+    # Pieces of tissue at least this large (mm² at the slide's mpp) are kept, however far from the others; smaller
+    # ones are dropped as specks. Default 0.001 mm² (about 32 um across): keeps a 0.005 mm² biopsy fragment with room
+    # to spare. Pen strokes, dust and labels are dropped by colour and shape whatever their size.
+    min_fragment_mm2: float = Field(DEFAULT_MIN_FRAGMENT_MM2, gt=0, le=100)
+
+    def settings(self, fallback_mpp: float | None) -> TissueSettings:
+        return TissueSettings(min_fragment_mm2=self.min_fragment_mm2, fallback_mpp=fallback_mpp)
+
+
 class DataConfig(Section):
     labels: UserPath | None = None
     slides_dir: UserPath | None = None
@@ -133,6 +146,11 @@ class DataConfig(Section):
     # become the background colour, and chunks wholly outside it are not decoded: background is then one constant
     # colour (pen marks and dust outside tissue go too). Strict: 1, "yes" or "true" in quotes are not taken as true.
     mask_background: Annotated[bool, Field(strict=True)] = True
+    tissue: TissueConfig = Field(default_factory=TissueConfig)
+
+    def tissue_settings(self) -> TissueSettings:
+        """The tissue detector's settings (a slide without mpp is measured at data.fallback_mpp when set)."""
+        return self.tissue.settings(self.fallback_mpp)
 
     @field_validator("read_threads", mode="before")
     @classmethod

@@ -18,10 +18,12 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from torch import nn
@@ -45,6 +47,8 @@ NAMES_SHOWN = 8
 # Cells per side of a slide's tissue grid (SlideShape.tissue_cells): 4 KB a slide, finer than the tile grids the
 # planner picks for any slide below 64 tiles a side, which is what the predicted step time counts tiles on.
 TISSUE_CELLS = 64
+# Slides shown in validate's tissue table (those with doubts first): a cohort of thousands stays one screen or two.
+TISSUE_ROWS = 40
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,8 @@ class SlideShape:
     # predicted step time (wsitrain.train.balance.cost); None when masking is off, no tissue was found, the region is
     # fixed, or --shapes-only skipped tissue detection
     tissue_cells: np.ndarray | None = field(default=None, compare=False, repr=False)
+    # what tissue detection kept and dropped (``slides.tissue.summary.tissue_record``); None when it did not run
+    tissue: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -101,6 +107,7 @@ class PreflightReport:
     host_available_bytes: int = 0
     problems: list[Problem] = field(default_factory=list)
     seconds: float = 0.0
+    warnings: list[str] = field(default_factory=list)  # worth a look, but no reason to stop
 
     @property
     def ok(self) -> bool:
@@ -132,6 +139,53 @@ class PreflightReport:
                 "[green]yes[/]" if b.fits else "[red]no[/]",
             )  # fmt: skip
         return t
+
+    def tissue_records(self) -> dict[str, dict[str, Any]]:
+        """Each slide's tissue record (kept and dropped pieces) and its path, by file name: data.json's ``tissue``."""
+        return {s.slide: {**s.tissue, "path": str(s.path)} for s in self.slides if s.tissue is not None}
+
+    def tissue_table(self) -> Table | None:
+        """Per slide: kept and dropped pieces (count, mm²) and the largest dropped one, slides with doubts first, at
+        most TISSUE_ROWS of them; None without detection."""
+        from wsitrain.slides.tissue.summary import describe_dropped
+
+        records = self.tissue_records()
+        if not records:
+            return None
+        order = sorted(records, key=lambda n: not records[n]["doubts"])  # stable: CSV order within each group
+        more = len(order) - TISSUE_ROWS
+        t = Table(title="tissue pieces (data.tissue.min_fragment_mm2)", title_justify="left",
+                  caption=f"and {more} more slides (data.json's tissue lists every slide)" if more > 0 else None)
+        for col in ("slide", "kept", "kept mm²", "dropped", "largest dropped", "doubts"):
+            t.add_column(col, justify="left" if col in ("slide", "dropped", "largest dropped") else "right")
+        for name in order[:TISSUE_ROWS]:
+            r = records[name]
+            big = r["dropped"]["largest"]
+            scale = " (mpp assumed)" if r["mpp_assumed"] else ""
+            t.add_row(
+                name + scale, str(r["kept"]["count"]), f"{r['kept']['area_mm2']:.4g}", describe_dropped(r),
+                f"{big['area_mm2']:.4g} mm² {big['kind']}" if big else "-",
+                f"[yellow]{len(r['doubts'])}[/]" if r["doubts"] else "0",
+            )  # fmt: skip
+        return t
+
+
+def tissue_warnings(slides: Sequence[SlideShape]) -> list[str]:
+    """One line for the slides where a dropped piece may be tissue (``summary.doubts``), naming them, and one for the
+    slides measured at an assumed mpp."""
+    doubtful = [s.slide for s in slides if s.tissue is not None and s.tissue["doubts"]]
+    assumed = [s.slide for s in slides if s.tissue is not None and s.tissue["mpp_assumed"]]
+    out = []
+    if doubtful:
+        out.append(f"tissue: on {_names(doubtful)}, a dropped piece may be tissue (larger than a tenth of "
+                   "data.tissue.min_fragment_mm2, or darker than the kept tissue); data.json's tissue lists them "
+                   "and the report marks them; lower data.tissue.min_fragment_mm2 to keep them")  # fmt: skip
+    if assumed:
+        mpp = next(s.tissue["mpp"] for s in slides if s.tissue is not None and s.tissue["mpp_assumed"])
+        out.append(f"tissue: {_names(assumed)} state no mpp; piece areas were measured at {mpp:g} um/px "
+                   "(data.fallback_mpp, or 1.0 when unset, which overestimates areas so no tissue is dropped "
+                   "for it)")  # fmt: skip
+    return out
 
 
 class PreflightError(WsiTrainError):
@@ -171,6 +225,8 @@ def check_run(
     report = run_preflight(cfg, budget_bytes, device, shapes_only=shapes_only, progress=console)
     if console is not None:
         console.print(report.summary(), markup=False)
+        for w in report.warnings:
+            console.print(f"[yellow]warning: {escape(w)}[/]", soft_wrap=True)
     return report
 
 
@@ -209,6 +265,7 @@ def run_preflight(
                 report.slides.append(shape_or_problem)
             bar.advance()
 
+    report.warnings += tissue_warnings(report.slides)
     report.buckets = _group(report.slides, transposed=cfg.data.augment.rot90)
     report.problems += _plan_buckets(cfg, model, report, dev)
     report.problems += _host_problems(cfg, report, dev)
@@ -227,10 +284,11 @@ def slide_shape(cfg: WsiTrainConfig, path: Path, stride: int, *, shapes_only: bo
     from wsitrain.slides.resolution import choose_resolution
     from wsitrain.slides.stream import _tissue
     from wsitrain.slides.tissue import region_mask
+    from wsitrain.slides.tissue.summary import tissue_record
 
     d = cfg.data
     name = path.name
-    cells = None
+    cells, record = None, None
     try:
         with open_slide(path, tuple(d.background)) as reader:
             info = reader.info
@@ -242,7 +300,9 @@ def slide_shape(cfg: WsiTrainConfig, path: Path, stride: int, *, shapes_only: bo
                 h, w = (d.size, d.size) if isinstance(d.size, int) else tuple(d.size)
             else:
                 # Tissue detections go through the reader's per-process cache, so fit does not detect them twice.
-                tissue = _tissue(reader) if (d.region == "tissue" or d.mask_background) and not shapes_only else None
+                detect = (d.region == "tissue" or d.mask_background) and not shapes_only
+                tissue = _tissue(reader, d.tissue_settings()) if detect else None
+                record = tissue_record(tissue) if tissue is not None else None
                 box = tissue.box if tissue is not None and d.region == "tissue" else None
                 bx, by, bw, bh = (0, 0, *info.dimensions) if box is None else box
                 w, h = max(1, round(bw / res.downsample)), max(1, round(bh / res.downsample))
@@ -255,7 +315,7 @@ def slide_shape(cfg: WsiTrainConfig, path: Path, stride: int, *, shapes_only: bo
         return Problem(name, _without_name(e.message, name), e.hint or "check the slide file")
     shape = (-(-h // stride) * stride, -(-w // stride) * stride)
     bucket = bucket_shape(shape, multiple=stride, steps=d.bucket)
-    return SlideShape(name, path, res.level, res.mpp, shape, bucket, cells)
+    return SlideShape(name, path, res.level, res.mpp, shape, bucket, cells, record)
 
 
 def _without_name(message: str, name: str) -> str:

@@ -104,6 +104,7 @@ def write_report(run_dir: Path, heatmaps: bool = True, console: Any = None) -> P
         _curves(run_dir),
         _task(run_dir),
         _validation(run_dir, maps_note),
+        _tissue(run_dir),
         _plans(run_dir),
         _tiles(run_dir),
         _config(run_dir),
@@ -231,6 +232,12 @@ def _validation(run_dir: Path, maps_note: str | None) -> str:
         out.append(_note("no heatmaps: run `wsitrain report RUN_DIR` with heatmaps on, or "
                          "`wsitrain predict ... --heatmaps RUN_DIR/heatmaps`"))
     return "\n".join(out)
+
+
+def _tissue(run_dir: Path) -> str:
+    from wsitrain.report.tissue_pieces import tissue_section
+
+    return tissue_section((read_json(run_dir / "data.json") or {}).get("tissue"), _config_dict(run_dir), data_uri)
 
 
 def _plans(run_dir: Path) -> str:

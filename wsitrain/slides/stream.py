@@ -34,7 +34,8 @@ from wsitrain.slides.augment import Geometry
 from wsitrain.slides.pixels import ReadThreads, RegionMask, fill_region_masked, resolve_read_threads
 from wsitrain.slides.readers import Background, SlideReader, open_slide
 from wsitrain.slides.resolution import Resolution, choose_resolution
-from wsitrain.slides.tissue import TissueResult, detect_tissue, region_mask
+from wsitrain.slides.tissue import TissueResult, TissueSettings, detect_tissue, region_mask
+from wsitrain.slides.tissue.pieces import Piece
 
 REGIONS = ("whole", "tissue", "fixed")
 
@@ -112,7 +113,7 @@ def _allocate(shape: tuple[int, int, int], pin_memory: bool) -> tuple[torch.Tens
 # Tissue detections by (path, size, mtime, background): a single-level slide's thumbnail costs a full read, so a
 # slide read every epoch detects its tissue once per process. Masks are kept bit-packed and zlib-compressed (a
 # 512 px thumbnail's mask: a few KB), least recently used dropped first past either bound.
-_TISSUE_CACHE: OrderedDict[tuple[str, int, int, Background], _StoredTissue] = OrderedDict()
+_TISSUE_CACHE: OrderedDict[tuple[str, int, int, Background, TissueSettings], _StoredTissue] = OrderedDict()
 _TISSUE_CACHE_ENTRIES = 10000
 _TISSUE_CACHE_BYTES = 64 * 2**20
 _TISSUE_LOCK = threading.Lock()  # slides are read on the prefetch thread and the main thread
@@ -125,28 +126,38 @@ class _StoredTissue:
     downsample: float
     box: tuple[int, int, int, int] | None
     threshold: int
+    pieces: tuple[Piece, ...]
+    mpp: float | None
+    mpp_assumed: bool
+    min_fragment_mm2: float
 
     @classmethod
     def of(cls, t: TissueResult) -> _StoredTissue:
         packed = zlib.compress(np.packbits(t.mask.astype(bool)).tobytes(), 1)
-        return cls(packed, (int(t.mask.shape[0]), int(t.mask.shape[1])), t.downsample, t.box, t.threshold)
+        return cls(packed, (int(t.mask.shape[0]), int(t.mask.shape[1])), t.downsample, t.box, t.threshold,
+                   t.pieces, t.mpp, t.mpp_assumed, t.min_fragment_mm2)  # fmt: skip
 
     def result(self) -> TissueResult:
         bits = np.frombuffer(zlib.decompress(self.packed), dtype=np.uint8)
         mask = np.unpackbits(bits, count=self.shape[0] * self.shape[1]).astype(bool).reshape(self.shape)
-        return TissueResult(mask=mask, downsample=self.downsample, box=self.box, threshold=self.threshold)
+        return TissueResult(mask=mask, downsample=self.downsample, box=self.box, threshold=self.threshold,
+                            pieces=self.pieces, mpp=self.mpp, mpp_assumed=self.mpp_assumed,
+                            min_fragment_mm2=self.min_fragment_mm2)  # fmt: skip
 
 
-def _tissue(reader: SlideReader) -> TissueResult:
-    """``detect_tissue(reader)``, once per slide file and background colour in this process."""
+def _tissue(reader: SlideReader, settings: TissueSettings | None = None) -> TissueResult:
+    """``detect_tissue(reader, settings=settings)``, once per slide file, background colour and settings in this
+    process."""
+    settings = settings if settings is not None else TissueSettings()
     st = reader.path.stat()
-    key = (str(reader.path.resolve()), st.st_size, st.st_mtime_ns, reader.background)
+    key = (str(reader.path.resolve()), st.st_size, st.st_mtime_ns, reader.background, settings)
     with _TISSUE_LOCK:
         stored = _TISSUE_CACHE.get(key)
         if stored is not None:
             _TISSUE_CACHE.move_to_end(key)
             return stored.result()
-    result = detect_tissue(reader)  # outside the lock: another thread's detection does not wait for this one
+    # outside the lock: another thread's detection does not wait for this one
+    result = detect_tissue(reader, settings=settings)
     with _TISSUE_LOCK:
         _TISSUE_CACHE[key] = _StoredTissue.of(result)
         _TISSUE_CACHE.move_to_end(key)
@@ -156,8 +167,8 @@ def _tissue(reader: SlideReader) -> TissueResult:
     return result
 
 
-def _tissue_box(reader: SlideReader) -> tuple[int, int, int, int] | None:
-    return _tissue(reader).box
+def _tissue_box(reader: SlideReader, settings: TissueSettings | None = None) -> tuple[int, int, int, int] | None:
+    return _tissue(reader, settings).box
 
 
 def read_slide_region(
@@ -175,6 +186,7 @@ def read_slide_region(
     chunk: int = 4096,
     read_threads: ReadThreads | None = "auto",
     mask_background: bool = False,
+    tissue_settings: TissueSettings | None = None,
 ) -> ReadResult:
     """Read a slide region at the chosen resolution into a (3, H, W) uint8 tensor.
 
@@ -185,6 +197,7 @@ def read_slide_region(
     ``mask_background``: set the pixels outside the detected tissue (dilated by ``tissue.MASK_DILATION_PX``
     thumbnail px) to the background colour, and skip decoding chunks wholly outside it; when no tissue is found
     nothing is masked (``tissue_fraction`` None). Off, the read is exactly what it always was.
+    ``tissue_settings``: how the detector keeps pieces (data.tissue; None: its defaults).
     """
     t0 = time.perf_counter()
     resolve_read_threads(read_threads)  # a bad value fails before the slide is opened
@@ -214,7 +227,7 @@ def read_slide_region(
             info, level=level, mpp=mpp, magnification=magnification, fallback_mpp=fallback_mpp
         )
         w0, h0 = info.dimensions
-        tissue = _tissue(reader) if region in ("tissue", "fixed") or mask_background else None
+        tissue = _tissue(reader, tissue_settings) if region in ("tissue", "fixed") or mask_background else None
         tissue_box = tissue.box if tissue is not None and region in ("tissue", "fixed") else None
         ds = res.downsample
         if region == "fixed":

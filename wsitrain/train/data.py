@@ -119,6 +119,7 @@ def read_kwargs(cfg: WsiTrainConfig, stride: int) -> dict[str, Any]:
         pad_multiple=stride,
         read_threads=d.read_threads,
         mask_background=d.mask_background,
+        tissue_settings=d.tissue_settings(),
     )
 
 

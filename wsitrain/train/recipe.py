@@ -187,7 +187,8 @@ class FitRecipe:
                                     hint="see rank 0's message")  # fmt: skip
             self.run_dir = Path(folder)
             if self.dist.is_main:
-                write_run_files(self.run_dir, self.cfg_dict, ckpt is not None, self.device, self.data)
+                tissue = self._preflight.tissue_records() if self._preflight is not None else None
+                write_run_files(self.run_dir, self.cfg_dict, ckpt is not None, self.device, self.data, tissue)
                 if ckpt is None:
                     write_job_file(self.run_dir)  # the Slurm job that started it, for `--resume auto` after a requeue
 

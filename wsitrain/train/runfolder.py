@@ -18,7 +18,7 @@ import torch
 import yaml
 
 import wsitrain
-from wsitrain.config import TaskConfig, check_run_name, diff_configs
+from wsitrain.config import TaskConfig, TissueConfig, check_run_name, diff_configs
 from wsitrain.errors import WsiTrainError
 from wsitrain.train.checkpoint import load_checkpoint
 from wsitrain.train.data import FitData
@@ -246,6 +246,8 @@ def load_resume(resume: Path, cfg_dict: dict[str, Any], force: bool) -> tuple[di
     if "balance" not in old.get("distributed", {}):  # written before distributed.balance: not a change of config (the
         # resume deals slides round robin, as that run did: recipe._balance reads the checkpoint)
         old = {**old, "distributed": {**old.get("distributed", {}), "balance": cfg_dict["distributed"]["balance"]}}
+    if "tissue" not in old.get("data", {}):  # written before data.tissue existed: its default is no change of config
+        old = {**old, "data": {**old.get("data", {}), "tissue": TissueConfig().model_dump(mode="json")}}
     changed = [k for k in diff_configs(old, cfg_dict) if k != "name"]
     fixed = [k for k in changed if k in ARCHITECTURE_KEYS]
     if fixed:
@@ -271,9 +273,11 @@ def _get(d: dict[str, Any], dotted: str) -> Any:
 
 
 def write_run_files(
-    run_dir: Path, cfg_dict: dict[str, Any], resumed: bool, device: torch.device, data: FitData
+    run_dir: Path, cfg_dict: dict[str, Any], resumed: bool, device: torch.device, data: FitData,
+    tissue: dict[str, Any] | None = None,
 ) -> None:
-    """config.yaml, versions.json and data.json; on a resume with a changed config, config.resume-N.yaml instead."""
+    """config.yaml, versions.json and data.json; on a resume with a changed config, config.resume-N.yaml instead.
+    ``tissue``: each slide's kept and dropped tissue pieces (the preflight's ``tissue_records``), by file name."""
     if not resumed:
         write_yaml(run_dir / "config.yaml", cfg_dict)
         write_json(run_dir / "versions.json", library_versions(device))
@@ -285,6 +289,7 @@ def write_run_files(
             **({"task": data.objective.state()} if data.objective is not None else {}),
             **({"patients": {r.slide_id: r.patient for r in data.train + data.val + data.test if r.patient}}
                if any(r.patient for r in data.train + data.val + data.test) else {}),
+            **({"tissue": tissue} if tissue else {}),
         })  # fmt: skip
         return
     saved = run_dir / "config.yaml"
