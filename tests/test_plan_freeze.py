@@ -16,8 +16,9 @@ from wsitrain.plan.command import parse_freeze, run_plan
 
 def _plan(freeze: str | None, as_json: bool = True) -> tuple[int, str]:
     buf = io.StringIO()
+    console = Console(file=buf, width=400, color_system=None)
     code = run_plan(model="resnet18", size="2048", gpu="2080ti", memory=None, batch=1, precision="fp32", tile=None,
-                    as_json=as_json, console=Console(file=buf, width=400, color_system=None), freeze=freeze)  # fmt: skip
+                    as_json=as_json, console=console, freeze=freeze)  # fmt: skip
     return code, buf.getvalue()
 
 
