@@ -124,6 +124,8 @@ def run_one(base: dict[str, Any], work: Path, labels: Path, seed: int, pool: str
     val = [m for m in metrics if m.get("kind") == "val"]
     last = val[-1] if val else {}
     sizes = [m.get("shape") for m in metrics if m.get("kind") == "train"]
+    t1 = time.perf_counter()
+    where = None if thumbnail else localise(cfg, run_dir, labels, pool)
     return {
         "kind": "run",
         "input": "thumbnail" if thumbnail else "whole slide",
@@ -132,7 +134,12 @@ def run_one(base: dict[str, Any], work: Path, labels: Path, seed: int, pool: str
         "seed": seed,
         "roc_auc": _num(summary.get("val_roc_auc", last.get("roc_auc"))),
         "accuracy": _num(last.get("accuracy")),
+        "balanced_accuracy": _num(last.get("balanced_accuracy")),
         "val_loss": _num(last.get("loss")),
+        "chance_loss": chance_loss(labels),
+        "pointing_game": None if where is None else _num(where["pointing_game"]),
+        "lesion_mass": None if where is None else _num(where["lesion_mass"]),
+        "localise_s": None if where is None else round(time.perf_counter() - t1, 1),
         "first_train_loss": _num(summary.get("first_epoch_train_loss")),
         "last_train_loss": _num(summary.get("last_epoch_train_loss")),
         "mean_slide_s": _num(summary.get("mean_slide_s")),
@@ -140,6 +147,39 @@ def run_one(base: dict[str, Any], work: Path, labels: Path, seed: int, pool: str
         "example_input": sizes[0] if sizes else None,
         "run_dir": str(run_dir),
     }
+
+
+def chance_loss(labels: Path) -> float:
+    """The held-out cross-entropy of always predicting the training set's class shares (ln 2 when balanced): a run
+    whose held-out loss is not below it has learned nothing it can show on held-out slides."""
+    rows = list(csv.DictReader(labels.open()))
+    train = [r["label"] for r in rows if r["split"] == "train"]
+    held = [r["label"] for r in rows if r["split"] != "train"]
+    share = {c: train.count(c) / len(train) for c in set(train)}
+    return float(-np.mean([np.log(share.get(c, 1e-12)) for c in held]))
+
+
+def localise(cfg: Any, run_dir: Path, labels: Path, pool: str) -> dict[str, float]:
+    """Pointing game and map mass on the lesions (wsitrain.report.localisation) of the held-out positive slides:
+    ``predict --heatmaps`` with the last checkpoint (as the AUC), attention maps for attention pools, else the CAM."""
+    from rich.console import Console
+
+    from wsitrain.report.localisation import score_heatmaps
+    from wsitrain.train.predict import run_predict
+
+    rows = list(csv.DictReader(labels.open()))
+    slides_dir = Path(cfg.data.slides_dir)
+    held = run_dir / "held_out_slides"
+    held.mkdir(exist_ok=True)
+    for r in rows:
+        if r["split"] != "train" and not (held / r["slide"]).exists():
+            (held / r["slide"]).symlink_to((slides_dir / r["slide"]).resolve())
+    maps = run_dir / "heatmaps"
+    with open(os.devnull, "w") as sink:
+        run_predict(cfg, checkpoint=run_dir / "last.pt", slides=held, out=run_dir / "held_out.csv",
+                    console=Console(file=sink), heatmaps=maps, viewer_files=False)  # fmt: skip
+    key = "attention" if "attention" in pool else "cam"
+    return score_heatmaps(maps, slides_dir / "lesions.json", key=key)
 
 
 def _num(x: Any) -> float | None:
@@ -179,6 +219,12 @@ def prob_spread(row: dict[str, Any]) -> float | None:
     return float(np.std(probs)) if probs else None
 
 
+def _mean(rs: list[dict[str, Any]], key: str) -> str:
+    """Mean of a row key over runs that have it ('-' when none: older rows, or thumbnails for localisation)."""
+    xs = [r[key] for r in rs if r.get(key) is not None]
+    return f"{statistics.mean(xs):.2f}" if xs else "-"
+
+
 def _mean_std(xs: list[float]) -> str:
     if not xs:
         return "-"
@@ -202,9 +248,10 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         f"Model `tiny`, {head['epochs']} epochs, AdamW lr {head['lr']}, {head.get('schedule', 'cosine')} schedule, "
         "flips and rot90; held-out AUC of the last epoch (no model selection on held-out slides).",
         "",
-        "| input | pool | held-out ROC AUC (mean ± std) | per seed | accuracy (mean) | spread of p(positive) (mean) "
-        "| wall per run (mean) |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| input | pool | held-out ROC AUC (mean ± std) | per seed | accuracy (mean) | balanced accuracy (mean) "
+        "| held-out loss / chance loss (mean) | spread of p(positive) (mean) | pointing game (mean) "
+        "| mass on lesions (mean) | wall per run (mean) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for inp, pool, rs in groups(rows):
         aucs = [r["roc_auc"] for r in rs if r["roc_auc"] is not None]
@@ -215,13 +262,21 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         what = f"whole slide ({LESION_MPP} um/px)" if inp == "whole slide" else f"thumbnail ({THUMB_MPP:g} um/px)"
         lines.append(
             f"| {what} | {pool} | {_mean_std(aucs)} | {per} | {statistics.mean(accs) if accs else float('nan'):.2f} "
-            f"| {spread} | {statistics.mean(r['wall_s'] for r in rs):.0f} s |"
+            f"| {_mean(rs, 'balanced_accuracy')} | {_mean(rs, 'val_loss')} / {_mean(rs, 'chance_loss')} | {spread} "
+            f"| {_mean(rs, 'pointing_game')} | {_mean(rs, 'lesion_mass')} "
+            f"| {statistics.mean(r['wall_s'] for r in rs):.0f} s |"
         )
     lines += [
         "",
         f"Seeds: {', '.join(str(s) for s in head['seeds'])}. Accuracy thresholds p(positive) at 0.5; *spread* is the "
         "standard deviation of p(positive) over the held-out slides (near 0: the run gives every slide about the "
-        "same output, and its AUC ranks tiny differences). Every figure above is measured.",
+        "same output, and its AUC ranks tiny differences). *Chance loss*: the held-out cross-entropy of always "
+        "answering the training set's class shares. *Pointing game*: the share of held-out positive slides whose "
+        "highest attention cell (attention pools) or positive-class CAM cell (avg, max) lies in a lesion box of "
+        "lesions.json; *mass on lesions*: the share of that map's total there (wsitrain.report.localisation); "
+        "whole slides only. "
+        "Wall time is the fit's (the held-out prediction with heatmaps is timed apart: `localise_s` in the JSONL). "
+        "Every figure above is measured.",
     ]
     return "\n".join(lines) + "\n"
 

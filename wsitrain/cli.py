@@ -285,6 +285,10 @@ def plan(
         "tissue (masked background computed once), e.g. 0.4.",
     ),
     pool: str = typer.Option("avg", "--pool", help="The head's pooling: avg, max, attention or gated_attention."),
+    freeze: str | None = typer.Option(
+        None, "--freeze", help="Plan fine-tuning with layers frozen (model.freeze): up to a module (layer2) or a list "
+        "(conv1,layer1); shows the saving against nothing frozen.",
+    ),
 ) -> None:
     """Show how the SFT engine would tile a model for an image size and memory budget (allocates nothing).
 
@@ -301,6 +305,8 @@ def plan(
       wsitrain plan --model resnet50 --size 40000 --gpu a100-80 --tissue 0.4
 
       wsitrain plan --model resnet50 --size 100000 --gpu 2080ti --pool gated_attention
+
+      wsitrain plan --model resnet50 --size 8192 --gpu 2080ti --freeze layer2
     """
     run_plan = _entry("wsitrain.plan.command", "run_plan", "plan")
     code = run_plan(
@@ -317,6 +323,7 @@ def plan(
         every_tile=every_tile,
         tissue=tissue,
         pool=pool,
+        freeze=freeze,
     )
     if code:
         raise typer.Exit(int(code))

@@ -34,6 +34,7 @@ from pydantic import (
 )
 
 from wsitrain.errors import ConfigError, WsiTrainError
+from wsitrain.models.freeze import FreezeSpec
 from wsitrain.models.heads import ATTENTION_POOLS, POOLS, AttentionSpec
 from wsitrain.models.registry import ModelNameError, is_imagenet, resolve_model_name
 from wsitrain.precision import Precision
@@ -191,6 +192,36 @@ class AttentionConfig(Section):
         return AttentionSpec(self.dim, self.hidden, self.branches == "per_class")
 
 
+class FreezeConfig(Section):
+    """``model.freeze``: what stays fixed while fine-tuning (wsitrain.models.freeze). ``freeze: layer2`` is short for
+    ``until: layer2``; a list is ``modules``. Names are checked against the built model (an unknown one lists them)."""
+
+    until: str | None = None  # every layer from the input up to and including this module
+    modules: list[str] | None = None  # these modules (and everything inside them)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _short_forms(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return {"until": value}
+        if isinstance(value, list):
+            return {"modules": value}
+        return value
+
+    @model_validator(mode="after")
+    def _something(self) -> FreezeConfig:
+        if self.until is None and not self.modules:
+            raise ValueError("names no module; write e.g. freeze: {until: layer2} or freeze: [features.conv1], "
+                             "or remove model.freeze")  # fmt: skip
+        for name in ([self.until] if self.until is not None else []) + list(self.modules or []):
+            if not name.strip() or name != name.strip():
+                raise ValueError(f"{name!r} is not a module name (e.g. layer2 or features.layer2)")
+        return self
+
+    def spec(self) -> FreezeSpec:
+        return FreezeSpec(self.until, tuple(self.modules or ()))
+
+
 class ModelConfig(Section):
     name: str = "tiny"  # a built-in, torchvision/<name> or timm/<name>: checked by wsitrain.models' one registry
     num_classes: int | None = Field(None, ge=1)
@@ -198,6 +229,10 @@ class ModelConfig(Section):
     pool: str = "avg"  # one of wsitrain.models.heads.POOLS
     attention: AttentionConfig = AttentionConfig()
     freeze_bn: bool = True
+    freeze: FreezeConfig | None = None  # fine-tuning: layers kept fixed (forward-only in the engine)
+
+    def freeze_spec(self) -> FreezeSpec | None:
+        return self.freeze.spec() if self.freeze is not None else None
 
     @field_validator("pool")
     @classmethod
@@ -258,6 +293,12 @@ class TrainConfig(Section):
     accumulate: int = Field(1, ge=1)
     clip_grad_norm: float | None = Field(None, gt=0)
     precision: Precision = "fp32"
+    # The trunk's learning rate is lr times this (the head, everything after model.features, trains at lr): fine-tuning
+    # a pretrained trunk gently while a fresh head learns fast. 1: one learning rate for all.
+    backbone_lr_scale: float = Field(1.0, gt=0, le=1)
+    # Imbalanced classes: "weights" weighs each slide's loss by n / (classes * n_class) of the training set,
+    # "sampling" draws each epoch's slides with those weights (with replacement, as many as there are); none: as is.
+    class_balance: Literal["none", "weights", "sampling"] = "none"
     val_every: int = Field(1, ge=1)
     # Also write last.pt every N optimizer steps (not only at each epoch's end), so a killed run loses little.
     checkpoint_every: int | None = Field(None, ge=1)

@@ -5,7 +5,8 @@ numbers and strings), plus the one allowlist below, scoped to the call with ``to
 A file that needs anything else (a class, a function such as ``os.system``) is refused before any of it runs.
 
 The allowlist exists only for checkpoints written before wsitrain saved numpy's RNG state as plain data
-(``wsitrain.train.checkpoint.rng_states``): there ``np.random.get_state()`` was pickled as a tuple holding an ndarray of uint32.
+(``wsitrain.train.checkpoint.rng_states``): there ``np.random.get_state()`` was pickled as a tuple holding an
+ndarray of uint32.
 Such an array pickles as ``_reconstruct(ndarray, (0,), b"b")`` + ``ndarray.__setstate__`` with a ``dtype("u4")``
 whose state is set by BUILD, so it needs exactly: ``numpy.ndarray``, ``numpy.dtype``, the uint32 dtype's class
 (BUILD is only allowed on allowlisted types) and ``_reconstruct``. numpy 1.x pickles ``_reconstruct`` as

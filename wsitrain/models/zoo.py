@@ -18,6 +18,7 @@ from torch import nn
 from wsitrain.errors import WsiTrainError
 from wsitrain.models.attention import AttentionPool, AttentionScores, BranchClassifier
 from wsitrain.models.darknet import darknet19_features
+from wsitrain.models.freeze import FreezeSpec, apply_freeze
 from wsitrain.models.frozen_bn import freeze_batchnorm
 from wsitrain.models.heads import ATTENTION_POOLS, AVG, GATED_ATTENTION, POOLS, AttentionSpec
 from wsitrain.models.normalize import IMAGENET_MEAN, IMAGENET_STD, InputNormalization
@@ -142,6 +143,7 @@ def build(
     pool: str = "avg",
     freeze_bn: bool = True,
     attention: AttentionSpec | None = None,
+    freeze: FreezeSpec | None = None,
 ) -> nn.Sequential:
     """Build model ``name`` (a built-in, ``torchvision/<name>`` or ``timm/<name>``) with a ``num_classes``-way head.
 
@@ -150,7 +152,8 @@ def build(
     ``torch.save(model.state_dict(), path)``) or a wsitrain run checkpoint (``best.pt``/``last.pt``).
     ``pool``: global "avg" or "max" pooling before the head, or attention-MIL pooling ("attention",
     "gated_attention"; built as ``attention`` says, wsitrain.models.attention). ``freeze_bn``: BatchNorm layers
-    keep their running statistics even in ``model.train()``.
+    keep their running statistics even in ``model.train()``. ``freeze``: modules kept fixed (wsitrain.models.freeze;
+    ``model.frozen`` says what was frozen, None when nothing).
     """
     spec = resolve_model_name(name)
     if pool not in POOLS:
@@ -170,6 +173,7 @@ def build(
         load_weights(model, weights)
     if freeze_bn:
         freeze_batchnorm(model)
+    apply_freeze(model, freeze)
     return model
 
 

@@ -7,6 +7,8 @@ only what belongs to the command: where the budget came from, the GPU preset, th
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +20,7 @@ from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
 from wsitrain.errors import PlanError, WsiTrainError
 from wsitrain.gpus import Budget, gpu_preset, resolve_budget
 from wsitrain.models import build
+from wsitrain.models.freeze import FreezeSpec, Frozen
 from wsitrain.models.heads import AVG, POOLS
 from wsitrain.models.registry import resolve_model_name
 from wsitrain.precision import Precision, activation_dtype, check_precision
@@ -28,6 +31,7 @@ from wsitrain.sft.planning.calibration import cpu_name, time_model_for
 from wsitrain.sft.planning.costs import DEFAULT_TIME_MODEL
 from wsitrain.sft.simulate import SimulatedStep, simulate_step, simulation_dict, simulation_text
 from wsitrain.sft.simulate.step import Progress
+from wsitrain.units import format_bytes
 
 PLAN_NUM_CLASSES = 2  # the head is tiny next to the trunk; any class count plans the same
 DEFAULT_OPTIMIZER = "adamw"  # what ``wsitrain fit`` trains with unless train.optimizer says otherwise
@@ -43,6 +47,45 @@ class PlanReport:
     max_size: int | None  # largest square edge that fits the budget; 0: none; None: not computed
     time_model: str = DEFAULT_TIME_MODEL  # where the time model's constants came from
     simulated: SimulatedStep | None = None  # one step run on the simulated device (``--simulate``)
+    frozen: Frozen | None = None  # what ``--freeze`` froze
+    unfrozen: PlanReport | None = None  # the same plan with nothing frozen, to show what freezing saves
+
+    def saving(self) -> dict[str, Any] | None:
+        """Planned FLOPs and time (and simulated tile visits) with ``--freeze`` against without; None without it."""
+        if self.frozen is None or self.unfrozen is None:
+            return None
+        a, b = self.unfrozen.plan, self.plan
+        rate = b.target.tflops * 1e12
+        d: dict[str, Any] = {
+            "frozen_modules": list(self.frozen.modules), "frozen_parameters": self.frozen.n_frozen,
+            "flops_unfrozen": a.flops_sft, "flops_frozen": b.flops_sft,
+            # the time model's step (FLOP-equivalents; costs.py), in seconds at the target's nominal rate where known
+            "time_unfrozen": a.time_sft, "time_frozen": b.time_sft,
+            "time_unfrozen_s": a.time_sft / rate if rate else None,
+            "time_frozen_s": b.time_sft / rate if rate else None,
+            "flops_saving": 1.0 - b.flops_sft / a.flops_sft if a.flops_sft else 0.0,
+            "time_saving": 1.0 - b.time_sft / a.time_sft if a.time_sft else 0.0,
+        }  # fmt: skip
+        if self.simulated is not None and self.unfrozen.simulated is not None:
+            sa, sb = self.unfrozen.simulated, self.simulated
+            d.update({"simulated_visits_unfrozen": sa.tiles_in_step, "simulated_visits_frozen": sb.tiles_in_step,
+                      "simulated_peak_unfrozen": sa.device_peak.bytes, "simulated_peak_frozen": sb.device_peak.bytes})
+        return d
+
+    def saving_text(self) -> str | None:
+        s = self.saving()
+        if s is None:
+            return None
+        text = (f"freezing {', '.join(s['frozen_modules'])} ({s['frozen_parameters']:,} parameters, forward-only): "
+                f"planned {s['flops_unfrozen'] / 1e12:.1f} -> {s['flops_frozen'] / 1e12:.1f} TFLOP per step "
+                f"({-s['flops_saving']:+.0%}), planned step time {-s['time_saving']:+.0%}")  # fmt: skip
+        if s["time_unfrozen_s"] is not None:
+            text += f" ({s['time_unfrozen_s']:.2f} -> {s['time_frozen_s']:.2f} s at the nominal rate)"
+        if "simulated_visits_unfrozen" in s:
+            text += (f"; simulated step: {s['simulated_visits_unfrozen']} -> {s['simulated_visits_frozen']} forward "
+                     f"and recompute tile visits, device peak {format_bytes(s['simulated_peak_unfrozen'])} -> "
+                     f"{format_bytes(s['simulated_peak_frozen'])}")  # fmt: skip
+        return text
 
     def to_dict(self) -> dict[str, Any]:
         d = {
@@ -55,12 +98,17 @@ class PlanReport:
         }
         if self.simulated is not None:
             d["simulated"] = simulation_dict(self.simulated)
+        if self.frozen is not None:
+            d["freeze"] = self.saving()
         return d
 
     def __str__(self) -> str:
         lines = [str(self.plan), f"budget source: {self.budget.source}", f"time model: {self.time_model}"]
         if self.simulated is not None:
             lines.append(simulation_text(self.simulated))
+        saving = self.saving_text()
+        if saving is not None:
+            lines.append(saving)
         if self.budget.gpu is not None:
             lines.append(f"gpu preset: {self.budget.gpu}")
         if self.budget.gpu is not None and self.plan.transfer_bytes:
@@ -123,6 +171,7 @@ def make_plan(
     progress: Progress | None = None,
     every_tile: bool = False,
     pool: str = AVG,
+    freeze: str | None = None,
 ) -> PlanReport:
     """Validate the inputs, plan on the meta device, and return the plan with the command's envelope.
 
@@ -131,12 +180,13 @@ def make_plan(
     as ``wsitrain fit`` trains), for the GPU preset's generation. bf16/fp16 are planned but not simulated (the
     simulated device has no autocast). ``every_tile``: simulate every tile, not only the representative ones.
     ``pool``: the head's pooling (wsitrain.models.heads.POOLS; attention with its default settings).
+    ``freeze``: ``--freeze`` (``parse_freeze``): plan with those layers frozen, and the same plan unfrozen beside it.
     """
     _check_model(model)
     if pool not in POOLS:
         raise WsiTrainError(f"--pool: unknown pool {pool!r}", hint=f"choose one of: {', '.join(POOLS)}")
     prec = check_precision(precision)
-    dtype = activation_dtype(prec)
+    activation_dtype(prec)  # an unknown precision fails here, before any model is built
     budget = resolve_budget(gpu, memory)
     if prec == "bf16" and budget.target.generation == "volta-turing":
         raise WsiTrainError(
@@ -147,16 +197,54 @@ def make_plan(
         raise WsiTrainError(f"--batch: {batch!r} must be a positive integer", hint="use --batch 1 (the default)")
     if tile is not None and tile <= 0:
         raise WsiTrainError(f"--tile: {tile!r} must be positive", hint="give a tile edge in pixels, or omit --tile")
+    spec = parse_freeze(freeze)
     with torch.device("meta"):  # shapes only: no parameter or activation is ever allocated
-        net = build(model, PLAN_NUM_CLASSES, pool=pool)
+        net = build(model, PLAN_NUM_CLASSES, pool=pool, freeze=spec)
     h, w = parse_size(size, net.stride, model)
+    shape = (batch, 3, h, w)
+    plan_it = functools.partial(_plan_net, shape=shape, budget=budget, prec=prec, optimizer=optimizer, tile=tile,
+                                simulate=simulate, progress=progress, every_tile=every_tile)  # fmt: skip
+    report = plan_it(net, with_max_size=with_max_size)
+    if spec is None:
+        return report
+    with torch.device("meta"):  # the same model with nothing frozen: what freezing saves
+        plain = build(model, PLAN_NUM_CLASSES, pool=pool)
+    return dataclasses.replace(report, frozen=net.frozen, unfrozen=plan_it(plain, with_max_size=False))
+
+
+def parse_freeze(text: str | None) -> FreezeSpec | None:
+    """``--freeze layer2`` (everything up to layer2, as ``model.freeze: {until: layer2}``) or ``--freeze a,b`` (those
+    modules, as ``model.freeze: [a, b]``); None without it."""
+    if text is None:
+        return None
+    names = [n.strip() for n in str(text).split(",")]
+    if not all(names):
+        raise WsiTrainError(f"--freeze: cannot read {text!r}",
+                            hint="give one module to freeze up to (--freeze layer2) or a list (--freeze conv1,layer1)")
+    return FreezeSpec(until=names[0]) if len(names) == 1 else FreezeSpec(modules=tuple(names))
+
+
+def _plan_net(
+    net: torch.nn.Module,
+    *,
+    shape: tuple[int, int, int, int],
+    budget: Budget,
+    prec: Precision,
+    optimizer: str | None,
+    tile: int | None,
+    simulate: bool,
+    progress: Progress | None,
+    every_tile: bool,
+    with_max_size: bool,
+) -> PlanReport:
+    """Plan (or simulate) ``net`` built on the meta device for ``shape`` within ``budget``."""
+    batch = shape[0]
+    dtype = activation_dtype(prec)
     if simulate:
-        return _simulated(
-            net, (batch, 3, h, w), budget, prec, optimizer or DEFAULT_OPTIMIZER, tile, progress, every_tile
-        )  # fmt: skip
+        return _simulated(net, shape, budget, prec, optimizer or DEFAULT_OPTIMIZER, tile, progress, every_tile)
     tm = time_model_for(budget.device, _device_name(budget))
     p = plan_model(
-        net, input_shape=(batch, 3, h, w), memory_budget=budget.bytes, dtype=dtype, tile_size=tile,
+        net, input_shape=shape, memory_budget=budget.bytes, dtype=dtype, tile_size=tile,
         optimizer=optimizer, device=budget.device, target=budget.target, time_model=tm,
     )  # fmt: skip
     max_size = None
@@ -229,6 +317,7 @@ def run_plan(
     every_tile: bool = False,
     tissue: float | None = None,
     pool: str = AVG,
+    freeze: str | None = None,
 ) -> int:
     """``wsitrain plan``: print the plan (readable, or one JSON object); exit code 0 when it fits, 1 when not.
 
@@ -237,7 +326,7 @@ def run_plan(
     report = make_plan(
         model=model, size=size, gpu=gpu, memory=memory, batch=batch, precision=precision, tile=tile,
         optimizer=optimizer, simulate=simulate, progress=_progress_bar(console) if simulate and not as_json else None,
-        every_tile=every_tile, pool=pool,
+        every_tile=every_tile, pool=pool, freeze=freeze,
     )  # fmt: skip
     if as_json:
         d = report.to_dict()

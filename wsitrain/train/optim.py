@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -15,11 +16,39 @@ SCHEDULES = ("constant", "cosine", "warmup")
 LOSSES = ("cross_entropy", "mse")
 
 
+ParamGroups = list[dict[str, Any]]
+
+
+def parameter_groups(model: torch.nn.Module, lr: float, backbone_lr_scale: float = 1.0) -> ParamGroups:
+    """The trainable parameters as optimizer groups: one group at ``lr``, or with ``backbone_lr_scale`` < 1 the head
+    (everything after the trunk) at ``lr`` first and the trunk at ``lr * backbone_lr_scale`` second.
+
+    The head comes first so ``param_groups[0]["lr"]`` (the lr the logs show) is the base rate. A frozen parameter is
+    in no group; an empty group is left out (a trunk frozen whole)."""
+    from wsitrain.models.freeze import head_prefixes
+
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    heads = head_prefixes(model)
+    if backbone_lr_scale == 1.0 or not heads:
+        return [{"params": [p for _, p in trainable], "lr": lr, "name": "all"}]
+    head = [p for n, p in trainable if n.split(".")[0] in heads]
+    trunk = [p for n, p in trainable if n.split(".")[0] not in heads]
+    groups = [{"params": head, "lr": lr, "name": "head"},
+              {"params": trunk, "lr": lr * backbone_lr_scale, "name": "backbone"}]  # fmt: skip
+    return [g for g in groups if g["params"]]
+
+
 def build_optimizer(
-    params: Iterable[torch.nn.Parameter], name: str, lr: float, momentum: float = 0.9, weight_decay: float = 0.0
+    params: Iterable[torch.nn.Parameter] | ParamGroups, name: str, lr: float, momentum: float = 0.9,
+    weight_decay: float = 0.0,
 ) -> torch.optim.Optimizer:
-    """The optimizer named by ``train.optimizer``, over the parameters that require gradients."""
-    params = [p for p in params if p.requires_grad]
+    """The optimizer named by ``train.optimizer``, over the parameters that require gradients (or ``parameter_groups``,
+    each group with its own lr)."""
+    items = list(params)
+    if items and isinstance(items[0], dict):
+        params = [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in items]
+    else:
+        params = [p for p in items if p.requires_grad]
     key = str(name).lower()
     if key == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)

@@ -14,6 +14,7 @@ from wsitrain.errors import SlideError, WsiTrainError
 from wsitrain.gpus import run_budget
 from wsitrain.memory import tune_owned_process
 from wsitrain.models import build
+from wsitrain.models.freeze import FreezeSpec
 from wsitrain.models.heads import AttentionSpec
 from wsitrain.report.heatmap_files import HeatmapWriter
 from wsitrain.slides.readers import open_slide
@@ -129,7 +130,8 @@ def run_predict(
     m = {**config_to_dict(cfg)["model"], **(trained.get("model") or {})}
     n_outputs = objective.n_outputs if objective is not None else len(class_names)
     model = build(m["name"], n_outputs, weights=None, pool=m["pool"], freeze_bn=m["freeze_bn"],
-                  attention=AttentionSpec.from_dict(m.get("attention")))  # fmt: skip
+                  attention=AttentionSpec.from_dict(m.get("attention")),
+                  freeze=FreezeSpec.from_dict(m.get("freeze")))  # fmt: skip
     model.load_state_dict(ckpt["model"])
     device = resolve_device(cfg.engine.device)
     budget = run_budget(cfg.engine.memory_budget, device)

@@ -9,6 +9,7 @@ Callbacks (``FitCallback``) see every optimizer step; tests use them to stop a r
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from collections.abc import Iterator, Sequence
@@ -36,12 +37,14 @@ from wsitrain.train.balance.cost import slide_costs
 from wsitrain.train.balance.deal import Balance
 from wsitrain.train.balance.waiting import RankWaits
 from wsitrain.train.checkpoint import load_checkpoint, rng_states, save_checkpoint, set_rng_states
+from wsitrain.train.class_balance import class_weights, loss_weight, sampled_slides
+from wsitrain.train.class_balance import describe as describe_balance
 from wsitrain.train.data import FitData, augment_settings, load_fit_data, masking_note, read_kwargs
 from wsitrain.train.engine import batchnorm_note, build_model, resolve_device, seed_everything, wrap_engine
 from wsitrain.train.loop import Trainer
 from wsitrain.train.metrics import classification_metrics
 from wsitrain.train.oom import OomRetry
-from wsitrain.train.optim import build_optimizer, build_scheduler
+from wsitrain.train.optim import build_optimizer, build_scheduler, parameter_groups
 from wsitrain.train.preempt import Preempted, SafePoint, StopSignals, find_job_run, parse_signal, write_job_file
 from wsitrain.train.progress import FitProgress
 from wsitrain.train.recorder import RunRecorder
@@ -146,7 +149,15 @@ class FitRecipe:
         seed_everything(cfg.seed, cfg.deterministic)
         self.model = build_model(cfg.model, n_outputs)
         self.engine = wrap_engine(self.model, cfg.engine, self.device, self.budget.bytes, t.optimizer)
-        optimizer = build_optimizer(self.model.parameters(), t.optimizer, t.lr, t.momentum, t.weight_decay)
+        if self.objective is not None and t.class_balance != "none":
+            raise WsiTrainError(
+                f"train.class_balance: {t.class_balance} balances classification classes, but the task is "
+                f"{self.objective.kind}",
+                hint="remove train.class_balance (or set it to none) for this task",
+            )
+        self.class_w = class_weights([r.label for r in self.data.train]) if self.objective is None else {}
+        groups = parameter_groups(self.model, t.lr, t.backbone_lr_scale)
+        optimizer = build_optimizer(groups, t.optimizer, t.lr, t.momentum, t.weight_decay)
         n_train = len(D.shard(list(range(len(self.data.train))), self.dist))
         steps_per_epoch = max(1, -(-n_train // t.accumulate))
         scheduler = build_scheduler(optimizer, t.schedule, steps_per_epoch * t.epochs, t.warmup_steps)
@@ -190,9 +201,12 @@ class FitRecipe:
                 tissue = self._preflight.tissue_records() if self._preflight is not None else None
                 write_run_files(self.run_dir, self.cfg_dict, ckpt is not None, self.device, self.data, tissue)
                 if ckpt is None:
+                    write_json(self.run_dir / "fine_tuning.json", self._fine_tuning())
+                if ckpt is None:
                     write_job_file(self.run_dir)  # the Slurm job that started it, for `--resume auto` after a requeue
 
             if ckpt is not None:
+                _check_same_frozen(resume_dir, ckpt, self.model)
                 self.model.load_state_dict(ckpt["model"])
                 self.trainer.load_state_dict(ckpt)
                 self.state = FitState.from_checkpoint(ckpt)
@@ -242,6 +256,19 @@ class FitRecipe:
             costs, buckets = D.broadcast_object(slide_costs(report, self.data.train), self.dist)
         return Balance(mode, cfg.seed, self.dist.world_size, cfg.train.accumulate, tuple(costs), tuple(buckets))
 
+    def _fine_tuning(self) -> dict[str, Any]:
+        """fine_tuning.json: what was frozen, each optimizer group's lr, and the class balance of this run."""
+        t, frozen = self.cfg.train, getattr(self.model, "frozen", None)
+        groups = self.trainer.optimizer.param_groups
+        return {
+            "frozen": None if frozen is None else {"modules": list(frozen.modules), "parameters": frozen.n_frozen,
+                                                   "trainable": frozen.n_trainable},
+            "lr_groups": [{"name": g.get("name", str(i)), "lr": g["initial_lr"] if "initial_lr" in g else g["lr"],
+                           "parameters": sum(p.numel() for p in g["params"])} for i, g in enumerate(groups)],
+            "class_balance": describe_balance(t.class_balance, [r.label for r in self.data.train],
+                                              self.data.class_names) if self.objective is None else None,
+        }  # fmt: skip
+
     def _auto_resume(self, name: str | None) -> Path | None:
         """``--resume auto``: the run this Slurm job started and checkpointed (rank 0 looks, every rank follows),
         else None: a new run."""
@@ -263,6 +290,15 @@ class FitRecipe:
             f"{head}; {batchnorm_note(self.model, cfg.model.freeze_bn)}",
             markup=False,
         )
+        frozen, t = getattr(self.model, "frozen", None), cfg.train
+        if frozen is not None:
+            self.out.print(frozen.describe(), markup=False)
+        if len(self.trainer.optimizer.param_groups) > 1:
+            self.out.print("learning rates: " + ", ".join(f"{g['name']} {g['initial_lr']:.3g}"
+                           for g in self.trainer.optimizer.param_groups), markup=False)  # fmt: skip
+        if t.class_balance != "none":
+            w = ", ".join(f"{data.class_names[c]} {v:.3g}" for c, v in self.class_w.items())
+            self.out.print(f"class balance: {t.class_balance} (class weights {w})", markup=False)
         allocator = f"; {self.allocator_note}" if self.device.type == "cuda" and self.allocator_note else ""
         self.out.print(f"memory budget: {self.budget.describe()}{allocator}", markup=False)
         self.out.print(
@@ -297,7 +333,7 @@ class FitRecipe:
     def _epoch(self, epoch: int, progress: FitProgress) -> None:
         cfg, t, st, trainer = self.cfg, self.cfg.train, self.state, self.trainer
         self.train_ds.set_epoch(epoch)  # augmentations depend on (seed, epoch, slide) only: a resume redraws them
-        order = self.balance.rank_slides(len(self.data.train), epoch, self.dist.rank)
+        order = self._epoch_slides(epoch)
         start = st.next_index if epoch == st.epoch else 0
         progress.start_epoch(epoch, len(order), start)
         losses: list[float] = list(self._resumed_losses) if epoch == st.epoch and start > 0 else []
@@ -315,7 +351,8 @@ class FitRecipe:
                 progress.start_slide(record.slide_id, self.recorder.tiles_total(image))
                 target = label if self.objective is None else self.objective.target(record)
                 with attention_masked(self.model, read):
-                    step = self.oom.train_slide(image, target, 1.0 / window, record.slide_id)
+                    weight = loss_weight(t.class_balance, self.class_w, label)
+                    step = self.oom.train_slide(image, target, weight / window, record.slide_id)
                 self.recorder.plan_if_new(image, record.slide_id)  # logs the new plan after an out-of-memory re-plan
             losses.append(step.loss)
             lr = trainer.lr
@@ -378,6 +415,19 @@ class FitRecipe:
             if self.test_ds is not None:  # every rank keeps them: the test pass runs on all ranks
                 self._best_weights = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         D.barrier(self.dist)
+
+    def _epoch_slides(self, epoch: int) -> list[int]:
+        """This rank's training slides for ``epoch``; with class_balance sampling, the epoch's class-balanced draw
+        dealt out as the plain order would be (the slide costs follow the drawn slides)."""
+        n = len(self.data.train)
+        if self.cfg.train.class_balance != "sampling":
+            return self.balance.rank_slides(n, epoch, self.dist.rank)
+        drawn = sampled_slides([r.label for r in self.data.train], self.cfg.seed, epoch)
+        b = self.balance
+        if b.costs is not None and len(b.costs) == n:
+            b = dataclasses.replace(b, costs=tuple(b.costs[i] for i in drawn),
+                                    buckets=tuple(b.buckets[i] for i in drawn) if b.buckets else b.buckets)  # fmt: skip
+        return [drawn[i] for i in b.rank_slides(n, epoch, self.dist.rank)]
 
     def _log_waits(self, epoch: int, scope: str) -> float | None:
         """scope "steps": gather the steps since the last gather (a collective) and log them; "epoch": log the epoch's
@@ -507,7 +557,7 @@ class FitRecipe:
             self.run_dir / file_name, model=self.model.state_dict(), **self.trainer.state_dict(), epoch=epoch,
             next_index=next_index, global_step=st.global_step, best=st.best, history=st.history, rng=rng_states(),
             config=self.cfg_dict, class_names=self.data.class_names, epoch_losses=list(epoch_losses or []),
-            balance=self.balance.state(),
+            balance=self.balance.state(), frozen=_frozen_names(self.model),
             **({"task": self.objective.state()} if self.objective is not None else {}),
         )  # fmt: skip
 
@@ -559,6 +609,21 @@ def _check_run_target(cfg: WsiTrainConfig, name: str | None) -> None:
         if problem is not None:
             raise WsiTrainError(problem, hint="pass --name with a plain folder name, e.g. --name lr-1e-4")
     check_log_dir(Path(cfg.log.dir))
+
+
+def _frozen_names(model: torch.nn.Module) -> list[str]:
+    frozen = getattr(model, "frozen", None)
+    return [] if frozen is None else list(frozen.parameters)
+
+
+def _check_same_frozen(resume: Path | None, ckpt: dict[str, Any], model: torch.nn.Module) -> None:
+    """A resume trains the parameters the run trained: its optimizer state holds exactly those."""
+    old, new = list(ckpt.get("frozen") or []), _frozen_names(model)
+    if old != new:
+        raise WsiTrainError(
+            f"--resume {resume}: the run froze {len(old)} parameters, this model freezes {len(new)}",
+            hint="resume with the run's model.freeze (its config.yaml), or start a new run from its weights",
+        )
 
 
 def _check_same_classes(resume: Path, ckpt: dict[str, Any], data: FitData) -> None:

@@ -248,7 +248,18 @@ def load_resume(resume: Path, cfg_dict: dict[str, Any], force: bool) -> tuple[di
         old = {**old, "distributed": {**old.get("distributed", {}), "balance": cfg_dict["distributed"]["balance"]}}
     if "tissue" not in old.get("data", {}):  # written before data.tissue existed: its default is no change of config
         old = {**old, "data": {**old.get("data", {}), "tissue": TissueConfig().model_dump(mode="json")}}
+    # written before fine-tuning keys existed: such a run had them at their defaults
+    old = {**old, "model": {"freeze": None, **old.get("model", {})},
+           "train": {"backbone_lr_scale": 1.0, "class_balance": "none", **old.get("train", {})}}
     changed = [k for k in diff_configs(old, cfg_dict) if k != "name"]
+    refrozen = [k for k in changed if k == "model.freeze" or k.startswith("model.freeze.")]
+    if refrozen:
+        raise WsiTrainError(
+            f"--resume {resume}: the run froze {_get(old, 'model.freeze')!r}, the config now freezes "
+            f"{_get(cfg_dict, 'model.freeze')!r}; a resume keeps what the run trained and its optimizer state",
+            hint="resume with the run's model.freeze (its config.yaml), or start a new run from its weights "
+            "(model.weights: RUN/best.pt)",
+        )
     fixed = [k for k in changed if k in ARCHITECTURE_KEYS]
     if fixed:
         details = "; ".join(f"{k}: {_get(old, k)!r} -> {_get(cfg_dict, k)!r}" for k in fixed)

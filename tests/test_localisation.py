@@ -1,0 +1,50 @@
+"""Localisation scores: pointing game and attention mass on lesion boxes, cell placement in level-0 pixels."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from wsitrain.report.localisation import inside_mask, score_heatmaps, score_map
+
+BOX = {"kind": "lesion", "x0": 64, "y0": 32, "x1": 96, "y1": 64}
+
+
+def test_inside_mask_places_cells_in_level0() -> None:
+    # stride 16, downsample 2: cells of 32 level-0 px; origin (0, 0): cell (1, 2) covers x 64-96, y 32-64
+    m = inside_mask((4, 5), 16, (0, 0), 2.0, [BOX])
+    assert m.sum() == 1 and m[1, 2]
+    # the image placed at x = 32: the same box is now cell (1, 1)
+    m = inside_mask((4, 5), 16, (32, 0), 2.0, [BOX])
+    assert m.sum() == 1 and m[1, 1]
+
+
+def test_score_map() -> None:
+    inside = np.zeros((4, 4), dtype=bool)
+    inside[1, 2] = True
+    att = np.full((4, 4), 0.5 / 15)
+    att[1, 2] = 0.5
+    s = score_map(att, inside)
+    assert s.pointing and s.mass == pytest.approx(0.5)
+    att[0, 0] = 0.9
+    assert not score_map(att, inside).pointing
+
+
+def test_score_heatmaps_positive_slides_only(tmp_path: Path) -> None:
+    att = np.full((1, 4, 5), 0.01)
+    att[0, 1, 2] = 0.8
+    np.save(tmp_path / "a.attention.npy", att)
+    np.save(tmp_path / "b.attention.npy", att)
+    rec = {"attention": "a.attention.npy", "stride": 16, "box": [0, 0, 160, 128], "downsample": 2.0}
+    (tmp_path / "heatmaps.json").write_text(json.dumps({"classes": ["negative", "positive"], "slides": [
+        {**rec, "slide": "a.tiff"}, {**rec, "slide": "b.tiff", "attention": "b.attention.npy"}]}))
+    lesions = tmp_path / "lesions.json"
+    lesions.write_text(json.dumps({"slides": {
+        "a.tiff": {"label": "positive", "boxes": [BOX, {**BOX, "kind": "distractor", "x0": 0, "x1": 32}]},
+        "b.tiff": {"label": "negative", "boxes": [{**BOX, "kind": "distractor"}]}}}))
+    s = score_heatmaps(tmp_path, lesions)
+    assert s["n_positive"] == 1 and s["pointing_game"] == 1.0
+    assert s["lesion_mass"] == pytest.approx(0.8 / (0.8 + 19 * 0.01))
