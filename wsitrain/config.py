@@ -180,6 +180,9 @@ class ModelConfig(Section):
     pool: str = "avg"  # one of wsitrain.models.heads.POOLS
     attention: AttentionConfig = AttentionConfig()
     freeze_bn: bool = True
+    # with data.mask_background, max and average pools reduce over the slide's tissue only (attention always does):
+    # no class decided on the background or the image border (README "Pooling"; false: the whole map, as before)
+    mask_pool: Annotated[bool, Field(strict=True)] = True
 
     @field_validator("pool")
     @classmethod

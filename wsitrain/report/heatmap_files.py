@@ -20,7 +20,7 @@ from wsitrain.report.heatmap import SlideMaps, eval_mode, slide_maps
 from wsitrain.report.heatmap_tiff import write_heatmap_tiff
 from wsitrain.report.map_grid import MapGrid
 from wsitrain.report.overlay import Placement, Thumbnail, render_heatmap, slide_thumbnail
-from wsitrain.train.attention_mask import attention_masked
+from wsitrain.train.attention_mask import tissue_masked
 
 INDEX = "heatmaps.json"
 # Saliency cells: at least the model's stride, and coarse enough that the map's longer side stays <= this.
@@ -70,7 +70,7 @@ class HeatmapWriter:
         image = read.image  # (3, H, W) uint8
         stride = int(getattr(getattr(model, "model", model), "stride", 1))
         block = saliency_block(tuple(image.shape[-2:]), stride) if self.saliency else None
-        with eval_mode(model), attention_masked(model, read):
+        with eval_mode(model), tissue_masked(model, read):
             maps = slide_maps(model, image, saliency_block=block, probabilities=probabilities, autocast=self.autocast)
         if self.transform is not None:
             maps = self.transform(maps)

@@ -43,7 +43,8 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 
 def build_model(m: ModelConfig, num_classes: int) -> nn.Module:
     return build(
-        m.name, num_classes, weights=m.weights, pool=m.pool, freeze_bn=m.freeze_bn, attention=m.attention.spec()
+        m.name, num_classes, weights=m.weights, pool=m.pool, freeze_bn=m.freeze_bn, attention=m.attention.spec(),
+        mask_pool=m.mask_pool,
     )
 
 

@@ -20,7 +20,7 @@ from wsitrain.slides.readers import open_slide
 from wsitrain.slides.stream import read_slide_region
 from wsitrain.slides.suffixes import SLIDE_SUFFIXES, is_slide_name
 from wsitrain.tasks.objective import Objective, per_patient
-from wsitrain.train.attention_mask import attention_masked
+from wsitrain.train.attention_mask import tissue_masked
 from wsitrain.train.checkpoint import load_checkpoint
 from wsitrain.train.data import masking_note, read_kwargs
 from wsitrain.train.engine import resolve_device, wrap_engine
@@ -128,7 +128,7 @@ def run_predict(
     m = {**config_to_dict(cfg)["model"], **(trained.get("model") or {})}
     n_outputs = objective.n_outputs if objective is not None else len(class_names)
     model = build(m["name"], n_outputs, weights=None, pool=m["pool"], freeze_bn=m["freeze_bn"],
-                  attention=AttentionSpec.from_dict(m.get("attention")))  # fmt: skip
+                  attention=AttentionSpec.from_dict(m.get("attention")), mask_pool=m.get("mask_pool", True))  # fmt: skip
     model.load_state_dict(ckpt["model"])
     device = resolve_device(cfg.engine.device)
     budget = run_budget(cfg.engine.memory_budget, device)
@@ -146,7 +146,7 @@ def run_predict(
     t0 = time.perf_counter()
     for i, p in enumerate(paths, 1):
         read = read_slide_region(p, **rk)
-        with attention_masked(model, read):
+        with tissue_masked(model, read):
             res = runner.eval_slide(read.image, None)
         probs = res.probs.tolist()
         outputs.append(probs)

@@ -31,7 +31,7 @@ from wsitrain.slides.dataset import PrefetchLoader, SlideDataset, SlideRecord
 from wsitrain.slides.stream import ReadResult
 from wsitrain.tasks.objective import Objective, per_patient
 from wsitrain.train import distributed as D
-from wsitrain.train.attention_mask import attention_masked
+from wsitrain.train.attention_mask import tissue_masked
 from wsitrain.train.balance.cost import slide_costs
 from wsitrain.train.balance.deal import Balance
 from wsitrain.train.balance.waiting import RankWaits
@@ -313,7 +313,7 @@ class FitRecipe:
                 self.recorder.plan_if_new(image, record.slide_id)
                 progress.start_slide(record.slide_id, self.recorder.tiles_total(image))
                 target = label if self.objective is None else self.objective.target(record)
-                with attention_masked(self.model, read):
+                with tissue_masked(self.model, read):
                     step = self.oom.train_slide(image, target, 1.0 / window, record.slide_id)
                 self.recorder.plan_if_new(image, record.slide_id)  # logs the new plan after an out-of-memory re-plan
             losses.append(step.loss)
@@ -420,7 +420,7 @@ class FitRecipe:
         t0 = time.perf_counter()
         for i in mine:
             image, label, record, read = self.val_ds[i]
-            with self._plan_errors_named(record.slide_id), attention_masked(self.model, read):
+            with self._plan_errors_named(record.slide_id), tissue_masked(self.model, read):
                 r = self.trainer.eval_slide(image, label)
             results.append((int(label), r.loss, r.probs.numpy(), record.slide_id, str(record.path)))
         results = [x for part in D.gather_objects(results, self.dist) for x in part]
@@ -461,7 +461,7 @@ class FitRecipe:
         for i in mine:
             image, label, record, read = ds[i]
             target = label if objective is None else objective.target(record)
-            with self._plan_errors_named(record.slide_id), attention_masked(self.model, read):
+            with self._plan_errors_named(record.slide_id), tissue_masked(self.model, read):
                 r = self.trainer.eval_slide(image, target)
             truth = [float(label)] if objective is None else list(record.target)
             rows.append({"slide": record.slide_id, "path": str(record.path), "patient": record.patient,
