@@ -26,6 +26,7 @@ from wsitrain.gpus import Budget, run_budget
 from wsitrain.memory import tune_owned_process
 from wsitrain.preflight import PreflightReport, check_run
 from wsitrain.report.curves import write_curves
+from wsitrain.report.decision import DecisionWatch
 from wsitrain.report.roc import write_validation_figures
 from wsitrain.slides.dataset import PrefetchLoader, SlideDataset, SlideRecord
 from wsitrain.slides.stream import ReadResult
@@ -418,11 +419,12 @@ class FitRecipe:
         mine = list(range(len(self.data.val)))[self.dist.rank :: self.dist.world_size]
         results = []
         t0 = time.perf_counter()
+        watch = DecisionWatch(self.engine)  # max pooling: is each class decided on the tissue?
         for i in mine:
             image, label, record, read = self.val_ds[i]
-            with self._plan_errors_named(record.slide_id), tissue_masked(self.model, read):
+            with self._plan_errors_named(record.slide_id), tissue_masked(self.model, read), watch.slide(image, read):
                 r = self.trainer.eval_slide(image, label)
-            results.append((int(label), r.loss, r.probs.numpy(), record.slide_id, str(record.path)))
+            results.append((int(label), r.loss, r.probs.numpy(), record.slide_id, str(record.path), watch.last))
         results = [x for part in D.gather_objects(results, self.dist) for x in part]
         labels = np.array([r[0] for r in results])
         probs = np.stack([r[2] for r in results])  # (N, K)
@@ -432,7 +434,8 @@ class FitRecipe:
         metrics["seconds"] = time.perf_counter() - t0
         if self.dist.is_main:  # ROC, confusion matrix and per-slide probabilities of this validation
             write_validation_figures(self.run_dir, labels, probs, self.data.class_names,
-                                     [r[3] for r in results], [r[4] for r in results])  # fmt: skip
+                                     [r[3] for r in results], [r[4] for r in results],
+                                     [r[5] for r in results] if watch.active else None)  # fmt: skip
         return metrics
 
     def test(self) -> dict[str, float]:

@@ -12,9 +12,9 @@ from torch import fx, nn
 
 from wsitrain.sft.ops.activations import ACTIVATIONS, is_pointwise_module, known_activation
 from wsitrain.sft.ops.attention_pool import AttentionPool
-from wsitrain.sft.ops.masked_pool import MaskedAmax
 from wsitrain.sft.ops.functions import function_spec, out_of_place_callable
 from wsitrain.sft.ops.grn import grn_spec, is_grn_module
+from wsitrain.sft.ops.masked_pool import MaskedAmax
 from wsitrain.sft.ops.norm_act import (
     act_after_norm,
     custom_batchnorm_refusal,
