@@ -179,6 +179,26 @@ def prob_spread(row: dict[str, Any]) -> float | None:
     return float(np.std(probs)) if probs else None
 
 
+def on_tissue(row: dict[str, Any]) -> dict[str, float] | None:
+    """Max pooling: per class, the share of held-out slides whose score was decided on the tissue (validation.json's
+    ``decided_on_tissue``, wsitrain/report/decision.py); None for other pools or runs that predate the record."""
+    try:
+        v = json.loads((Path(row["run_dir"]) / "validation.json").read_text())
+    except (OSError, KeyError, ValueError):
+        return None
+    recs = [s["decided_on_tissue"] for s in v.get("slides", []) if s.get("decided_on_tissue")]
+    if not recs:
+        return None
+    return {c: sum(bool(r[c]) for r in recs) / len(recs) for c in v.get("classes", [])}
+
+
+def _on_tissue_cell(rs: list[dict[str, Any]]) -> str:
+    shares = [x for x in (on_tissue(r) for r in rs) if x is not None]
+    if not shares:
+        return "-"
+    return ", ".join(f"{c} {statistics.mean(s[c] for s in shares):.2f}" for c in shares[0])
+
+
 def _mean_std(xs: list[float]) -> str:
     if not xs:
         return "-"
@@ -203,8 +223,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         "flips and rot90; held-out AUC of the last epoch (no model selection on held-out slides).",
         "",
         "| input | pool | held-out ROC AUC (mean ± std) | per seed | accuracy (mean) | spread of p(positive) (mean) "
-        "| wall per run (mean) |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| decided on tissue (max pool; mean share per class) | wall per run (mean) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for inp, pool, rs in groups(rows):
         aucs = [r["roc_auc"] for r in rs if r["roc_auc"] is not None]
@@ -215,13 +235,15 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         what = f"whole slide ({LESION_MPP} um/px)" if inp == "whole slide" else f"thumbnail ({THUMB_MPP:g} um/px)"
         lines.append(
             f"| {what} | {pool} | {_mean_std(aucs)} | {per} | {statistics.mean(accs) if accs else float('nan'):.2f} "
-            f"| {spread} | {statistics.mean(r['wall_s'] for r in rs):.0f} s |"
+            f"| {spread} | {_on_tissue_cell(rs)} | {statistics.mean(r['wall_s'] for r in rs):.0f} s |"
         )
     lines += [
         "",
         f"Seeds: {', '.join(str(s) for s in head['seeds'])}. Accuracy thresholds p(positive) at 0.5; *spread* is the "
         "standard deviation of p(positive) over the held-out slides (near 0: the run gives every slide about the "
-        "same output, and its AUC ranks tiny differences). Every figure above is measured.",
+        "same output, and its AUC ranks tiny differences). *Decided on tissue*: per class, the share of held-out "
+        "slides whose max-pooled score was decided at a map cell inside the tissue mask (`model.mask_pool`). Every "
+        "figure above is measured.",
     ]
     return "\n".join(lines) + "\n"
 
