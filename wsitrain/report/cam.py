@@ -189,8 +189,15 @@ class CamAccumulator:
         return out.scatter_add_(2, self.max_index[:, None, :].expand(b, k, -1), parts)
 
     def decisive_positions(self) -> torch.Tensor:
-        """Max head only: (B, K, 2) (row, col) in map pixels of the largest per-position part of each logit."""
-        flat = self.max_contributions().argmax(dim=2)  # (B, K)
+        """Max head only: (B, K, 2) (row, col) in map pixels of the largest per-position part of each logit, among
+        the positions holding some channel's maximum. A position holding none takes no part (its part is 0, not a
+        decision): a class whose parts are all negative was otherwise "decided" at the first such cell, (0, 0),
+        measured on the demo's negative slides with the pool masked to tissue."""
+        parts = self.max_contributions()  # (B, K, h*w)
+        held = torch.zeros(parts.shape[0], parts.shape[2], dtype=torch.bool)  # (B, h*w)
+        held.scatter_(1, self.max_index, True)
+        parts = parts.masked_fill(~held[:, None, :], float("-inf"))
+        flat = parts.argmax(dim=2)  # (B, K)
         return torch.stack((flat // self.hw[1], flat % self.hw[1]), dim=-1)
 
 
