@@ -57,7 +57,8 @@ def test_unmasked_max_decides_off_tissue_masked_never() -> None:
     assert watch.active
     with torch.no_grad(), watch.slide(x, read):  # no mask set: the whole map is pooled
         engine(x[None])
-    assert watch.last == [False, False] and watch.cells == [(0, 0), (0, 0)]
+    assert watch.last == [False, False]
+    assert watch.cells is not None and all(r < 3 and c < 3 for r, c in watch.cells), "decided at the bright corner"
     with torch.no_grad(), tissue_masked(net, read), watch.slide(x, read):
         engine(x[None])
     assert watch.last == [True, True]
