@@ -223,6 +223,24 @@ def _mean(rs: list[dict[str, Any]], key: str) -> str:
     """Mean of a row key over runs that have it ('-' when none: older rows, or thumbnails for localisation)."""
     xs = [r[key] for r in rs if r.get(key) is not None]
     return f"{statistics.mean(xs):.2f}" if xs else "-"
+def on_tissue(row: dict[str, Any]) -> dict[str, float] | None:
+    """Max pooling: per class, the share of held-out slides whose score was decided on the tissue (validation.json's
+    ``decided_on_tissue``, wsitrain/report/decision.py); None for other pools or runs that predate the record."""
+    try:
+        v = json.loads((Path(row["run_dir"]) / "validation.json").read_text())
+    except (OSError, KeyError, ValueError):
+        return None
+    recs = [s["decided_on_tissue"] for s in v.get("slides", []) if s.get("decided_on_tissue")]
+    if not recs:
+        return None
+    return {c: sum(bool(r[c]) for r in recs) / len(recs) for c in v.get("classes", [])}
+
+
+def _on_tissue_cell(rs: list[dict[str, Any]]) -> str:
+    shares = [x for x in (on_tissue(r) for r in rs) if x is not None]
+    if not shares:
+        return "-"
+    return ", ".join(f"{c} {statistics.mean(s[c] for s in shares):.2f}" for c in shares[0])
 
 
 def _mean_std(xs: list[float]) -> str:
@@ -250,8 +268,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         "",
         "| input | pool | held-out ROC AUC (mean ± std) | per seed | accuracy (mean) | balanced accuracy (mean) "
         "| held-out loss / chance loss (mean) | spread of p(positive) (mean) | pointing game (mean) "
-        "| mass on lesions (mean) | wall per run (mean) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| mass on lesions (mean) | decided on tissue (max pool; mean share per class) | wall per run (mean) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for inp, pool, rs in groups(rows):
         aucs = [r["roc_auc"] for r in rs if r["roc_auc"] is not None]
@@ -263,7 +281,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {what} | {pool} | {_mean_std(aucs)} | {per} | {statistics.mean(accs) if accs else float('nan'):.2f} "
             f"| {_mean(rs, 'balanced_accuracy')} | {_mean(rs, 'val_loss')} / {_mean(rs, 'chance_loss')} | {spread} "
-            f"| {_mean(rs, 'pointing_game')} | {_mean(rs, 'lesion_mass')} "
+            f"| {_mean(rs, 'pointing_game')} | {_mean(rs, 'lesion_mass')} | {_on_tissue_cell(rs)} "
             f"| {statistics.mean(r['wall_s'] for r in rs):.0f} s |"
         )
     lines += [
@@ -274,7 +292,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         "answering the training set's class shares. *Pointing game*: the share of held-out positive slides whose "
         "highest attention cell (attention pools) or positive-class CAM cell (avg, max) lies in a lesion box of "
         "lesions.json; *mass on lesions*: the share of that map's total there (wsitrain.report.localisation); "
-        "whole slides only. "
+        "whole slides only. *Decided on tissue*: per class, the share of held-out slides whose max-pooled score was "
+        "decided at a map cell inside the tissue mask (`model.mask_pool`). "
         "Wall time is the fit's (the held-out prediction with heatmaps is timed apart: `localise_s` in the JSONL). "
         "Every figure above is measured.",
     ]

@@ -79,7 +79,7 @@ def test_fit_and_predict_with_a_per_class_gated_attention_head(tmp_path: Path) -
     from wsitrain.models import build
     from wsitrain.models.heads import AttentionSpec
     from wsitrain.slides.stream import read_slide_region
-    from wsitrain.train.attention_mask import attention_masked
+    from wsitrain.train.attention_mask import tissue_masked
     from wsitrain.train.checkpoint import load_checkpoint
     from wsitrain.train.data import read_kwargs
     from wsitrain.train.fit import run_fit
@@ -106,7 +106,7 @@ def test_fit_and_predict_with_a_per_class_gated_attention_head(tmp_path: Path) -
     masked_somewhere = False
     for row in csv.DictReader(out.open()):
         read = read_slide_region(Path(row["path"]), **read_kwargs(cfg, model.stride))
-        with torch.no_grad(), attention_masked(model, read):
+        with torch.no_grad(), tissue_masked(model, read):
             probs = torch.softmax(model(read.image[None]), 1)[0]
         torch.testing.assert_close(probs, torch.tensor([float(row["prob_negative"]), float(row["prob_positive"])]),
                                    atol=2e-6, rtol=0)  # fmt: skip

@@ -15,6 +15,7 @@ from wsitrain.config import WsiTrainConfig
 from wsitrain.errors import SlideError, WsiTrainError
 from wsitrain.models import build
 from wsitrain.slides.stream import read_slide_region
+from wsitrain.train.attention_mask import tissue_masked
 from wsitrain.train.checkpoint import load_checkpoint
 from wsitrain.train.fit import run_fit
 from wsitrain.train.predict import run_predict
@@ -57,11 +58,11 @@ def test_predict_writes_probabilities_equal_to_the_plain_model(
     model.eval()
     assert cfg.data.mask_background  # the default: predict masks background as training does
     for row in rows:
-        image = read_slide_region(
+        read = read_slide_region(
             row["path"], region="whole", pad_multiple=model.stride, mask_background=cfg.data.mask_background
-        ).image
-        with torch.no_grad():
-            expected = torch.softmax(model(image.unsqueeze(0)), dim=1)[0]
+        )
+        with torch.no_grad(), tissue_masked(model, read):  # the pool averages over the tissue (model.mask_pool)
+            expected = torch.softmax(model(read.image.unsqueeze(0)), dim=1)[0]
         got = torch.tensor([float(row["prob_negative"]), float(row["prob_positive"])])
         torch.testing.assert_close(got, expected, atol=2e-6, rtol=0)
         assert row["predicted"] == ("positive" if expected[1] > expected[0] else "negative")

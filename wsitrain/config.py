@@ -233,6 +233,9 @@ class ModelConfig(Section):
 
     def freeze_spec(self) -> FreezeSpec | None:
         return self.freeze.spec() if self.freeze is not None else None
+    # with data.mask_background, max and average pools reduce over the slide's tissue only (attention always does):
+    # no class decided on the background or the image border (README "Pooling"; false: the whole map, as before)
+    mask_pool: Annotated[bool, Field(strict=True)] = True
 
     @field_validator("pool")
     @classmethod

@@ -24,6 +24,7 @@ from wsitrain.models.heads import ATTENTION_POOLS, AVG, GATED_ATTENTION, POOLS, 
 from wsitrain.models.normalize import IMAGENET_MEAN, IMAGENET_STD, InputNormalization
 from wsitrain.models.registry import BUILTIN_NAMES, ModelSpec, is_imagenet, resolve_model_name
 from wsitrain.models.weights import load_weights
+from wsitrain.sft.ops.masked_pool import MaskedAvgPool2d, MaskedMaxPool2d
 
 MODEL_NAMES = BUILTIN_NAMES  # the built-in names; any torchvision/<name> or timm/<name> is valid as well
 
@@ -119,11 +120,15 @@ def _library_parts(spec: ModelSpec, num_classes: int, imagenet: bool) -> Parts:
     return parts.features, parts.classifier, parts.channels, parts.stride, norm
 
 
-def _pool_layers(pool: str, attention: AttentionSpec, channels: int, classifier: nn.Module, num_classes: int
-                 ) -> dict[str, nn.Module]:  # fmt: skip
+def _pool_layers(pool: str, attention: AttentionSpec, channels: int, classifier: nn.Module, num_classes: int,
+                 mask_pool: bool = True) -> dict[str, nn.Module]:  # fmt: skip
     """The layers from the trunk's output to the logits (after ``features``), by ``pool``."""
     if pool not in ATTENTION_POOLS:
-        glob = nn.AdaptiveAvgPool2d(1) if pool == AVG else nn.AdaptiveMaxPool2d(1)
+        glob: nn.Module
+        if mask_pool:  # the torch pools, reading only tissue while a mask is set (``with model.pool.masked(mask)``)
+            glob = MaskedAvgPool2d() if pool == AVG else MaskedMaxPool2d()
+        else:
+            glob = nn.AdaptiveAvgPool2d(1) if pool == AVG else nn.AdaptiveMaxPool2d(1)
         return {"pool": glob, "flatten": nn.Flatten(1), "classifier": classifier}
     branches = num_classes if attention.per_class else 1
     scores = AttentionScores(channels, branches, attention.dim, attention.hidden, gated=pool == GATED_ATTENTION)
@@ -144,6 +149,7 @@ def build(
     freeze_bn: bool = True,
     attention: AttentionSpec | None = None,
     freeze: FreezeSpec | None = None,
+    mask_pool: bool = True,
 ) -> nn.Sequential:
     """Build model ``name`` (a built-in, ``torchvision/<name>`` or ``timm/<name>``) with a ``num_classes``-way head.
 
@@ -154,6 +160,8 @@ def build(
     "gated_attention"; built as ``attention`` says, wsitrain.models.attention). ``freeze_bn``: BatchNorm layers
     keep their running statistics even in ``model.train()``. ``freeze``: modules kept fixed (wsitrain.models.freeze;
     ``model.frozen`` says what was frozen, None when nothing).
+    ``mask_pool``: an "avg" or "max" pool that reduces over the positions of a mask set with ``model.pool.masked(mask)``
+    only (wsitrain.sft.ops.masked_pool; fit and predict set the slide's tissue); False: torch's own pools.
     """
     spec = resolve_model_name(name)
     if pool not in POOLS:
@@ -165,7 +173,7 @@ def build(
     imagenet = is_imagenet(weights)
     parts = _builtin_parts if spec.is_builtin else _library_parts
     features, classifier, channels, stride, (mean, std) = parts(spec, num_classes, imagenet)
-    head = _pool_layers(pool, attention or AttentionSpec(), channels, classifier, num_classes)
+    head = _pool_layers(pool, attention or AttentionSpec(), channels, classifier, num_classes, mask_pool)
     model = nn.Sequential(OrderedDict(normalize=InputNormalization(mean, std), features=features, **head))
     model.name = spec.name
     model.stride = stride

@@ -18,6 +18,7 @@ from wsitrain.errors import WsiTrainError
 from wsitrain.models.attention import BranchClassifier
 from wsitrain.models.heads import ATTENTION, AVG, MAX
 from wsitrain.sft.ops.attention_pool import AttentionPool
+from wsitrain.sft.ops.pool_mask import MaskedPool
 
 # Global poolings a CAM can be read through; each maps (B, C, h, w) -> (B, C, 1, 1) (attention: (B, K, C), each
 # branch's attention-weighted mean, so the logit is the CAM's attention-weighted sum).
@@ -37,6 +38,7 @@ class ClassifierHead:
     bias: torch.Tensor  # (K,)
     linear_path: str  # the Linear's module path, for messages
     attention: AttentionPool | None = None  # the attention pool: the trunk's map ends in its branches' scores
+    masked: MaskedPool | None = None  # a max / average pool that reads the tissue mask set on it (masked_pool.py)
 
     @property
     def branches(self) -> int:
@@ -58,7 +60,7 @@ def find_head(model: nn.Module) -> ClassifierHead:
         )
     names = [n for n, _ in inner.named_children()]
     mods = [m for _, m in inner.named_children()]
-    pools = [i for i, m in enumerate(mods) if type(m) in _POOLS and _output_is_one(m)]
+    pools = [i for i, m in enumerate(mods) if _pool_name(m) is not None and _output_is_one(m)]
     if not pools:
         raise WsiTrainError(
             "heatmaps need a global pooling (AdaptiveAvgPool2d(1) or AdaptiveMaxPool2d(1)) before the classifier; "
@@ -78,7 +80,15 @@ def find_head(model: nn.Module) -> ClassifierHead:
     name, lin = linears[0]
     bias = lin.bias if lin.bias is not None else torch.zeros(lin.out_features, device=lin.weight.device)
     pool = mods[i] if isinstance(mods[i], AttentionPool) else None
-    return ClassifierHead(inner[:i], _POOLS[type(mods[i])], lin.weight.detach(), bias.detach(), name, pool)
+    masked = mods[i] if isinstance(mods[i], MaskedPool) and pool is None else None
+    name_ = _pool_name(mods[i])
+    assert name_ is not None
+    return ClassifierHead(inner[:i], name_, lin.weight.detach(), bias.detach(), name, pool, masked)
+
+
+def _pool_name(m: nn.Module) -> str | None:
+    """"avg", "max" or "attention" for a pooling module (their masked subclasses too), else None."""
+    return next((name for kind, name in _POOLS.items() if isinstance(m, kind)), None)
 
 
 def _inner_linear(m: nn.Module) -> nn.Module:
@@ -118,6 +128,8 @@ class CamAccumulator:
         self.max_value = torch.full((batch, c), -torch.inf, dtype=dtype)  # (B, C)
         self.max_index = torch.zeros((batch, c), dtype=torch.long)  # (B, C) flat index into (h, w)
         # attention: each branch's score at every position (B, branches, h, w), made weights by ``attention()``
+        # max: the tissue mask the pool holds now (the forward that feeds this one reads it): off it, no maximum
+        self.mask = head.masked.mask_at(*self.hw) if head.masked is not None and head.pool == "max" else None
         self.scores = torch.zeros((batch, head.branches, *self.hw), dtype=dtype) if head.branches else None
 
     def __call__(self, tile: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> None:
@@ -136,6 +148,8 @@ class CamAccumulator:
         self.cam[:, :, r0:r1, c0:c1] = cam_of_features(self.head, t).cpu()
         self.covered[r0:r1, c0:c1] = True
         if self.head.pool == "max":
+            if self.mask is not None:  # as the masked pool reads the map: off-tissue positions never win
+                t = t.masked_fill(~self.mask[:, :, r0:r1, c0:c1].to(t.device), float("-inf"))
             flat = t.flatten(2)  # (B, C, th * tw)
             value, idx = flat.max(dim=2)  # (B, C)
             tw = c1 - c0
@@ -175,8 +189,15 @@ class CamAccumulator:
         return out.scatter_add_(2, self.max_index[:, None, :].expand(b, k, -1), parts)
 
     def decisive_positions(self) -> torch.Tensor:
-        """Max head only: (B, K, 2) (row, col) in map pixels of the largest per-position part of each logit."""
-        flat = self.max_contributions().argmax(dim=2)  # (B, K)
+        """Max head only: (B, K, 2) (row, col) in map pixels of the largest per-position part of each logit, among
+        the positions holding some channel's maximum. A position holding none takes no part (its part is 0, not a
+        decision): a class whose parts are all negative was otherwise "decided" at the first such cell, (0, 0),
+        measured on the demo's negative slides with the pool masked to tissue."""
+        parts = self.max_contributions()  # (B, K, h*w)
+        held = torch.zeros(parts.shape[0], parts.shape[2], dtype=torch.bool)  # (B, h*w)
+        held.scatter_(1, self.max_index, True)
+        parts = parts.masked_fill(~held[:, None, :], float("-inf"))
+        flat = parts.argmax(dim=2)  # (B, K)
         return torch.stack((flat // self.hw[1], flat % self.hw[1]), dim=-1)
 
 

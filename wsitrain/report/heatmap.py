@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from wsitrain.report.cam import BlockSumAccumulator, CamAccumulator, ClassifierHead, find_head
+from wsitrain.sft.ops.masked_pool import AMAX, AVG, masked_global_pool
 
 
 @dataclass
@@ -41,7 +42,7 @@ def _has_hooks(model: nn.Module) -> bool:
     return hasattr(model, "observe_trunk") and hasattr(model, "input_gradient_sink")
 
 
-def _trunk_hw(model: nn.Module, x: torch.Tensor) -> tuple[int, int]:
+def trunk_hw(model: nn.Module, x: torch.Tensor) -> tuple[int, int]:
     """The trunk output's (h, w) for input ``x``: the engine's plan knows it without running anything."""
     plan = model.plan_for(tuple(x.shape))  # type: ignore[operator]
     shape = plan.segments[-1].output_shape
@@ -75,7 +76,7 @@ def slide_maps(
         x = x.detach().requires_grad_(True)
     hooks = _has_hooks(model)
     if hooks:
-        acc = CamAccumulator(head, 1, _trunk_hw(model, x))
+        acc = CamAccumulator(head, 1, trunk_hw(model, x))
     grad_ctx: contextlib.AbstractContextManager[Any] = torch.enable_grad() if saliency_block else torch.no_grad()
     with grad_ctx, (autocast or contextlib.nullcontext)():
         if hooks:
@@ -104,7 +105,8 @@ def _plain_head(head: ClassifierHead, f: torch.Tensor) -> torch.Tensor:
     if head.attention is not None:
         v = head.attention(f).to(w.dtype)  # (B, branches, C)
         return v[:, 0] @ w.T + b if v.shape[1] == 1 else (v * w).sum(-1) + b  # one branch per class: its own
-    v = f.amax(dim=(2, 3)) if head.pool == "max" else f.mean(dim=(2, 3))  # (B, C)
+    mask = head.masked.mask_at(f.shape[-2], f.shape[-1]) if head.masked is not None else None
+    v = masked_global_pool(AMAX if head.pool == "max" else AVG, f, mask)  # (B, C), over the tissue when masked
     return v.to(w.dtype) @ w.T + b
 
 

@@ -15,12 +15,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from wsitrain.report.decision import decided_on_tissue
 from wsitrain.report.geojson import write_geojson
 from wsitrain.report.heatmap import SlideMaps, eval_mode, slide_maps
 from wsitrain.report.heatmap_tiff import write_heatmap_tiff
 from wsitrain.report.map_grid import MapGrid
 from wsitrain.report.overlay import Placement, Thumbnail, render_heatmap, slide_thumbnail
-from wsitrain.train.attention_mask import attention_masked
+from wsitrain.train.attention_mask import tissue_masked
 from wsitrain.write_errors import named_write_errors
 
 INDEX = "heatmaps.json"
@@ -71,7 +72,7 @@ class HeatmapWriter:
         image = read.image  # (3, H, W) uint8
         stride = int(getattr(getattr(model, "model", model), "stride", 1))
         block = saliency_block(tuple(image.shape[-2:]), stride) if self.saliency else None
-        with eval_mode(model), attention_masked(model, read):
+        with eval_mode(model), tissue_masked(model, read):
             maps = slide_maps(model, image, saliency_block=block, probabilities=probabilities, autocast=self.autocast)
         if self.transform is not None:
             maps = self.transform(maps)
@@ -88,6 +89,10 @@ class HeatmapWriter:
         tissue, _ = tissue_mask(thumb.rgb)
         png = render_heatmap(self.out_dir / f"{stem}.png", maps, thumb, where, self.class_names, slide.name, tissue)
         rec = self._record(slide, stem, maps, where, png, label)
+        # max pooling: does each class's deciding cell lie on the read's tissue? (None: no tissue mask)
+        map_mask = getattr(read, "map_mask", None)
+        rec["decisive_on_tissue"] = (decided_on_tissue(maps.decisive, map_mask(*maps.cam.shape[-2:]))
+                                     if maps.decisive is not None and map_mask is not None else None)  # fmt: skip
         if self.viewer:
             level0_mpp = (mpp[0] + mpp[1]) / 2 if mpp else (read.mpp / read.downsample if read.mpp else None)
             rec.update(self._viewer_files(stem, maps, where, level0_mpp, thumb, tissue))

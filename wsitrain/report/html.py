@@ -188,6 +188,41 @@ def _task(run_dir: Path) -> str:
     return "\n".join(out)
 
 
+def _decided_on_tissue(val: dict[str, Any], maps: dict[str, Any] | None) -> list[dict[str, bool] | None] | None:
+    """Per validation slide, a max-pooling head's record of which classes were decided on the tissue: validation's
+    own (fit records it), else the heatmaps' (the report's maps, for runs that predate the record); None when
+    neither has one (not a max-pooling head)."""
+    slides = val["slides"]
+    if any("decided_on_tissue" in r for r in slides):
+        return [r.get("decided_on_tissue") for r in slides]
+    if not maps or not any(m.get("decisive_on_tissue") is not None for m in maps.get("slides", [])):
+        return None
+    classes = maps.get("classes", val["classes"])
+    by_path = {m.get("path"): m.get("decisive_on_tissue") for m in maps["slides"]}
+    out: list[dict[str, bool] | None] = []
+    for r in slides:
+        rec = by_path.get(r.get("path"))
+        out.append(None if rec is None else dict(zip(classes, rec, strict=True)))
+    return out
+
+
+def _tissue_cell(where: list[dict[str, bool] | None] | None, i: int, classes: list[str]) -> str:
+    if where is None:
+        return ""
+    rec = where[i]
+    if rec is None:
+        return '<td class="muted">no tissue mask</td>'
+    return "<td>" + ", ".join(f"{_e(c)} {'yes' if rec.get(c) else '<b>no</b>'}" for c in classes) + "</td>"
+
+
+def _tissue_summary(where: list[dict[str, bool] | None], classes: list[str]) -> str:
+    known = [r for r in where if r is not None]
+    parts = ", ".join(f"{_e(c)} {sum(bool(r.get(c)) for r in known)} of {len(known)}" for c in classes)
+    return (f"<p>Max pooling decided on the tissue (the deciding map cell inside the slide's tissue mask): {parts} "
+            "slides. A score decided off the tissue reads the background or the image border, not evidence "
+            "(model.mask_pool keeps the pool on the tissue).</p>")
+
+
 def _validation(run_dir: Path, maps_note: str | None) -> str:
     out = ["<h2>Validation slides</h2>"]
     val = read_json(run_dir / VALIDATION)
@@ -197,19 +232,25 @@ def _validation(run_dir: Path, maps_note: str | None) -> str:
     else:
         classes = val["classes"]
         head = "".join(f"<th>p({_e(c)})</th>" for c in classes)
+        where = _decided_on_tissue(val, maps)
+        if where is not None:
+            head += "<th>decided on tissue</th>"
         rows = []
-        for r in val["slides"]:
+        for i, r in enumerate(val["slides"]):
             cells = "".join(
                 f'<td class="num"><span class="bar" style="width:{60 * r["probs"][c]:.1f}px"></span>'
                 f'{r["probs"][c]:.3f}</td>' for c in classes
             )
             ok = r["label"] == r["predicted"]
             rows.append(f'<tr class="{"" if ok else "wrong"}"><td>{_e(r["slide"])}</td><td>{_e(r["label"])}</td>'
-                        f'<td>{_e(r["predicted"])}</td>{cells}<td>{"yes" if ok else "no"}</td></tr>')
+                        f'<td>{_e(r["predicted"])}</td>{cells}' + _tissue_cell(where, i, classes) +
+                        f'<td>{"yes" if ok else "no"}</td></tr>')  # fmt: skip
         n_ok = sum(r["label"] == r["predicted"] for r in val["slides"])
         out.append(f"<p>{n_ok} of {len(val['slides'])} correct (rows in red are wrong).</p>"
                    f"<table><tr><th>slide</th><th>label</th><th>predicted</th>{head}<th>correct</th></tr>"
                    + "".join(rows) + "</table>")
+        if where is not None:
+            out.append(_tissue_summary(where, classes))
     out.append("<h3>Heatmaps (click a picture to enlarge it, click again to shrink it)</h3>")
     if maps_note:
         out.append(_note(maps_note))

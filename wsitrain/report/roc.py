@@ -52,9 +52,12 @@ def write_validation_figures(
     class_names: Sequence[str],
     slides: Sequence[str] | None = None,
     paths: Sequence[str] | None = None,
+    on_tissue: Sequence[list[bool] | None] | None = None,
 ) -> tuple[Path, Path]:
     """roc.png (one-vs-rest per class; binary: the positive class), confusion.png, and validation.json with the
-    per-slide probabilities (``slides`` ids and ``paths`` when given, for the report's table and heatmaps)."""
+    per-slide probabilities (``slides`` ids and ``paths`` when given, for the report's table and heatmaps).
+    ``on_tissue``: a max-pooling head's record, per slide and class, of whether the class was decided on the tissue
+    (report.decision; None for a slide without a tissue mask)."""
     run_dir = Path(run_dir)
     y = np.asarray(y_true, dtype=np.int64)
     p = np.asarray(y_prob, dtype=np.float64).reshape(len(y), -1)
@@ -100,7 +103,9 @@ def write_validation_figures(
         "classes": names,
         "slides": [
             {"slide": ids[i], "path": paths[i] if paths is not None else None, "label": names[int(y[i])],
-             "predicted": names[int(pred[i])], "probs": {c: float(v) for c, v in zip(names, p[i], strict=True)}}
+             "predicted": names[int(pred[i])], "probs": {c: float(v) for c, v in zip(names, p[i], strict=True)},
+             **({} if on_tissue is None else {"decided_on_tissue": None if on_tissue[i] is None else
+                                              dict(zip(names, on_tissue[i], strict=True))})}  # fmt: skip
             for i in range(len(y))
         ],
     })

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import time
 from pathlib import Path
@@ -16,12 +17,13 @@ from wsitrain.memory import tune_owned_process
 from wsitrain.models import build
 from wsitrain.models.freeze import FreezeSpec
 from wsitrain.models.heads import AttentionSpec
+from wsitrain.report.decision import DecisionWatch
 from wsitrain.report.heatmap_files import HeatmapWriter
 from wsitrain.slides.readers import open_slide
 from wsitrain.slides.stream import read_slide_region
 from wsitrain.slides.suffixes import SLIDE_SUFFIXES, is_slide_name
 from wsitrain.tasks.objective import Objective, per_patient
-from wsitrain.train.attention_mask import attention_masked
+from wsitrain.train.attention_mask import tissue_masked
 from wsitrain.train.checkpoint import load_checkpoint
 from wsitrain.train.data import masking_note, read_kwargs
 from wsitrain.train.engine import resolve_device, wrap_engine
@@ -130,7 +132,7 @@ def run_predict(
     m = {**config_to_dict(cfg)["model"], **(trained.get("model") or {})}
     n_outputs = objective.n_outputs if objective is not None else len(class_names)
     model = build(m["name"], n_outputs, weights=None, pool=m["pool"], freeze_bn=m["freeze_bn"],
-                  attention=AttentionSpec.from_dict(m.get("attention")),
+                  attention=AttentionSpec.from_dict(m.get("attention")), mask_pool=m["mask_pool"],
                   freeze=FreezeSpec.from_dict(m.get("freeze")))  # fmt: skip
     model.load_state_dict(ckpt["model"])
     device = resolve_device(cfg.engine.device)
@@ -147,9 +149,11 @@ def run_predict(
     rows = []
     outputs: list[list[float]] = []
     t0 = time.perf_counter()
+    # a max-pooling classifier: per slide and class, was the score decided on the tissue? (columns on_tissue_*)
+    watch = DecisionWatch(engine) if objective is None else None
     for i, p in enumerate(paths, 1):
         read = read_slide_region(p, **rk)
-        with attention_masked(model, read):
+        with tissue_masked(model, read), (watch.slide(read.image, read) if watch else contextlib.nullcontext()):
             res = runner.eval_slide(read.image, None)
         probs = res.probs.tolist()
         outputs.append(probs)
@@ -162,6 +166,8 @@ def run_predict(
             continue
         pred = class_names[int(max(range(len(probs)), key=probs.__getitem__))]
         rows.append([p.name, str(p), *(f"{v:.6f}" for v in probs), pred])
+        if watch is not None and watch.active:  # "" where the slide has no tissue mask
+            rows[-1] += [str(v).lower() for v in watch.last] if watch.last is not None else [""] * len(class_names)
         console.print(f"[{i}/{len(paths)}] {p.name}: {pred} ({max(probs):.3f}), "
                       f"{tuple(read.image.shape[1:])} px, read {read.seconds:.2f} s, forward {res.forward_s:.2f} s",
                       markup=False, highlight=False)  # fmt: skip
@@ -170,6 +176,8 @@ def run_predict(
     if maps is not None:
         console.print(f"wrote heatmaps of {len(paths)} slides to {maps.close().parent}", markup=False)
     header = _task_header(objective) if objective is not None else [*(f"prob_{c}" for c in class_names), "predicted"]
+    if watch is not None and watch.active:
+        header += [f"on_tissue_{c}" for c in class_names]
     with named_write_errors(out, "the predictions"), open(out, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["slide", "path", *header])

@@ -27,12 +27,13 @@ from wsitrain.gpus import Budget, run_budget
 from wsitrain.memory import tune_owned_process
 from wsitrain.preflight import PreflightReport, check_run
 from wsitrain.report.curves import write_curves
+from wsitrain.report.decision import DecisionWatch
 from wsitrain.report.roc import write_validation_figures
 from wsitrain.slides.dataset import PrefetchLoader, SlideDataset, SlideRecord
 from wsitrain.slides.stream import ReadResult
 from wsitrain.tasks.objective import Objective, per_patient
 from wsitrain.train import distributed as D
-from wsitrain.train.attention_mask import attention_masked
+from wsitrain.train.attention_mask import tissue_masked
 from wsitrain.train.balance.cost import slide_costs
 from wsitrain.train.balance.deal import Balance
 from wsitrain.train.balance.waiting import RankWaits
@@ -350,7 +351,7 @@ class FitRecipe:
                 self.recorder.plan_if_new(image, record.slide_id)
                 progress.start_slide(record.slide_id, self.recorder.tiles_total(image))
                 target = label if self.objective is None else self.objective.target(record)
-                with attention_masked(self.model, read):
+                with tissue_masked(self.model, read):
                     weight = loss_weight(t.class_balance, self.class_w, label)
                     step = self.oom.train_slide(image, target, weight / window, record.slide_id)
                 self.recorder.plan_if_new(image, record.slide_id)  # logs the new plan after an out-of-memory re-plan
@@ -469,11 +470,12 @@ class FitRecipe:
         mine = list(range(len(self.data.val)))[self.dist.rank :: self.dist.world_size]
         results = []
         t0 = time.perf_counter()
+        watch = DecisionWatch(self.engine)  # max pooling: is each class decided on the tissue?
         for i in mine:
             image, label, record, read = self.val_ds[i]
-            with self._plan_errors_named(record.slide_id), attention_masked(self.model, read):
+            with self._plan_errors_named(record.slide_id), tissue_masked(self.model, read), watch.slide(image, read):
                 r = self.trainer.eval_slide(image, label)
-            results.append((int(label), r.loss, r.probs.numpy(), record.slide_id, str(record.path)))
+            results.append((int(label), r.loss, r.probs.numpy(), record.slide_id, str(record.path), watch.last))
         results = [x for part in D.gather_objects(results, self.dist) for x in part]
         labels = np.array([r[0] for r in results])
         probs = np.stack([r[2] for r in results])  # (N, K)
@@ -483,7 +485,8 @@ class FitRecipe:
         metrics["seconds"] = time.perf_counter() - t0
         if self.dist.is_main:  # ROC, confusion matrix and per-slide probabilities of this validation
             write_validation_figures(self.run_dir, labels, probs, self.data.class_names,
-                                     [r[3] for r in results], [r[4] for r in results])  # fmt: skip
+                                     [r[3] for r in results], [r[4] for r in results],
+                                     [r[5] for r in results] if watch.active else None)  # fmt: skip
         return metrics
 
     def test(self) -> dict[str, float]:
@@ -512,7 +515,7 @@ class FitRecipe:
         for i in mine:
             image, label, record, read = ds[i]
             target = label if objective is None else objective.target(record)
-            with self._plan_errors_named(record.slide_id), attention_masked(self.model, read):
+            with self._plan_errors_named(record.slide_id), tissue_masked(self.model, read):
                 r = self.trainer.eval_slide(image, target)
             truth = [float(label)] if objective is None else list(record.target)
             rows.append({"slide": record.slide_id, "path": str(record.path), "patient": record.patient,

@@ -18,54 +18,30 @@ exists whole. Backward gives each recomputed tile the gradient softmax-then-sum 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
-# A mask, or what makes it for the map's (H, W) (a slide read knows its tissue, not the trunk's output size).
-MaskSource = torch.Tensor | Callable[[int, int], torch.Tensor | None]
+from wsitrain.sft.ops.pool_mask import MaskedPool, MaskSource
 
 
-class AttentionPool(nn.Module):
+class AttentionPool(MaskedPool, nn.Module):
     """(B, C + K, H, W) -> (B, K, C): each branch's attention-weighted mean of the C features.
 
-    ``mask`` (B or 1, 1, H, W) bool, set for one forward with ``masked()``: positions outside it get no attention
-    (CLAM attends to tissue patches only). A sample whose mask is empty everywhere is an error, not a silent NaN.
+    ``mask`` (B or 1, 1, H, W) bool, set for one forward with ``masked()`` (pool_mask.MaskedPool): positions outside
+    it get no attention (CLAM attends to tissue patches only). A sample whose mask is empty everywhere is an error,
+    not a silent NaN.
     """
 
-    mask: MaskSource | None
+    allows_empty_mask = False
 
     def __init__(self, branches: int = 1) -> None:
         super().__init__()
         if branches < 1:
             raise ValueError(f"AttentionPool needs at least one branch, got {branches}")
         self.branches = branches
-        self.mask: torch.Tensor | None = None
-
-    @contextmanager
-    def masked(self, mask: MaskSource | None) -> Iterator[None]:
-        """Exclude positions outside ``mask`` (B or 1, 1, H, W), or outside ``mask(H, W)``, from the softmax while
-        the block runs (forward)."""
-        if isinstance(mask, torch.Tensor):
-            check_mask(mask)
-        old, self.mask = self.mask, mask
-        try:
-            yield
-        finally:
-            self.mask = old
-
-    def mask_at(self, height: int, width: int) -> torch.Tensor | None:
-        """The mask (B or 1, 1, H, W) bool for a map of ``height`` x ``width``, or None (attend everywhere)."""
-        mask = self.mask(height, width) if callable(self.mask) else self.mask
-        if mask is None:
-            return None
-        check_mask(mask)
-        if tuple(mask.shape[-2:]) != (height, width):
-            raise ValueError(f"attention mask is {tuple(mask.shape[-2:])} but the map is {(height, width)}")
-        return mask
+        self.mask: MaskSource | None = None
 
     def weights(self, hs: torch.Tensor) -> torch.Tensor:
         """The attention weights (B, K, H, W) this pool gives ``hs``: softmax over the map, 0 outside the mask."""
@@ -92,13 +68,6 @@ def without_autocast(x: torch.Tensor) -> contextlib.AbstractContextManager[objec
     if kind in ("cpu", "cuda") and torch.is_autocast_enabled(kind):
         return torch.autocast(kind, enabled=False)
     return contextlib.nullcontext()
-
-
-def check_mask(mask: torch.Tensor) -> None:
-    if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1:
-        raise ValueError(f"an attention mask is a (B, 1, H, W) bool tensor, got {mask.dtype} {tuple(mask.shape)}")
-    if not is_fake(mask) and not bool(mask.flatten(1).any(1).all()):
-        raise ValueError("an attention mask excludes every position of a sample: nothing to attend to")
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:

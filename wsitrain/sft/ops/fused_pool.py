@@ -9,6 +9,11 @@ share of the pooled gradient, the same values plain PyTorch would give:
   row-major order (compared by global flat index across tiles, since tile order is not row-major);
 - amax: ``g / count`` at every position equal to the maximum, ``count`` over all tiles (ties split);
 - attention (``AttentionPool``): an online softmax over the tiles (attention_pool.py).
+
+With a tissue mask set on the pool (``masked_pool.MaskedAvgPool2d`` / ``MaskedMaxPool2d`` / ``MaskedAmax``, as
+``with model.pool.masked(mask)``), each tile reads only its masked positions: avg divides by the masked count and
+gives ``g / count`` to masked positions only; max and amax see off-mask positions as -inf, so they never win and get
+no gradient. A tile wholly off the mask then holds no gradient and skips its recompute and backward.
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import is_fake
 
 from wsitrain.sft.ops.attention_pool import AttentionAccumulator, AttentionPool
+from wsitrain.sft.ops.masked_pool import AMAX, AVG, MAX, MaskedAmax
+from wsitrain.sft.ops.pool_mask import MaskedPool
 
-AVG, MAX, AMAX, ATTENTION = "avg", "max", "amax", AttentionAccumulator.kind
+ATTENTION = AttentionAccumulator.kind
 _SPATIAL_DIMS = ({2, 3}, {-2, -1})
 
 
@@ -52,6 +59,8 @@ def pool_kind(node: fx.Node, module: nn.Module | None) -> str | None:
     if node.op == "call_module":
         if isinstance(module, AttentionPool):
             return ATTENTION
+        if isinstance(module, MaskedAmax):
+            return AMAX
         if isinstance(module, nn.AdaptiveAvgPool2d) and _is_one(module.output_size):
             return AVG
         if isinstance(module, nn.AdaptiveMaxPool2d) and _is_one(module.output_size) and not module.return_indices:
@@ -76,8 +85,14 @@ class PoolAccumulator:
     """Forward: folds tiles of the (B, C, H, W) map into the pooled (B, C), keeping what backward needs."""
 
 
-    def __init__(self, kind: str, height: int, width: int) -> None:
+    def __init__(self, kind: str, height: int, width: int, mask: torch.Tensor | None = None) -> None:
         self.kind, self.h, self.w = kind, height, width
+        if mask is not None and tuple(mask.shape[-2:]) != (height, width):
+            raise ValueError(f"pool mask is {tuple(mask.shape[-2:])} but the map is {(height, width)}")
+        self.mask = mask  # (B or 1, 1, H, W) bool where the caller made it (holds_gradient reads it: no device sync)
+        self._device_mask: torch.Tensor | None = None  # the same on the tiles' device, copied once, not per tile
+        # AVG: positions kept per sample (B or 1, 1), the mean's divisor (H * W without a mask)
+        self.count_kept = None if mask is None else mask.flatten(1).sum(1, keepdim=True)
         self.value: torch.Tensor | None = None  # (B, C): running sum or maximum
         self.index: torch.Tensor | None = None  # (B, C) int64: global flat index of the maximum (MAX)
         self.count: torch.Tensor | None = None  # (B, C): positions equal to the maximum (AMAX)
@@ -86,9 +101,26 @@ class PoolAccumulator:
         # maximum without recomputing them (B x C values per tile: 8 KiB at 2048 channels in fp32)
         self.tile_max: dict[tuple[tuple[int, int], tuple[int, int]], torch.Tensor] = {}
 
+    def tile_mask(self, y: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> torch.Tensor | None:
+        """The mask's (B or 1, 1, th, tw) part under the tile, on the tile's device; None without a mask."""
+        if self.mask is None:
+            return None
+        if self._device_mask is None or self._device_mask.device != y.device:
+            self._device_mask = self.mask.to(y.device)
+        return self._device_mask[:, :, rows[0] : rows[0] + y.shape[2], cols[0] : cols[0] + y.shape[3]]
+
+    def masked(self, y: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> torch.Tensor:
+        """The tile as the pool reads it: off-mask positions 0 (avg) or -inf (max, amax); ``y`` without a mask."""
+        m = self.tile_mask(y, rows, cols)
+        if m is None:
+            return y
+        fill = 0.0 if self.kind == AVG else float("-inf")
+        return y.masked_fill(~m, fill)
+
     def add(self, y: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> None:
         """One tile ``y`` (B, C, th, tw) covering ``rows`` x ``cols`` of the map."""
         self.dtype = y.dtype
+        y = self.masked(y, rows, cols)
         if self.kind == AVG:
             acc = torch.float32 if y.dtype in (torch.float16, torch.bfloat16) else y.dtype
             part = y.sum((2, 3), dtype=acc)
@@ -122,8 +154,15 @@ class PoolAccumulator:
         assert self.value is not None and self.dtype is not None, "no tile was added"
         dtype = dtype or self.dtype
         if self.kind == AVG:
-            return (self.value / (self.h * self.w)).to(dtype)
+            return (self.value / self.divisor()).to(dtype)
         return self.value
+
+    def divisor(self) -> torch.Tensor | int:
+        """The mean's divisor: H * W, or the masked positions per sample (B or 1, 1) on the pooled value's device."""
+        if self.count_kept is None:
+            return self.h * self.w
+        assert self.value is not None
+        return self.count_kept.to(device=self.value.device, dtype=self.value.dtype)
 
     @property
     def share_reads_output(self) -> bool:
@@ -137,7 +176,12 @@ class PoolAccumulator:
     def holds_gradient(self, rows: tuple[int, int], cols: tuple[int, int]) -> bool:
         """May the tile covering ``rows`` x ``cols`` receive a nonzero share? Under max pooling only the tiles
         holding a maximum do; the others skip their recompute and backward (``TiledSegment.backward_all``)."""
-        if self.kind == AVG or is_fake(self.value):  # fake tensors (the simulated device): computed, no content
+        if is_fake(self.value):  # fake tensors (the simulated device): computed, no content
+            return True
+        if self.mask is not None and not is_fake(self.mask):  # a tile wholly off the mask holds nothing
+            if not bool(self.mask[:, :, rows[0] : rows[1], cols[0] : cols[1]].any()):
+                return False
+        if self.kind == AVG:
             return True
         if self.kind == AMAX:
             assert self.value is not None
@@ -151,11 +195,13 @@ class PoolAccumulator:
     def tile_grad(self, g: torch.Tensor, y: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> torch.Tensor:
         """The share of the pooled gradient ``g`` (B, C) that falls on tile ``y`` (B, C, th, tw)."""
         if self.kind == AVG:
-            return (g / (self.h * self.w)).to(y.dtype)[:, :, None, None].expand_as(y)
+            share = (g / self.divisor()).to(y.dtype)[:, :, None, None].expand_as(y)
+            m = self.tile_mask(y, rows, cols)
+            return share if m is None else share * m.to(y.dtype)
         if self.kind == AMAX:
             assert self.count is not None and self.value is not None
             share = (g / self.count).to(y.dtype)
-            return share[:, :, None, None] * (y == self.value[:, :, None, None]).to(y.dtype)
+            return share[:, :, None, None] * (self.masked(y, rows, cols) == self.value[:, :, None, None]).to(y.dtype)
         assert self.index is not None
         r, c = self.index // self.w, self.index % self.w
         th, tw = y.shape[2], y.shape[3]
@@ -175,4 +221,5 @@ def new_accumulator(fusion: PoolFusion, pool: nn.Module | None, height: int, wid
     if fusion.kind == ATTENTION:
         assert isinstance(pool, AttentionPool)
         return AttentionAccumulator(pool.branches, height, width, pool.mask_at(height, width))
-    return PoolAccumulator(fusion.kind, height, width)
+    mask = pool.mask_at(height, width) if isinstance(pool, MaskedPool) else None
+    return PoolAccumulator(fusion.kind, height, width, mask)

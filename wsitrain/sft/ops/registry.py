@@ -14,6 +14,7 @@ from wsitrain.sft.ops.activations import ACTIVATIONS, is_pointwise_module, known
 from wsitrain.sft.ops.attention_pool import AttentionPool
 from wsitrain.sft.ops.functions import function_spec, out_of_place_callable
 from wsitrain.sft.ops.grn import grn_spec, is_grn_module
+from wsitrain.sft.ops.masked_pool import MaskedAmax
 from wsitrain.sft.ops.norm_act import (
     act_after_norm,
     custom_batchnorm_refusal,
@@ -113,7 +114,8 @@ def _pool_windows(m: nn.MaxPool2d | nn.AvgPool2d) -> tuple[Window, Window]:
 
 
 _HEAD_MODULES = (
-    nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d, nn.Flatten, nn.Linear, nn.Softmax, nn.LogSoftmax, AttentionPool
+    nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d, nn.Flatten, nn.Linear, nn.Softmax, nn.LogSoftmax, AttentionPool,
+    MaskedAmax,
 )
 # Per-sample drop modules (stochastic depth): their mask is drawn once per step and replayed (ops_drop.py).
 SAMPLE_DROP_NAMES = ("StochasticDepth", "DropPath")
