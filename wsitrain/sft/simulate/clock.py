@@ -22,7 +22,6 @@ back; the optimizer step stays in float32.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,152 +49,31 @@ JOINS = {"copy_", "cat", "constant_pad_nd", "slice_scatter", "clone", "_to_copy"
          "zero_", "zeros_like", "new_zeros", "pad", "reflection_pad2d", "replication_pad2d"}  # fmt: skip
 
 
+@dataclass(frozen=True)
+class OpRecord:
+    """One device operator as the clock saw it: what it does, not yet priced (so constants can be refitted)."""
+
+    kind: str  # the breakdown's category
+    flops: float
+    bytes: float  # read and written, at the step's precision
+    kernels: int
+    conv_px: float  # output pixels per channel of a convolution (its small-map factor); 0 for other operators
+    low_precision: bool  # tensor-core (bf16/fp16) arithmetic
+    op: str = ""  # the aten operator's name
+
+
 @dataclass
 class Window:
     """One stretch of the step the executor paces: a tile visit, or a plain segment's phase."""
 
     label: str
-    gpu: float = 0.0
-    host: float = 0.0
-    link: float = 0.0
     weight: int = 1  # how many tile visits this one stands for (representative tiles)
-
-    @property
-    def seconds(self) -> float:
-        return self.weight * max(self.gpu, self.host, self.link)
-
-
-@dataclass
-class ClockTotals:
-    """What the step's operators add up to (weighted by the tiles each visit stands for)."""
-
-    flops: float = 0.0
-    bytes: float = 0.0
-    kernels: float = 0.0
-    operators: float = 0.0
-    link_bytes: float = 0.0
-    by_kind: dict[str, float] = field(default_factory=dict)  # GPU seconds per kind of operator
-
-
-class OpClock(TorchDispatchMode):
-    """Prices every operator of a step (see the module doc); ``mark(label, weight)`` opens a new window."""
-
-    def __init__(self, speed: GpuSpeed, low_precision: bool) -> None:
-        super().__init__()
-        self.speed = speed
-        self.low_precision = low_precision
-        self.windows: list[Window] = [Window("start")]
-        self.totals = ClockTotals()
-        self.optimizer_phase = False  # float32 optimizer step: no bf16 scaling
-
-    def mark(self, label: str, weight: int = 1, tile: bool = False) -> None:
-        self.windows.append(Window(label, weight=weight))
-        if tile:
-            self.windows[-1].host += 1e-6 * self.speed.tile_host_us
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        self._price(func, args, kwargs, out)
-        return out
-
-    # ---- pricing ---------------------------------------------------------------------------------------------------
-    def _nbytes(self, t: torch.Tensor) -> float:
-        size = t.element_size()
-        if self.low_precision and not self.optimizer_phase and t.dtype.is_floating_point:
-            size = 2
-        return float(t.numel() * size)
-
-    def _price(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
-        w, s, tot = self.windows[-1], self.speed, self.totals
-        packet = func._overloadpacket
-        tot.operators += w.weight
-        if packet in NO_KERNEL or func.is_view:
-            w.host += 1e-6 * s.view_host_us
-            return
-        w.host += 1e-6 * s.host_op_us
-        ins, outs = tensors_in((args, kwargs)), tensors_in(out)
-        devices = {t.device.type for t in (*ins, *outs)}
-        if DEVICE in devices and "cpu" in devices:  # a copy over the host link (on a copy engine)
-            n = sum(self._nbytes(t) for t in outs) or self._nbytes(ins[0])
-            moved = sum(float(t.numel() * t.element_size()) for t in outs) or n  # copies move their real dtype
-            w.link += moved / (1e9 * s.link_gb_s)
-            tot.link_bytes += w.weight * moved
-            return
-        if DEVICE not in devices:  # host work: cropping the image into a staging buffer, the step counters
-            w.host += sum(float(t.numel() * t.element_size()) for t in outs) / (1e9 * s.host_copy_gb_s)
-            return
-        name = packet.__name__
-        moved = sum(self._nbytes(t) for t in ins) + sum(self._nbytes(t) for t in outs)
-        flops = float(flop_registry[packet](*args, **kwargs, out_val=out)) if packet in flop_registry else 0.0
-        kernels = self._kernels(func, args, kwargs)
-        if packet in CONVS:
-            rate = s.conv_rate(self.low_precision) * self._small_map(packet, args, out)
-            kind = "convolution backward" if packet is aten.convolution_backward else "convolution forward"
-        else:
-            rate = s.matmul_rate(self.low_precision)
-            kind = ("optimizer" if self.optimizer_phase else
-                    "copies, crops, pads, joins" if name.rstrip("_") in JOINS or name in JOINS else
-                    "matrix products" if flops else "element-wise and reductions")  # fmt: skip
-        t = max(flops / rate, moved / s.bytes_per_second) + kernels * 1e-6 * s.kernel_floor_us
-        if self.low_precision and packet in CONVS:  # autocast's weight cast (and the weight gradient's, back)
-            weight = args[1] if packet is aten.convolution else args[2]
-            cast = float(weight.numel() * 6)
-            wgrad = packet is aten.convolution_backward and bool(_output_mask(args, kwargs)[1])
-            casts = 1 + (1 if wgrad else 0) if packet is aten.convolution or wgrad else 0
-            t += casts * (cast / s.bytes_per_second + 1e-6 * s.kernel_floor_us)
-            w.host += casts * 1e-6 * s.host_op_us
-            kernels += casts
-            moved += casts * cast
-        w.gpu += t
-        tot.flops += w.weight * flops
-        tot.bytes += w.weight * moved
-        tot.kernels += w.weight * kernels
-        tot.by_kind[kind] = tot.by_kind.get(kind, 0.0) + w.weight * t
-
-    def _kernels(self, func: Any, args: Any, kwargs: dict[str, Any]) -> int:
-        packet = func._overloadpacket
-        if packet is aten.convolution_backward:
-            return max(1, sum(bool(m) for m in _output_mask(args, kwargs)))
-        if packet.__name__.startswith("_foreach_"):
-            lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
-            return max(1, math.ceil(max((len(a) for a in lists), default=1) / FOREACH_TENSORS))
-        return 1
-
-    def _small_map(self, packet: Any, args: Any, out: Any) -> float:
-        """The share of the large-map rate a convolution reaches on its output map (see the module doc)."""
-        if not self.speed.small_map_px:
-            return 1.0
-        ref = out if packet is aten.convolution else args[0]  # the output (its gradient, in backward)
-        px = float(ref.shape[-1] * ref.shape[-2]) if ref is not None and ref.dim() >= 2 else 1.0
-        return px / (px + self.speed.small_map_px)
-
-    # ---- the step's time -----------------------------------------------------------------------------------------
-    @property
-    def seconds(self) -> float:
-        return sum(w.seconds for w in self.windows)
-
-    @property
-    def gpu_seconds(self) -> float:
-        return sum(w.weight * w.gpu for w in self.windows)
-
-    @property
-    def host_seconds(self) -> float:
-        return sum(w.weight * w.host for w in self.windows)
-
-    @property
-    def link_seconds(self) -> float:
-        return sum(w.weight * w.link for w in self.windows)
-
-    @property
-    def host_bound_seconds(self) -> float:
-        """Time the GPU waits for the host: windows whose host work outlasts their kernels."""
-        return sum(w.weight * max(0.0, w.host - max(w.gpu, w.link)) for w in self.windows)
-
-
-def _output_mask(args: Any, kwargs: dict[str, Any]) -> tuple[bool, ...]:
-    mask = kwargs.get("output_mask", args[-1] if args else (True, True, True))
-    return tuple(bool(m) for m in mask)
+    tile: bool = False  # a tile visit (pays the executor's per-tile host work)
+    ops: list[OpRecord] = field(default_factory=list)
+    host_ops: int = 0  # operators dispatched that launch kernels (device or host)
+    views: int = 0  # metadata-only operators
+    host_bytes: float = 0.0  # bytes host-side operators write (image crops into staging buffers)
+    link_bytes: float = 0.0  # bytes copied over the host link
 
 
 @dataclass(frozen=True)
@@ -208,31 +86,21 @@ class ClockReading:
     gpu_seconds: float
     host_seconds: float
     link_seconds: float
-    host_bound_seconds: float
+    host_bound_seconds: float  # time the GPU waits for the host (windows whose host work outlasts their kernels)
     flops: float
     bytes: float
     kernels: float
     operators: float
     link_bytes: float
     windows: int
-    by_kind: dict[str, float]
+    by_kind: dict[str, float]  # GPU seconds per kind of operator
     constants: str
-
-    @staticmethod
-    def of(clock: OpClock, precision: str) -> ClockReading:
-        t = clock.totals
-        return ClockReading(
-            clock.speed.name, precision, clock.seconds, clock.gpu_seconds, clock.host_seconds, clock.link_seconds,
-            clock.host_bound_seconds, t.flops, t.bytes, t.kernels, t.operators, t.link_bytes,
-            sum(w.weight for w in clock.windows), dict(sorted(t.by_kind.items(), key=lambda kv: -kv[1])),
-            clock.speed.source,
-        )  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
     def text(self) -> str:
-        kinds = ", ".join(f"{k} {v:.3f} s" for k, v in self.by_kind.items())
+        kinds = ", ".join(f"{k} {v:.3f} s" for k, v in self.by_kind.items() if v >= 5e-4)
         return "\n".join([
             f"simulated step time on the {self.preset} preset ({self.precision}): {self.seconds:.3f} s",
             f"    GPU {self.gpu_seconds:.3f} s ({kinds}); host {self.host_seconds:.3f} s, of which the GPU waits "
@@ -242,4 +110,131 @@ class ClockReading:
         ])  # fmt: skip
 
 
-Marker = Callable[[str, int, bool], None]
+class OpClock(TorchDispatchMode):
+    """Records every operator of a step (see the module doc); ``mark(label, weight)`` opens a new window and
+    ``reading(speed)`` prices the record."""
+
+    def __init__(self, low_precision: bool) -> None:
+        super().__init__()
+        self.low_precision = low_precision
+        self.windows: list[Window] = [Window("start")]
+        self.optimizer_phase = False  # float32 optimizer step: no bf16 scaling
+
+    def mark(self, label: str, weight: int = 1, tile: bool = False) -> None:
+        self.windows.append(Window(label, weight, tile))
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self._record(func, args, kwargs, out)
+        return out
+
+    def _nbytes(self, t: torch.Tensor) -> float:
+        size = t.element_size()
+        if self.low_precision and not self.optimizer_phase and t.dtype.is_floating_point:
+            size = 2
+        return float(t.numel() * size)
+
+    def _record(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
+        w = self.windows[-1]
+        packet = func._overloadpacket
+        outs = tensors_in(out)
+        # metadata: views, allocations, and queries that return no tensor (``prim.device``, which the fake
+        # tensors' own bookkeeping dispatches while the clock is on)
+        if packet in NO_KERNEL or func.is_view or not (outs or func._schema.is_mutable):
+            w.views += 1
+            return
+        w.host_ops += 1
+        ins = tensors_in((args, kwargs))
+        devices = {t.device.type for t in (*ins, *outs)}
+        real = sum(float(t.numel() * t.element_size()) for t in outs)  # copies move their real dtype
+        if DEVICE in devices and "cpu" in devices:  # a copy over the host link (on a copy engine)
+            w.link_bytes += real or float(ins[0].numel() * ins[0].element_size())
+            return
+        if DEVICE not in devices:  # host work: cropping the image into a staging buffer, the step counters
+            w.host_bytes += real
+            return
+        name = packet.__name__
+        # in-place operators that return nothing (the optimizer's foreach updates) write what they read
+        written = outs or _written(func, args, kwargs)
+        moved = sum(self._nbytes(t) for t in ins) + sum(self._nbytes(t) for t in written)
+        flops = float(flop_registry[packet](*args, **kwargs, out_val=out)) if packet in flop_registry else 0.0
+        kernels = self._kernels(func, args, kwargs)
+        px = 0.0
+        low = self.low_precision and not self.optimizer_phase
+        if packet in CONVS:
+            ref = out if packet is aten.convolution else args[0]  # the output (its gradient, in backward)
+            px = float(ref.shape[-1] * ref.shape[-2])
+            kind = "convolution backward" if packet is aten.convolution_backward else "convolution forward"
+            if low:  # autocast's weight cast (and the weight gradient's, back): element-wise kernels
+                weight = args[1] if packet is aten.convolution else args[2]
+                wgrad = packet is aten.convolution_backward and bool(_output_mask(args, kwargs)[1])
+                casts = 1 if packet is aten.convolution or wgrad else 0
+                if casts:
+                    w.ops.append(OpRecord("weight casts (autocast)", 0.0, 6.0 * weight.numel(), 1, 0.0, low))
+                    w.host_ops += 1
+        else:
+            kind = ("optimizer" if self.optimizer_phase else
+                    "copies, crops, pads, joins" if name.rstrip("_") in JOINS or name in JOINS else
+                    "matrix products" if flops else "element-wise and reductions")  # fmt: skip
+        w.ops.append(OpRecord(kind, flops, moved, kernels, px, low, name))
+
+    def _kernels(self, func: Any, args: Any, kwargs: dict[str, Any]) -> int:
+        packet = func._overloadpacket
+        if packet is aten.convolution_backward:
+            return max(1, sum(bool(m) for m in _output_mask(args, kwargs)))
+        if packet.__name__.startswith("_foreach_"):
+            lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
+            return max(1, math.ceil(max((len(a) for a in lists), default=1) / FOREACH_TENSORS))
+        return 1
+
+    # ---- the step's time -----------------------------------------------------------------------------------------
+    def reading(self, speed: GpuSpeed, precision: str) -> ClockReading:
+        """The recorded step priced with ``speed``'s constants."""
+        s = speed
+        total = gpu_all = host_all = link_all = waits = 0.0
+        flops = moved = kernels = ops = link_bytes = 0.0
+        kinds: dict[str, float] = {}
+        for w in self.windows:
+            gpu = 0.0
+            for o in w.ops:
+                if o.conv_px:
+                    rate = s.conv_rate(o.low_precision) * o.conv_px / (o.conv_px + s.small_map_px)
+                    rate *= s.tile_conv_efficiency if w.tile else 1.0
+                else:
+                    rate = s.matmul_rate(o.low_precision)
+                t = max(o.flops / rate, o.bytes / s.bytes_per_second) + o.kernels * 1e-6 * s.kernel_floor_us
+                gpu += t
+                kinds[o.kind] = kinds.get(o.kind, 0.0) + w.weight * t
+                flops += w.weight * o.flops
+                moved += w.weight * o.bytes
+                kernels += w.weight * o.kernels
+            host = 1e-6 * (w.host_ops * s.host_op_us + w.views * s.view_host_us + (s.tile_host_us if w.tile else 0.0))
+            host += w.host_bytes / (1e9 * s.host_copy_gb_s)
+            link = w.link_bytes / (1e9 * s.link_gb_s)
+            total += w.weight * max(gpu, host, link)
+            gpu_all += w.weight * gpu
+            host_all += w.weight * host
+            link_all += w.weight * link
+            waits += w.weight * max(0.0, host - max(gpu, link))
+            ops += w.weight * (w.host_ops + w.views)
+            link_bytes += w.weight * w.link_bytes
+        return ClockReading(
+            s.name, precision, total, gpu_all, host_all, link_all, waits, flops, moved, kernels, ops, link_bytes,
+            sum(w.weight for w in self.windows), dict(sorted(kinds.items(), key=lambda kv: -kv[1])), s.source,
+        )  # fmt: skip
+
+
+def _written(func: Any, args: Any, kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors an operator writes in place (its schema's ``!`` arguments)."""
+    out: list[torch.Tensor] = []
+    for pos, a in enumerate(func._schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            v = kwargs.get(a.name, args[pos] if pos < len(args) else None)
+            out += tensors_in(v)
+    return out
+
+
+def _output_mask(args: Any, kwargs: dict[str, Any]) -> tuple[bool, ...]:
+    mask = kwargs.get("output_mask", args[-1] if args else (True, True, True))
+    return tuple(bool(m) for m in mask)

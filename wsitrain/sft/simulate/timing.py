@@ -38,22 +38,24 @@ def clock_sft_step(
     target: TargetDevice | None = None,
     every_tile: bool = False,
     tile_size: int | None = None,
-) -> tuple[ClockReading, SimulatedStep]:
+) -> tuple[ClockReading, SimulatedStep, OpClock]:
     """One ``SFT`` step (the image a uint8 host tensor, as ``fit`` feeds it) on the simulated device, timed for
-    ``speed``'s card in ``precision``. The step's memory figures are valid in fp32 only (see simulate_step)."""
-    clock = OpClock(speed, precision in LOW_PRECISION)
+    ``speed``'s card in ``precision``. The step's memory figures are valid in fp32 only (see simulate_step). The
+    clock is returned too: ``clock.reading(other_speed, precision)`` prices the same step with other constants."""
+    clock = OpClock(precision in LOW_PRECISION)
     sim = simulate_step(
         model, shape, memory_budget, optimizer=optimizer, target=target, every_tile=every_tile, clock=clock,
         act_dtype=_act(precision), tile_size=tile_size,
     )  # fmt: skip
-    return ClockReading.of(clock, precision), sim
+    return clock.reading(speed, precision), sim, clock
 
 
 def clock_plain_step(
     model: nn.Module, shape: tuple[int, ...], speed: GpuSpeed, precision: str = "fp32", *, optimizer: str = "adamw"
-) -> ClockReading:
-    """One plain PyTorch step (the image already on the device, as the issue's measurement had it), timed."""
-    clock = OpClock(speed, precision in LOW_PRECISION)
+) -> tuple[ClockReading, OpClock]:
+    """One plain PyTorch step (the image already on the device, as the issue's measurement had it), timed (and
+    its clock, to price again)."""
+    clock = OpClock(precision in LOW_PRECISION)
     params = [p for p in model.parameters() if p.requires_grad]
     memory = LiveMemory(fast=FAST_OPS)  # only for its shape-only BatchNorm: 10-100x faster than the fake one
     with FakeTensorMode(allow_non_fake_inputs=True), memory:
@@ -77,4 +79,4 @@ def clock_plain_step(
         del opt, loss, logits
     for p in params:
         p.grad = None
-    return ClockReading.of(clock, precision)
+    return clock.reading(speed, precision), clock
