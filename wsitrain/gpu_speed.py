@@ -44,6 +44,9 @@ SMALL_MAP_PX = 0.0
 # (docs/simulated-clock.md); it also absorbs whatever else tiles cost that the operator stream does not show
 # (the content checks of background reuse synchronize on a real GPU and are skipped on fake tensors).
 TILE_CONV_EFFICIENCY = 1.0
+# Share of the plain fp32 rate (CUDA cores, no tensor cores) that convolutions reach on cards without TF32 (the
+# 2080 Ti in float32): ASSUMED, the usual 50-70% of cuDNN's implicit-GEMM kernels on large maps.
+SIMT_EFFICIENCY = 0.6
 # Host memory copies (cropping the uint8 image into the pinned staging buffer): GB/s of one thread, ASSUMED.
 HOST_COPY_GB_S = 8.0
 
@@ -70,11 +73,19 @@ class GpuSpeed:
     source: str = "published rates, shared efficiency factors (docs/simulated-clock.md)"
 
     def conv_rate(self, low_precision: bool) -> float:
-        """FLOP/s a large convolution reaches: tensor cores in bf16/fp16, TF32 in float32."""
-        return 1e12 * (self.tensor_tflops if low_precision else self.tf32_tflops) * self.conv_efficiency
+        """FLOP/s a large convolution reaches: tensor cores in bf16/fp16, TF32 in float32 where the card has it,
+        else its CUDA cores."""
+        if low_precision:
+            return 1e12 * self.tensor_tflops * self.conv_efficiency
+        if self.tf32_tflops > self.fp32_tflops:
+            return 1e12 * self.tf32_tflops * self.conv_efficiency
+        return 1e12 * self.fp32_tflops * SIMT_EFFICIENCY
 
     def matmul_rate(self, low_precision: bool) -> float:
-        return 1e12 * (self.tensor_tflops if low_precision else self.fp32_tflops) * self.conv_efficiency
+        """Matrix products: tensor cores in bf16/fp16; float32 ones on CUDA cores (PyTorch's default: no TF32)."""
+        if low_precision:
+            return 1e12 * self.tensor_tflops * self.conv_efficiency
+        return 1e12 * self.fp32_tflops * SIMT_EFFICIENCY
 
     @property
     def bytes_per_second(self) -> float:

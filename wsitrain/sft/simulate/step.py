@@ -24,6 +24,7 @@ from wsitrain.sft.api import SFT
 from wsitrain.sft.execution.staging import HostStager
 from wsitrain.sft.execution.transfers import Copies
 from wsitrain.sft.plan_types import Plan
+from wsitrain.sft.planning.costs import TimeModel
 from wsitrain.sft.simulate.clock import OpClock
 from wsitrain.sft.simulate.fast_ops import FAST_OPS
 from wsitrain.sft.simulate.representative import representative_tiles, tile_weight
@@ -103,6 +104,7 @@ def simulate_step(
     target: TargetDevice | None = None,
     clock: OpClock | None = None,
     act_dtype: torch.dtype | None = None,
+    time_model: TimeModel | None = None,
 ) -> SimulatedStep:
     """Run one training step of ``SFT(model)`` on the simulated CUDA device (see the module doc).
 
@@ -117,6 +119,7 @@ def simulate_step(
     (``clock.py``; representative tiles count for the tiles they stand for). ``act_dtype``: plan and run the
     executor for autocast's activation dtype (bf16) while the fake tensors stay float32 (the simulated device has
     no autocast): only the clock's figures mean anything then (it counts two bytes per element), not the peaks.
+    ``time_model``: the planner's (None: the device's defaults).
     """
     if any(t.device.type != DEVICE_TYPE for t in [*model.parameters(), *model.buffers()]):
         raise PlanError(
@@ -128,7 +131,7 @@ def simulate_step(
     rt = SimRuntime()
     sft = SFT(
         model, memory_budget=memory_budget, tile_size=tile_size, checkpoints=checkpoints, optimizer=optimizer,
-        collect_stats=False, host_checkpoints=host_checkpoints, runtime=rt, target=target,
+        collect_stats=False, host_checkpoints=host_checkpoints, runtime=rt, target=target, time_model=time_model,
     )  # fmt: skip
     if copies is not None:
         sft._stager = HostStager(copies(rt))  # before the first plan: segments take the stager when compiled
