@@ -43,7 +43,7 @@ SMALL_MAP_PX = 0.0
 # ``cudnn.benchmark`` on, 0.766 s off). FITTED to the capped SFT step, the one measured tiled step
 # (docs/simulated-clock.md); it also absorbs whatever else tiles cost that the operator stream does not show
 # (the content checks of background reuse synchronize on a real GPU and are skipped on fake tensors).
-TILE_CONV_EFFICIENCY = 1.0
+TILE_CONV_EFFICIENCY = 0.663
 # Share of the plain fp32 rate (CUDA cores, no tensor cores) that convolutions reach on cards without TF32 (the
 # 2080 Ti in float32): ASSUMED, the usual 50-70% of cuDNN's implicit-GEMM kernels on large maps.
 SIMT_EFFICIENCY = 0.6

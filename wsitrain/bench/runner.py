@@ -204,7 +204,7 @@ def run_bench(
     predictor = Predictor(model, budget.bytes, device, precision)
     free = 0 if simulated_only else machine_free_bytes(device)
     meta = {
-        "model": model, "device": device, "device_name": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "model": model, "device": device, "device_name": torch.cuda.get_device_name() if cuda else "cpu",
         "gpu": budget.gpu, "budget_bytes": budget.bytes, "budget_source": budget.source, "precision": precision,
         "runs": runs, "sizes": size_list, "strategies": strategy_list, "torch": torch.__version__,
         "threads": torch.get_num_threads(), "machine_free_bytes": free,
@@ -254,7 +254,7 @@ def run_bench(
         progress.update(task, description="done")
     console.print()
     meta["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-    paths = write_outputs(out_dir, rows, meta)
+    paths = write_outputs(out_dir, rows, meta, plot=not simulated_only)
     errors = [r for r in rows if r["status"] == "error"]
     for r in errors:
         console.print(f"[yellow]error[/] {r['strategy']} {r['variant']} at {r['size']} px: {r['note']}")

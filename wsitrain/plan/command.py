@@ -25,7 +25,7 @@ from wsitrain.precision import Precision, activation_dtype, check_precision
 from wsitrain.sft import Plan, max_square_size
 from wsitrain.sft import plan as plan_model
 from wsitrain.sft.plan_api import MAX_SQUARE_LIMIT
-from wsitrain.sft.planning.calibration import clock_speed, clock_time_model, cpu_name, time_model_for
+from wsitrain.sft.planning.calibration import CLOCK_SOURCE, clock_speed, clock_time_model, cpu_name, time_model_for
 from wsitrain.sft.planning.costs import DEFAULT_TIME_MODEL, TimeModel
 from wsitrain.sft.simulate import SimulatedStep, simulate_step, simulation_dict, simulation_text
 from wsitrain.sft.simulate.clock import ClockReading, OpClock
@@ -48,6 +48,7 @@ class PlanReport:
     simulated: SimulatedStep | None = None  # one step run on the simulated device (``--simulate``, fp32)
     clock: ClockReading | None = None  # that step's simulated time on the preset (``--simulate``)
     clock_plain: ClockReading | None = None  # plain PyTorch's step on the same card, simulated
+    flop_rate: float | None = None  # FLOP/s of the time model when it is the clock's (its time in seconds)
 
     @property
     def clock_slowdown(self) -> float | None:
@@ -63,6 +64,7 @@ class PlanReport:
             "precision": self.precision,
             "max_size": self.max_size,
             "time_model": self.time_model,
+            "predicted_seconds": self.plan.time_sft / self.flop_rate if self.flop_rate else None,
             "plan": self.plan.to_dict(),
         }
         if self.simulated is not None:
@@ -78,6 +80,11 @@ class PlanReport:
 
     def __str__(self) -> str:
         lines = [str(self.plan), f"budget source: {self.budget.source}", f"time model: {self.time_model}"]
+        if self.flop_rate:
+            lines.append(
+                f"  predicted step time on the {self.budget.gpu} preset: {self.plan.time_sft / self.flop_rate:.3f} s "
+                f"(plain PyTorch {self.plan.time_plain / self.flop_rate:.3f} s), from the plan's shapes"
+            )
         if self.simulated is not None:
             lines.append(simulation_text(self.simulated))
         elif self.clock is not None:
@@ -207,7 +214,12 @@ def make_plan(
     if source == DEFAULT_TIME_MODEL:
         source = (f"{DEFAULT_TIME_MODEL} for {budget.device} (no calibration of this device; `wsitrain doctor "
                   "--calibrate` fits them on yours)")  # fmt: skip
-    return PlanReport(p, budget, prec, max_size, source)
+    return PlanReport(p, budget, prec, max_size, source, flop_rate=_flop_rate(tm, speed, prec))
+
+
+def _flop_rate(tm: TimeModel, speed: GpuSpeed | None, prec: Precision) -> float | None:
+    """The FLOP rate that turns the time model's FLOP-equivalents into seconds, when the model is the clock's."""
+    return speed.conv_rate(prec in LOW_PRECISION) if speed is not None and tm.source.startswith(CLOCK_SOURCE) else None
 
 
 def _time_model(budget: Budget, prec: Precision) -> tuple[TimeModel, GpuSpeed | None]:
@@ -266,7 +278,8 @@ def _simulated(
     if clock is not None and speed is not None:
         reading = clock.reading(speed, prec)
         plain = clock_plain_step(net, shape, speed, prec, optimizer=optimizer)[1].reading(speed, prec)
-    return PlanReport(sim.plan, budget, prec, None, tm.source, None if low else sim, reading, plain)
+    rate = _flop_rate(tm, speed, prec)
+    return PlanReport(sim.plan, budget, prec, None, tm.source, None if low else sim, reading, plain, rate)
 
 
 def run_plan(

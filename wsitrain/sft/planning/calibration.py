@@ -22,6 +22,7 @@ from wsitrain.sft.planning.costs import TimeModel, default_time_model, device_ki
 
 CALIBRATION_ENV = "WSITRAIN_CALIBRATION_DIR"
 CALIBRATION_FORMAT = 1
+CLOCK_SOURCE = "the simulated clock's constants"  # how a time model made from a preset's clock constants begins
 
 
 @dataclass(frozen=True)
@@ -142,5 +143,5 @@ def clock_speed(preset: str | None, device_name: str | None, folder: Path | None
 def clock_time_model(speed: GpuSpeed, low_precision: bool) -> TimeModel:
     """The planner's time model from the clock's constants: plans chosen by the clock that predicts the step."""
     byte_flops, call_flops, tile_call_flops = time_model_constants(speed, low_precision)
-    return TimeModel(byte_flops, call_flops, tile_call_flops, f"the simulated clock's constants, {speed.name} preset "
-                     f"({speed.source})")  # fmt: skip
+    source = f"{CLOCK_SOURCE}, {speed.name} preset ({speed.source})"
+    return TimeModel(byte_flops, call_flops, tile_call_flops, source, 1.0 / speed.tile_conv_efficiency)
