@@ -37,7 +37,9 @@ def vgg16_2080ti() -> tuple[int, str, int, dict]:
 def test_vgg16_20480_fits_a_2080ti(vgg16_2080ti) -> None:
     code_text, text, code_json, out = vgg16_2080ti
     assert code_text == 0 and code_json == 0
-    assert set(out) == {"budget_source", "gpu", "precision", "max_size", "time_model", "plan"}  # the command's envelope
+    # the command's envelope; predicted_seconds: the plan's time in seconds where the time model is a preset's clock
+    assert set(out) == {"budget_source", "gpu", "precision", "max_size", "time_model", "predicted_seconds", "plan"}
+    assert out["predicted_seconds"] > 0 and "the simulated clock's constants, 2080ti preset" in out["time_model"]
     facts = out["plan"]
     assert facts["fits"] is True and ": fits" in text
     usable = GPU_PRESETS["2080ti"].usable_bytes  # 10.76 GiB the driver reports minus the CUDA context
