@@ -86,18 +86,8 @@ def build_plan(
     if tile_size is not None and tile_size <= 0:
         raise PlanError(f"tile_size {tile_size} must be a positive number of pixels", hint="engine.tile_size")
     sess = new_session(
-        graph,
-        input_shape,
-        act_dtype,
-        input_dtype,
-        device,
-        input_on_host,
-        input_requires_grad,
-        optimizer,
-        host_checkpoints,
-        target,
-        time_model,
-        reuse_tiles,
+        graph, input_shape, act_dtype, input_dtype, device, input_on_host, input_requires_grad, optimizer,
+        host_checkpoints, target, time_model, reuse_tiles,
     )
     forced_cuts = _resolve_checkpoints(sess.facts, checkpoints) if checkpoints is not None else None
     state = fitting_plan(sess, budget, tile_size, forced_cuts)
@@ -109,18 +99,8 @@ def build_plan(
         # up (VGG-16, 20480 px, a 2080 Ti's 500 MiB: one tile 202 MiB with the entry). A plan that fits neither way
         # reports the budget it needs without the entry, the least that runs.
         sess = new_session(
-            graph,
-            input_shape,
-            act_dtype,
-            input_dtype,
-            device,
-            input_on_host,
-            input_requires_grad,
-            optimizer,
-            host_checkpoints,
-            target,
-            time_model,
-            reuse_tiles=False,
+            graph, input_shape, act_dtype, input_dtype, device, input_on_host, input_requires_grad, optimizer,
+            host_checkpoints, target, time_model, reuse_tiles=False,
         )
         state = fitting_plan(sess, budget, tile_size, forced_cuts)
         if state is not None and worth_running(sess, state, tile_size):
