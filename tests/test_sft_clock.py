@@ -12,7 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from wsitrain.gpu_speed import GPU_SPEEDS, gpu_speed
 from wsitrain.gpus import gpu_preset
 from wsitrain.models import build
-from wsitrain.sft.planning.calibration import clock_time_model
+from wsitrain.sft.planning.calibration import Calibration, clock_speed, clock_time_model, write_calibration
 from wsitrain.sft.simulate.representative import representative_weights
 from wsitrain.sft.simulate.timing import clock_plain_step, clock_sft_step
 
@@ -113,3 +113,17 @@ def test_planner_time_model_uses_the_clock_constants() -> None:
     assert tm.tile_flop_factor == pytest.approx(1.0 / h200.tile_conv_efficiency)
     assert tm.tile_flop_factor > 1.0
     assert gpu_preset("h200").host_link_gb_s == h200.link_gb_s
+
+
+def test_doctor_calibration_refines_the_preset(tmp_path) -> None:
+    """A calibration of the card (wsitrain doctor --calibrate) replaces the efficiency factors; another card's not."""
+    h200 = GPU_SPEEDS["h200"]
+    cal = Calibration("NVIDIA H200", "cuda", "2026-11-26", byte_flops=50.0, call_flops=1e8, tile_call_flops=0.0,
+                      flops_per_second=100e12)  # fmt: skip
+    write_calibration(cal, tmp_path)
+    refined = clock_speed("h200", "NVIDIA H200", tmp_path)
+    assert refined is not None and "doctor" in refined.source
+    assert refined.conv_efficiency == pytest.approx(100e12 / (1e12 * h200.tf32_tflops))
+    assert refined.bytes_per_second == pytest.approx(100e12 / 50.0)
+    assert clock_speed("h200", "NVIDIA H100 80GB HBM3", tmp_path) == h200
+    assert clock_speed("a6000", "NVIDIA RTX A6000", tmp_path) is None
