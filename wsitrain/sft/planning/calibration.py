@@ -143,5 +143,6 @@ def clock_speed(preset: str | None, device_name: str | None, folder: Path | None
 def clock_time_model(speed: GpuSpeed, low_precision: bool) -> TimeModel:
     """The planner's time model from the clock's constants: plans chosen by the clock that predicts the step."""
     byte_flops, call_flops, tile_call_flops = time_model_constants(speed, low_precision)
-    source = f"{CLOCK_SOURCE}, {speed.name} preset ({speed.source})"
+    source = (f"{CLOCK_SOURCE}, {speed.name} preset ({speed.source}; `wsitrain doctor --calibrate` refines them "
+              "on your card)")  # fmt: skip
     return TimeModel(byte_flops, call_flops, tile_call_flops, source, 1.0 / speed.tile_conv_efficiency)
