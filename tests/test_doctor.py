@@ -18,6 +18,7 @@ from wsitrain.models import build
 from wsitrain.plan.command import make_plan
 from wsitrain.sft.planning.calibration import (
     CALIBRATION_ENV,
+    CLOCK_SOURCE,
     Calibration,
     calibration_path,
     cpu_name,
@@ -97,7 +98,9 @@ def test_calibration_round_trips_and_matches_only_its_device(cal_dir: Path) -> N
 
 def test_plan_uses_the_calibration_of_the_card_it_plans_for(cal_dir: Path) -> None:
     default = make_plan(model="vgg16", size="4096", gpu="2080ti", memory=None, with_max_size=False)
-    assert default.time_model.startswith(DEFAULT_TIME_MODEL) and "doctor --calibrate" in default.time_model
+    # an uncalibrated preset plans with its simulated clock's constants (wsitrain/gpu_speed.py), which doctor refines
+    assert default.time_model.startswith(CLOCK_SOURCE) and "doctor --calibrate" in default.time_model
+    assert "2080ti preset" in default.time_model
     # a calibration for another card changes nothing
     write_calibration(cal_for(H100, byte_flops=500.0))
     assert make_plan(model="vgg16", size="4096", gpu="2080ti", memory=None, with_max_size=False).plan == default.plan

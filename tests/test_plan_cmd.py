@@ -37,7 +37,9 @@ def vgg16_2080ti() -> tuple[int, str, int, dict]:
 def test_vgg16_20480_fits_a_2080ti(vgg16_2080ti) -> None:
     code_text, text, code_json, out = vgg16_2080ti
     assert code_text == 0 and code_json == 0
-    assert set(out) == {"budget_source", "gpu", "precision", "max_size", "time_model", "plan"}  # the command's envelope
+    # the command's envelope; predicted_seconds: the plan's time in seconds where the time model is a preset's clock
+    assert set(out) == {"budget_source", "gpu", "precision", "max_size", "time_model", "predicted_seconds", "plan"}
+    assert out["predicted_seconds"] > 0 and "the simulated clock's constants, 2080ti preset" in out["time_model"]
     facts = out["plan"]
     assert facts["fits"] is True and ": fits" in text
     usable = GPU_PRESETS["2080ti"].usable_bytes  # 10.76 GiB the driver reports minus the CUDA context
@@ -193,12 +195,26 @@ def test_simulate_runs_one_step_and_reports_it_beside_the_plan() -> None:
     ("kw", "message"),
     [
         ({"gpu": "cpu", "memory": "1GiB"}, "needs a GPU budget"),
-        ({"precision": "bf16", "gpu": "h100"}, "float32 steps only"),
+        # bf16 is timed (not memory-simulated) on presets with speed constants; the A6000 has none
+        ({"precision": "bf16", "gpu": "a6000"}, "float32 steps only"),
     ],
 )
 def test_simulate_refuses_what_it_cannot_simulate(kw: dict, message: str) -> None:
     with pytest.raises(WsiTrainError, match=message):
         _run(False, model="tiny", size="1024", simulate=True, **kw)
+
+
+def test_simulate_bf16_times_the_bf16_plan_on_a_preset() -> None:
+    """bf16 on a preset with speed constants: the bf16 plan's simulated time and plain's; memory said unsimulated."""
+    code, out = _run(True, model="tiny", size="1024", gpu="h100", memory="170MiB", precision="bf16", simulate=True)
+    d = json.loads(out)
+    clock = d["clock"]
+    assert code == 0 and "simulated" not in d and d["precision"] == "bf16"
+    assert clock["sft"]["precision"] == "bf16" and clock["sft"]["seconds"] > 0 and clock["plain"]["seconds"] > 0
+    assert clock["slowdown"] == pytest.approx(clock["sft"]["seconds"] / clock["plain"]["seconds"])
+    assert clock["plan_slowdown"] == d["plan"]["slowdown"]
+    _, text = _run(False, model="tiny", size="1024", gpu="h100", memory="170MiB", precision="bf16", simulate=True)
+    assert "memory: not simulated in bf16" in text and "simulated step time on the h100 preset (bf16)" in text
 
 
 @pytest.mark.parametrize(

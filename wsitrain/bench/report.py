@@ -11,7 +11,7 @@ from wsitrain.bench.configs import BenchConfig
 
 CSV_FIELDS = (
     "size", "strategy", "variant", "status", "mean_ms", "std_ms", "min_ms", "runs", "peak_bytes",
-    "planned_peak_bytes", "budget_bytes", "within_budget", "note",
+    "planned_peak_bytes", "budget_bytes", "within_budget", "note", "simulated_ms",
 )  # fmt: skip
 
 
@@ -69,13 +69,16 @@ def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
         w.writerows(rows)
 
 
-def write_outputs(out_dir: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[Path]:
-    """bench.csv (every configuration), bench.json (meta, every row, the best per series), bench.png."""
+def write_outputs(out_dir: Path, rows: list[dict[str, Any]], meta: dict[str, Any], plot: bool = True) -> list[Path]:
+    """bench.csv (every configuration), bench.json (meta, every row, the best per series), bench.png (``plot``:
+    not for a simulated-only run, which measured nothing to plot)."""
     from wsitrain.bench.plot import plot_bench  # matplotlib import is slow; only here
 
     csv_path, json_path, png_path = out_dir / "bench.csv", out_dir / "bench.json", out_dir / "bench.png"
     write_csv(csv_path, rows)
     best = best_rows(rows)
     json_path.write_text(json.dumps({"meta": meta, "results": rows, "best": best}, indent=1, default=str))
+    if not plot:
+        return [csv_path, json_path]
     plot_bench(png_path, best, meta)
     return [csv_path, json_path, png_path]

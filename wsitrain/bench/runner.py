@@ -25,13 +25,15 @@ from wsitrain.bench.configs import (
     parse_strategies,
 )
 from wsitrain.bench.report import result_row, write_outputs
+from wsitrain.bench.simulated import simulated_ms
 from wsitrain.bench.worker import INPUT_DTYPE, child_main
 from wsitrain.errors import WsiTrainError
-from wsitrain.gpus import resolve_budget
+from wsitrain.gpus import gpu_preset, resolve_budget
 from wsitrain.memory import SAFETY_MARGIN, available_host_bytes
 from wsitrain.models import build
 from wsitrain.models.registry import resolve_model_name
 from wsitrain.precision import activation_dtype, check_precision
+from wsitrain.sft.planning.calibration import clock_speed
 from wsitrain.units import format_bytes
 
 WORKER_TIMEOUT_S = 1800  # one configuration; a step that takes longer is reported as a timeout, not waited for
@@ -130,19 +132,25 @@ def run_worker(cfg: BenchConfig, timeout_s: float = WORKER_TIMEOUT_S) -> dict[st
     return {"status": "error", "note": f"worker exited with code {proc.exitcode} and no result"}
 
 
-def _live_table(rows: list[dict[str, Any]]) -> Table:
+def _live_table(rows: list[dict[str, Any]], clock: str | None = None) -> Table:
     t = Table(title="wsitrain bench", title_justify="left")
-    for col in ("size", "strategy", "variant", "status", "time (mean ± std)", "peak", "planned"):
-        t.add_column(col, justify="right" if col in ("size", "time (mean ± std)", "peak", "planned") else "left")
+    cols = ["size", "strategy", "variant", "status", "time (mean ± std)", "peak", "planned"]
+    if clock is not None:
+        cols.insert(5, clock)
+    right = ("size", "time (mean ± std)", "peak", "planned", clock)
+    for col in cols:
+        t.add_column(col, justify="right" if col in right else "left")
     for r in rows:
         status = {"ok": "[green]ok[/]", "oom": "[red]out of memory[/]", "predicted_oom": "[red]predicted OOM[/]"}.get(
             r["status"], f"[yellow]{r['status']}[/]"
         )
         time_text = f"{r['mean_ms'] / 1000:.2f} ± {r['std_ms'] / 1000:.2f} s" if r["mean_ms"] is not None else "-"
-        t.add_row(
-            str(r["size"]), r["strategy"], r["variant"], status, time_text,
-            format_bytes(r["peak_bytes"]), format_bytes(r["planned_peak_bytes"]),
-        )  # fmt: skip
+        cells = [str(r["size"]), r["strategy"], r["variant"], status, time_text,
+                 format_bytes(r["peak_bytes"]), format_bytes(r["planned_peak_bytes"])]  # fmt: skip
+        if clock is not None:
+            sim = r.get("simulated_ms")
+            cells.insert(5, f"{sim / 1000:.3f} s" if sim is not None else "-")
+        t.add_row(*cells)
     return t
 
 
@@ -162,12 +170,21 @@ def run_bench(
 
     ``model``, ``sizes`` and ``runs`` left as None take the defaults for this machine's device
     (see wsitrain.bench.configs). Returns the output directory.
+
+    With a ``gpu`` preset that has speed constants (wsitrain/gpu_speed.py), each plain and SFT configuration is
+    also run on the simulated device and its simulated time printed beside the measured one. Without a GPU here,
+    nothing is measured: the table holds simulated times only, and says so.
     """
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cuda = torch.cuda.is_available()
+    speed = clock_speed(gpu, gpu_preset(gpu).label) if gpu is not None and gpu.strip().lower() != "cpu" else None
+    simulated_only = speed is not None and not cuda
+    device = "cuda" if cuda or simulated_only else "cpu"
     model = model or DEFAULT_MODEL
     if not resolve_model_name(model, key="--model").is_builtin:
-        raise WsiTrainError(f"--model {model}: bench measures the built-in models",
-                            hint="wsitrain models lists them; plan works for torchvision/<name> and timm/<name> too")
+        raise WsiTrainError(
+            f"--model {model}: bench measures the built-in models",
+            hint="wsitrain models lists them; plan works for torchvision/<name> and timm/<name> too",
+        )
     check_precision(precision)
     runs = DEFAULT_RUNS[device] if runs is None else runs
     if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
@@ -185,30 +202,43 @@ def run_bench(
     out_dir = Path(out) if out is not None else Path("bench-out") / time.strftime("%Y%m%d-%H%M%S")
     out_dir.mkdir(parents=True, exist_ok=True)
     predictor = Predictor(model, budget.bytes, device, precision)
-    free = machine_free_bytes(device)
+    free = 0 if simulated_only else machine_free_bytes(device)
     meta = {
-        "model": model, "device": device, "device_name": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "model": model, "device": device, "device_name": torch.cuda.get_device_name() if cuda else "cpu",
         "gpu": budget.gpu, "budget_bytes": budget.bytes, "budget_source": budget.source, "precision": precision,
         "runs": runs, "sizes": size_list, "strategies": strategy_list, "torch": torch.__version__,
         "threads": torch.get_num_threads(), "machine_free_bytes": free,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }  # fmt: skip
-    console.print(
-        f"bench {model} on {device} ({meta['device_name']}), budget {budget.describe()}, "
-        f"{len(configs)} configurations, {runs} runs each after 1 warm-up -> {out_dir}"
-    )
+    clock = f"simulated ({speed.name})" if speed is not None else None
+    if simulated_only:
+        meta["device_name"] = f"none: simulated {speed.name if speed else ''} only"
+        console.print(
+            f"bench {model}: no GPU on this machine, so NOTHING IS MEASURED; simulated times on the "
+            f"{budget.gpu} preset only (the real executor on fake tensors, priced by the simulated clock), budget "
+            f"{budget.describe()}, {len(configs)} configurations -> {out_dir}"
+        )
+    else:
+        console.print(
+            f"bench {model} on {device} ({meta['device_name']}), budget {budget.describe()}, "
+            f"{len(configs)} configurations, {runs} runs each after 1 warm-up -> {out_dir}"
+            + (f"; beside each, its simulated time on the {budget.gpu} preset" if speed is not None else "")
+        )
     rows: list[dict[str, Any]] = []
     oom_from: dict[str, int] = {}  # strategy variant -> smallest size that ran out of memory
     progress = Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
     )
     task = progress.add_task("starting", total=len(configs))
-    with Live(Group(progress, _live_table(rows)), console=console, refresh_per_second=2, transient=False) as live:
+    live_view = Group(progress, _live_table(rows, clock))
+    with Live(live_view, console=console, refresh_per_second=2, transient=False) as live:
         for cfg in configs:
             progress.update(task, description=f"{cfg.strategy} {cfg.variant} at {cfg.size} px")
             key = f"{cfg.strategy}/{cfg.variant}"
             planned = predictor.planned_peak(cfg)
-            if key in oom_from and cfg.strategy != "sft":  # the planner adapts; fixed variants only grow
+            if simulated_only:
+                result = {"status": "simulated", "note": "no GPU here: not measured"}
+            elif key in oom_from and cfg.strategy != "sft":  # the planner adapts; fixed variants only grow
                 result = {"status": "oom", "note": f"not run: ran out of memory at {oom_from[key]} px already"}
             elif planned is not None and planned > free:
                 result = {"status": "predicted_oom", "note": f"planned {format_bytes(planned)} > free here"}
@@ -216,13 +246,15 @@ def run_bench(
                 result = run_worker(cfg)
             if result["status"] == "oom" and key not in oom_from:
                 oom_from[key] = cfg.size
-            rows.append(result_row(cfg, result, planned))
+            row = result_row(cfg, result, planned)
+            row["simulated_ms"] = simulated_ms(cfg, speed, budget.target) if speed is not None else None
+            rows.append(row)
             progress.advance(task)
-            live.update(Group(progress, _live_table(rows)))
+            live.update(Group(progress, _live_table(rows, clock)))
         progress.update(task, description="done")
     console.print()
     meta["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-    paths = write_outputs(out_dir, rows, meta)
+    paths = write_outputs(out_dir, rows, meta, plot=not simulated_only)
     errors = [r for r in rows if r["status"] == "error"]
     for r in errors:
         console.print(f"[yellow]error[/] {r['strategy']} {r['variant']} at {r['size']} px: {r['note']}")

@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
 
 from wsitrain.errors import PlanError, WsiTrainError
+from wsitrain.gpu_speed import GpuSpeed
 from wsitrain.gpus import Budget, gpu_preset, resolve_budget
 from wsitrain.models import build
 from wsitrain.models.freeze import FreezeSpec, Frozen
@@ -27,10 +28,12 @@ from wsitrain.precision import Precision, activation_dtype, check_precision
 from wsitrain.sft import Plan, max_square_size
 from wsitrain.sft import plan as plan_model
 from wsitrain.sft.plan_api import MAX_SQUARE_LIMIT
-from wsitrain.sft.planning.calibration import cpu_name, time_model_for
-from wsitrain.sft.planning.costs import DEFAULT_TIME_MODEL
+from wsitrain.sft.planning.calibration import CLOCK_SOURCE, clock_speed, clock_time_model, cpu_name, time_model_for
+from wsitrain.sft.planning.costs import DEFAULT_TIME_MODEL, TimeModel
 from wsitrain.sft.simulate import SimulatedStep, simulate_step, simulation_dict, simulation_text
+from wsitrain.sft.simulate.clock import ClockReading, OpClock
 from wsitrain.sft.simulate.step import Progress
+from wsitrain.sft.simulate.timing import LOW_PRECISION, clock_plain_step
 from wsitrain.units import format_bytes
 
 PLAN_NUM_CLASSES = 2  # the head is tiny next to the trunk; any class count plans the same
@@ -46,7 +49,10 @@ class PlanReport:
     precision: Precision
     max_size: int | None  # largest square edge that fits the budget; 0: none; None: not computed
     time_model: str = DEFAULT_TIME_MODEL  # where the time model's constants came from
-    simulated: SimulatedStep | None = None  # one step run on the simulated device (``--simulate``)
+    simulated: SimulatedStep | None = None  # one step run on the simulated device (``--simulate``, fp32)
+    clock: ClockReading | None = None  # that step's simulated time on the preset (``--simulate``)
+    clock_plain: ClockReading | None = None  # plain PyTorch's step on the same card, simulated
+    flop_rate: float | None = None  # FLOP/s of the time model when it is the clock's (its time in seconds)
     frozen: Frozen | None = None  # what ``--freeze`` froze
     unfrozen: PlanReport | None = None  # the same plan with nothing frozen, to show what freezing saves
 
@@ -66,6 +72,9 @@ class PlanReport:
             "flops_saving": 1.0 - b.flops_sft / a.flops_sft if a.flops_sft else 0.0,
             "time_saving": 1.0 - b.time_sft / a.time_sft if a.time_sft else 0.0,
         }  # fmt: skip
+        if self.clock is not None and self.unfrozen.clock is not None:  # the simulated clock's step, both ways
+            d.update({"clock_unfrozen_s": self.unfrozen.clock.seconds, "clock_frozen_s": self.clock.seconds,
+                      "clock_saving": 1.0 - self.clock.seconds / self.unfrozen.clock.seconds})
         if self.simulated is not None and self.unfrozen.simulated is not None:
             sa, sb = self.unfrozen.simulated, self.simulated
             d.update({"simulated_visits_unfrozen": sa.tiles_in_step, "simulated_visits_frozen": sb.tiles_in_step,
@@ -81,11 +90,21 @@ class PlanReport:
                 f"({-s['flops_saving']:+.0%}), planned step time {-s['time_saving']:+.0%}")  # fmt: skip
         if s["time_unfrozen_s"] is not None:
             text += f" ({s['time_unfrozen_s']:.2f} -> {s['time_frozen_s']:.2f} s at the nominal rate)"
+        if "clock_saving" in s:
+            text += (f"; simulated step time {s['clock_unfrozen_s']:.3f} -> {s['clock_frozen_s']:.3f} s "
+                     f"({-s['clock_saving']:+.0%})")
         if "simulated_visits_unfrozen" in s:
             text += (f"; simulated step: {s['simulated_visits_unfrozen']} -> {s['simulated_visits_frozen']} forward "
                      f"and recompute tile visits, device peak {format_bytes(s['simulated_peak_unfrozen'])} -> "
                      f"{format_bytes(s['simulated_peak_frozen'])}")  # fmt: skip
         return text
+
+    @property
+    def clock_slowdown(self) -> float | None:
+        """SFT's simulated step over plain PyTorch's, on the preset."""
+        if self.clock is None or self.clock_plain is None or not self.clock_plain.seconds:
+            return None
+        return self.clock.seconds / self.clock_plain.seconds
 
     def to_dict(self) -> dict[str, Any]:
         d = {
@@ -94,18 +113,42 @@ class PlanReport:
             "precision": self.precision,
             "max_size": self.max_size,
             "time_model": self.time_model,
+            "predicted_seconds": self.plan.time_sft / self.flop_rate if self.flop_rate else None,
             "plan": self.plan.to_dict(),
         }
         if self.simulated is not None:
             d["simulated"] = simulation_dict(self.simulated)
         if self.frozen is not None:
             d["freeze"] = self.saving()
+        if self.clock is not None:
+            d["clock"] = {
+                "sft": self.clock.to_dict(),
+                "plain": self.clock_plain.to_dict() if self.clock_plain is not None else None,
+                "slowdown": self.clock_slowdown,
+                "plan_slowdown": self.plan.slowdown,
+            }
         return d
 
     def __str__(self) -> str:
         lines = [str(self.plan), f"budget source: {self.budget.source}", f"time model: {self.time_model}"]
+        if self.flop_rate:
+            lines.append(
+                f"  predicted step time on the {self.budget.gpu} preset: {self.plan.time_sft / self.flop_rate:.3f} s "
+                f"(plain PyTorch {self.plan.time_plain / self.flop_rate:.3f} s), from the plan's shapes"
+            )
         if self.simulated is not None:
             lines.append(simulation_text(self.simulated))
+        elif self.clock is not None:
+            lines.append(f"memory: not simulated in {self.precision} (the simulated device has no autocast; "
+                         "--precision fp32 --simulate checks the memory of the float32 plan)")  # fmt: skip
+        if self.clock is not None:
+            lines.append(self.clock.text())
+        if self.clock_plain is not None and self.clock_slowdown is not None:
+            lines.append(
+                f"  plain PyTorch on the same card, simulated: {self.clock_plain.seconds:.3f} s; SFT over plain "
+                f"{self.clock_slowdown:.2f}x simulated, {self.plan.slowdown:.2f}x by the plan's time model "
+                f"({self.plan.slowdown / self.clock_slowdown - 1:+.0%})"
+            )
         saving = self.saving_text()
         if saving is not None:
             lines.append(saving)
@@ -240,9 +283,10 @@ def _plan_net(
     """Plan (or simulate) ``net`` built on the meta device for ``shape`` within ``budget``."""
     batch = shape[0]
     dtype = activation_dtype(prec)
+    tm, speed = _time_model(budget, prec)
     if simulate:
-        return _simulated(net, shape, budget, prec, optimizer or DEFAULT_OPTIMIZER, tile, progress, every_tile)
-    tm = time_model_for(budget.device, _device_name(budget))
+        opt = optimizer or DEFAULT_OPTIMIZER
+        return _simulated(net, shape, budget, prec, opt, tile, progress, every_tile, speed, tm)
     p = plan_model(
         net, input_shape=shape, memory_budget=budget.bytes, dtype=dtype, tile_size=tile,
         optimizer=optimizer, device=budget.device, target=budget.target, time_model=tm,
@@ -251,15 +295,37 @@ def _plan_net(
     if with_max_size:
         max_size = int(
             max_square_size(
-                net, budget.bytes, dtype=dtype, batch=batch, optimizer=optimizer, device=budget.device,
-                target=budget.target, time_model=tm,
+                net,
+                budget.bytes,
+                dtype=dtype,
+                batch=batch,
+                optimizer=optimizer,
+                device=budget.device,
+                target=budget.target,
+                time_model=tm,
             )  # fmt: skip
         )
     source = tm.source
     if source == DEFAULT_TIME_MODEL:
         source = (f"{DEFAULT_TIME_MODEL} for {budget.device} (no calibration of this device; `wsitrain doctor "
                   "--calibrate` fits them on yours)")  # fmt: skip
-    return PlanReport(p, budget, prec, max_size, source)
+    return PlanReport(p, budget, prec, max_size, source, flop_rate=_flop_rate(tm, speed, prec))
+
+
+def _flop_rate(tm: TimeModel, speed: GpuSpeed | None, prec: Precision) -> float | None:
+    """The FLOP rate that turns the time model's FLOP-equivalents into seconds, when the model is the clock's."""
+    return speed.conv_rate(prec in LOW_PRECISION) if speed is not None and tm.source.startswith(CLOCK_SOURCE) else None
+
+
+def _time_model(budget: Budget, prec: Precision) -> tuple[TimeModel, GpuSpeed | None]:
+    """The planner's time model and the clock's constants: a calibration of this card where there is one, else a
+    preset's clock constants (wsitrain/gpu_speed.py), else the device's defaults."""
+    name = _device_name(budget)
+    tm = time_model_for(budget.device, name)
+    speed = clock_speed(budget.gpu, name) if budget.gpu is not None else None
+    if speed is not None and tm.source == DEFAULT_TIME_MODEL:
+        tm = clock_time_model(speed, prec in LOW_PRECISION)
+    return tm, speed
 
 
 def _device_name(budget: Budget) -> str | None:
@@ -280,25 +346,35 @@ def _simulated(
     tile: int | None,
     progress: Progress | None,
     every_tile: bool,
+    speed: GpuSpeed | None,
+    tm: TimeModel,
 ) -> PlanReport:
     if budget.device != "cuda":
         raise WsiTrainError(
             "--simulate runs the CUDA executor on a simulated GPU: it needs a GPU budget",
             hint="give --gpu (e.g. --gpu 2080ti), or --memory with --gpu for a card's kind",
         )
-    if activation_dtype(prec) != torch.float32:
+    low = prec in LOW_PRECISION
+    if low and speed is None:
         raise WsiTrainError(
-            f"--simulate runs float32 steps only, not {prec}: the simulated device has no autocast",
-            hint="drop --precision, or plan bf16 without --simulate",
+            f"--simulate runs float32 steps only, not {prec}, unless it times them on a GPU preset with speed "
+            "constants: the simulated device has no autocast",
+            hint="drop --precision, or give --gpu h100, h200, a100-40, a100-80 (bf16) or 2080ti (fp16)",
         )
+    clock = OpClock(low) if speed is not None else None
     try:
         sim = simulate_step(
             net, shape, budget.bytes, optimizer=optimizer, tile_size=tile, progress=progress, target=budget.target,
-            every_tile=every_tile,
+            every_tile=every_tile, clock=clock, act_dtype=LOW_PRECISION.get(prec), time_model=tm,
         )  # fmt: skip
     except PlanError as e:  # does not fit: show the plan as the plain command would
         raise WsiTrainError(str(e), hint=e.hint) from e
-    return PlanReport(sim.plan, budget, prec, None, simulated=sim)
+    reading = plain = None
+    if clock is not None and speed is not None:
+        reading = clock.reading(speed, prec)
+        plain = clock_plain_step(net, shape, speed, prec, optimizer=optimizer)[1].reading(speed, prec)
+    rate = _flop_rate(tm, speed, prec)
+    return PlanReport(sim.plan, budget, prec, None, tm.source, None if low else sim, reading, plain, rate)
 
 
 def run_plan(
@@ -343,7 +419,9 @@ def run_plan(
                 f"with tissue in {tissue:.0%} of the tiles (data.mask_background: background computed once): "
                 f"predicted step time vs plain {report.plan.slowdown_at(tissue):.2f}x "
                 f"(all tissue {report.plan.slowdown:.2f}x)",
-                markup=False, highlight=False, soft_wrap=True,
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
             )
     if report.simulated is not None and not (report.simulated.within_budget and report.simulated.host_within_plan):
         return 1

@@ -17,10 +17,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from wsitrain.errors import WsiTrainError
+from wsitrain.gpu_speed import GpuSpeed, gpu_speed, time_model_constants
 from wsitrain.sft.planning.costs import TimeModel, default_time_model, device_kind
 
 CALIBRATION_ENV = "WSITRAIN_CALIBRATION_DIR"
 CALIBRATION_FORMAT = 1
+CLOCK_SOURCE = "the simulated clock's constants"  # how a time model made from a preset's clock constants begins
 
 
 @dataclass(frozen=True)
@@ -117,3 +119,30 @@ def cpu_name() -> str:
 
         model = platform.processor() or platform.machine() or "unknown"
     return f"cpu: {model}"
+
+
+def clock_speed(preset: str | None, device_name: str | None, folder: Path | None = None) -> GpuSpeed | None:
+    """The simulated clock's constants for a GPU preset (``wsitrain.gpu_speed``), refined by ``wsitrain doctor
+    --calibrate`` where that card was calibrated: its fitted FLOP rate (float32 micro-models: TF32 convolutions)
+    over the data sheet's TF32 rate gives the convolution efficiency, its byte rate over the data sheet's bandwidth
+    the memory efficiency. None for a preset without speed constants."""
+    speed = gpu_speed(preset)
+    if speed is None or device_name is None:
+        return speed
+    path = calibration_path(device_name, folder)
+    if not path.is_file():
+        return speed
+    cal = read_calibration(path)
+    if cal.device_name != device_name or device_kind(cal.device) != "cuda" or not cal.flops_per_second:
+        return speed
+    conv = cal.flops_per_second / (1e12 * speed.tf32_tflops)
+    memory = cal.flops_per_second / cal.byte_flops / (1e9 * speed.memory_gb_s) if cal.byte_flops else None
+    return speed.refined(conv, memory or speed.memory_efficiency, f"refined by `wsitrain doctor` on {cal.date}")
+
+
+def clock_time_model(speed: GpuSpeed, low_precision: bool) -> TimeModel:
+    """The planner's time model from the clock's constants: plans chosen by the clock that predicts the step."""
+    byte_flops, call_flops, tile_call_flops = time_model_constants(speed, low_precision)
+    source = (f"{CLOCK_SOURCE}, {speed.name} preset ({speed.source}; `wsitrain doctor --calibrate` refines them "
+              "on your card)")  # fmt: skip
+    return TimeModel(byte_flops, call_flops, tile_call_flops, source, 1.0 / speed.tile_conv_efficiency)

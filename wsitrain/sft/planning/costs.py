@@ -69,6 +69,9 @@ class TimeModel:
     call_flops: float
     tile_call_flops: float
     source: str = DEFAULT_TIME_MODEL  # or "calibrated on <GPU> on <date>" (wsitrain doctor --calibrate)
+    # FLOPs the tile executor runs cost this many times a whole map's (the simulated clock's tile convolutions run
+    # at 1 / this of the rate; wsitrain/gpu_speed.py TILE_CONV_EFFICIENCY); 1.0 where not known
+    tile_flop_factor: float = 1.0
 
 
 def default_time_model(device: str) -> TimeModel:
@@ -159,7 +162,8 @@ class WorkTerms:
 
     def time(self, tm: TimeModel) -> float:
         per_call = tm.call_flops + (tm.tile_call_flops if self.tiled else 0.0)
-        return self.flops + tm.byte_flops * self.traffic + per_call * self.calls
+        flops = self.flops * (tm.tile_flop_factor if self.tiled else 1.0)
+        return flops + tm.byte_flops * self.traffic + per_call * self.calls
 
 
 def node_terms(

@@ -51,3 +51,22 @@ def representative_tiles(regions: SegmentRegions) -> list[tuple[int, int]]:
     rows = representative_indices(regions.rows)
     cols = representative_indices(regions.cols)
     return [(r, c) for r in rows for c in cols]
+
+
+def representative_weights(tiles: tuple[AxisTile, ...]) -> dict[int, int]:
+    """How many indices of an axis each representative index stands for (the simulated clock's weights): an
+    index not visited counts for the first visited one with its signature. The weights add up to the axis."""
+    keep = representative_indices(tiles)
+    first: dict[tuple[object, ...], int] = {}
+    for i in keep:
+        first.setdefault(_signature(tiles[i]), i)
+    weights = dict.fromkeys(keep, 1)
+    for i, t in enumerate(tiles):
+        if i not in weights:
+            weights[first[_signature(t)]] += 1
+    return weights
+
+
+def tile_weight(regions: SegmentRegions, r: int, c: int) -> int:
+    """Tiles of the grid the visit of (r, c) stands for when only representative tiles run."""
+    return representative_weights(regions.rows)[r] * representative_weights(regions.cols)[c]

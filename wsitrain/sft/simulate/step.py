@@ -10,6 +10,7 @@ storages on the device and the host. Nothing is allocated for real, and only rep
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,8 +24,10 @@ from wsitrain.sft.api import SFT
 from wsitrain.sft.execution.staging import HostStager
 from wsitrain.sft.execution.transfers import Copies
 from wsitrain.sft.plan_types import Plan
+from wsitrain.sft.planning.costs import TimeModel
+from wsitrain.sft.simulate.clock import OpClock
 from wsitrain.sft.simulate.fast_ops import FAST_OPS
-from wsitrain.sft.simulate.representative import representative_tiles
+from wsitrain.sft.simulate.representative import representative_tiles, tile_weight
 from wsitrain.sft.simulate.runtime import DEVICE_TYPE, SimRuntime
 from wsitrain.sft.simulate.tracker import LiveMemory, Peak
 from wsitrain.sft.target import TargetDevice
@@ -99,6 +102,9 @@ def simulate_step(
     fast_ops: bool = True,
     every_tile: bool = False,
     target: TargetDevice | None = None,
+    clock: OpClock | None = None,
+    act_dtype: torch.dtype | None = None,
+    time_model: TimeModel | None = None,
 ) -> SimulatedStep:
     """Run one training step of ``SFT(model)`` on the simulated CUDA device (see the module doc).
 
@@ -109,7 +115,11 @@ def simulate_step(
     faster than the fake implementation). ``every_tile``: visit every tile; by default only the representative
     tiles (``representative.py``: every kind of tile, twice in a row; the same peaks, tested), which makes a
     100,000 px step seconds instead of hours. ``target``: the GPU the plan is for (a preset's generation and
-    allowances); None plans for a CUDA device not named.
+    allowances); None plans for a CUDA device not named. ``clock``: price every operator on a GPU preset
+    (``clock.py``; representative tiles count for the tiles they stand for). ``act_dtype``: plan and run the
+    executor for autocast's activation dtype (bf16) while the fake tensors stay float32 (the simulated device has
+    no autocast): only the clock's figures mean anything then (it counts two bytes per element), not the peaks.
+    ``time_model``: the planner's (None: the device's defaults).
     """
     if any(t.device.type != DEVICE_TYPE for t in [*model.parameters(), *model.buffers()]):
         raise PlanError(
@@ -121,12 +131,14 @@ def simulate_step(
     rt = SimRuntime()
     sft = SFT(
         model, memory_budget=memory_budget, tile_size=tile_size, checkpoints=checkpoints, optimizer=optimizer,
-        collect_stats=False, host_checkpoints=host_checkpoints, runtime=rt, target=target,
+        collect_stats=False, host_checkpoints=host_checkpoints, runtime=rt, target=target, time_model=time_model,
     )  # fmt: skip
     if copies is not None:
         sft._stager = HostStager(copies(rt))  # before the first plan: segments take the stager when compiled
     shape = tuple(input_shape)
-    plan = sft.plan_for(shape, input_dtype=input_dtype, input_on_host=True)  # raises when it does not fit
+    plan = sft.plan_for(shape, dtype=act_dtype, input_dtype=input_dtype, input_on_host=True)  # raises: no fit
+    if act_dtype is not None:  # forward finds the plan made for autocast's dtype (see the doc above)
+        sft._act_dtype = lambda device: act_dtype  # type: ignore[method-assign]
     visits = _tiles_in_step(plan, every_tile)
     total = max(1, visits)
     memory = LiveMemory(observer=rt.observe, fast=FAST_OPS if fast_ops else None)
@@ -135,6 +147,10 @@ def simulate_step(
 
     def at_tile(seg: int, r: int, c: int, phase: str) -> None:
         memory.where = f"segment {seg}, tile ({r}, {c}), {phase}"
+        if clock is not None:
+            regions = plan.segments[seg].regions
+            weight = 1 if every_tile or regions is None else tile_weight(regions, r, c)
+            clock.mark(memory.where, weight, regions is not None)
         done[0] += 1
         if progress is not None:
             progress(min(done[0], total), total)
@@ -143,6 +159,7 @@ def simulate_step(
     sft._hooks.visit = None if every_tile else representative_tiles
     params = [p for p in model.parameters() if p.requires_grad]
     t0 = time.perf_counter()
+    timed = clock if clock is not None else contextlib.nullcontext()
     with FakeTensorMode(allow_non_fake_inputs=True), memory:
         memory.adopt([*model.parameters(), *model.buffers()], "the model")
         # A step of a run holds the optimizer's state from the steps before it through forward and backward
@@ -157,16 +174,20 @@ def simulate_step(
             p.grad = None
         image = torch.empty(shape, dtype=input_dtype)  # (B, C, H, W) on the host, as the loader streams it
         target = torch.zeros(shape[0], dtype=torch.long, device=DEVICE_TYPE)
-        memory.where = "forward"
-        logits = sft(image)
-        memory.where = "loss"
-        loss = nn.functional.cross_entropy(logits.float(), target)
-        del logits
-        memory.where = "backward (head)"
-        loss.backward()
-        del loss
-        memory.where = "optimizer step"
-        opt.step()
+        with timed:
+            _mark(clock, "forward")
+            memory.where = "forward"
+            logits = sft(image)
+            memory.where = "loss"
+            _mark(clock, "loss and backward")
+            loss = nn.functional.cross_entropy(logits.float(), target)
+            del logits
+            memory.where = "backward (head)"
+            loss.backward()
+            del loss
+            memory.where = "optimizer step"
+            _mark(clock, "optimizer step", optimizer=True)
+            opt.step()
         memory.where = "end of step"
         del opt
     for p in params:
@@ -183,3 +204,9 @@ def simulate_step(
         tiles_visited=visits,
         tiles_in_step=_tiles_in_step(plan, True),
     )
+
+
+def _mark(clock: OpClock | None, label: str, optimizer: bool = False) -> None:
+    if clock is not None:
+        clock.mark(label)
+        clock.optimizer_phase = optimizer

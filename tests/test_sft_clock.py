@@ -1,0 +1,129 @@
+"""The simulated clock (wsitrain/sft/simulate/clock.py): what it counts, and that its shortcuts change nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from wsitrain.gpu_speed import GPU_SPEEDS, gpu_speed
+from wsitrain.gpus import gpu_preset
+from wsitrain.models import build
+from wsitrain.sft.planning.calibration import Calibration, clock_speed, clock_time_model, write_calibration
+from wsitrain.sft.simulate.representative import representative_weights
+from wsitrain.sft.simulate.timing import clock_plain_step, clock_sft_step
+
+H100 = gpu_speed("h100")
+assert H100 is not None
+
+
+def _net() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1, stride=2), nn.ReLU(),
+        nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 2),
+    )  # fmt: skip
+
+
+def _meta_net() -> nn.Module:
+    with torch.device("meta"):
+        return _net()
+
+
+def _tiny() -> nn.Module:
+    with torch.device("meta"):  # the built-in tiny model: it normalizes the uint8 image SFT is fed
+        return build("tiny", 2)
+
+
+def test_flops_are_those_of_a_real_step() -> None:
+    """The clock's FLOPs of a plain step on fake tensors equal torch's flop counter on a real CPU step."""
+    torch.manual_seed(0)
+    net = _net()
+    x = torch.rand(1, 3, 40, 48)
+    with FlopCounterMode(display=False) as counter:
+        nn.functional.cross_entropy(net(x), torch.zeros(1, dtype=torch.long)).backward()
+    reading, _ = clock_plain_step(_meta_net(), (1, 3, 40, 48), H100, "fp32")
+    assert reading.flops == counter.get_total_flops() > 0
+
+
+def test_bf16_moves_half_the_bytes_and_runs_on_tensor_cores() -> None:
+    net = _meta_net()
+    fp32, _ = clock_plain_step(net, (1, 3, 256, 256), H100, "fp32")
+    bf16, _ = clock_plain_step(net, (1, 3, 256, 256), H100, "bf16")
+    assert bf16.flops == fp32.flops
+    assert bf16.bytes < 0.6 * fp32.bytes
+    assert bf16.kernels > fp32.kernels  # autocast's weight casts
+
+
+def test_time_grows_with_the_image_and_the_slower_card() -> None:
+    net = _meta_net()
+    small, _ = clock_plain_step(net, (1, 3, 512, 512), H100, "fp32")
+    large, clock = clock_plain_step(net, (1, 3, 4096, 4096), H100, "fp32")
+    assert large.gpu_seconds > 10 * small.gpu_seconds
+    slow = clock.reading(GPU_SPEEDS["2080ti"], "fp32")
+    assert slow.seconds > large.seconds and slow.flops == large.flops
+
+
+def test_host_bound_steps_wait_on_the_host() -> None:
+    """Tiny tiles: the host's dispatch outlasts the kernels, and the step is the host's time."""
+    net = _tiny()
+    reading, _, _ = clock_sft_step(net, (1, 3, 256, 256), "1GiB", H100, tile_size=32, every_tile=True)
+    assert reading.host_seconds > reading.gpu_seconds
+    assert reading.host_bound_seconds > 0
+    assert reading.seconds == pytest.approx(max(reading.host_seconds, reading.gpu_seconds), rel=0.2)
+
+
+@pytest.mark.parametrize(("size", "tile"), [((1, 3, 200, 264), 48), ((2, 3, 160, 136), 40)])
+def test_representative_tiles_time_every_tile(size: tuple[int, ...], tile: int) -> None:
+    """Visiting one tile of each kind, weighted by the tiles it stands for, gives every tile's clock."""
+    net = _tiny()
+    every, sim, _ = clock_sft_step(net, size, "1GiB", H100, tile_size=tile, every_tile=True)
+    some, _, _ = clock_sft_step(net, size, "1GiB", H100, tile_size=tile, every_tile=False)
+    assert any(s.n_tiles > 9 for s in sim.plan.segments)  # some tiles were skipped
+    assert some.operators == every.operators and some.kernels == every.kernels
+    assert some.flops == pytest.approx(every.flops, rel=1e-12)
+    assert some.bytes == pytest.approx(every.bytes, rel=1e-12)
+    assert some.seconds == pytest.approx(every.seconds, rel=1e-9)
+
+
+def test_representative_weights_cover_the_axis() -> None:
+    net = _tiny()
+    _, sim, _ = clock_sft_step(net, (1, 3, 200, 264), "1GiB", H100, tile_size=24, every_tile=False)
+    for seg in sim.plan.segments:
+        if seg.regions is not None:
+            for axis in (seg.regions.rows, seg.regions.cols):
+                assert sum(representative_weights(axis).values()) == len(axis)
+
+
+def test_tile_convolutions_cost_more_where_fitted() -> None:
+    net = _tiny()
+    _, _, clock = clock_sft_step(net, (1, 3, 512, 512), "1GiB", H100, tile_size=128, every_tile=True)
+    full = clock.reading(dataclasses.replace(H100, tile_conv_efficiency=1.0), "fp32")
+    assert clock.reading(H100, "fp32").gpu_seconds > full.gpu_seconds
+
+
+def test_planner_time_model_uses_the_clock_constants() -> None:
+    """The same constants: a byte costs FLOP rate / byte rate; tiled FLOPs cost 1 / tile_conv_efficiency."""
+    h200 = GPU_SPEEDS["h200"]
+    tm = clock_time_model(h200, True)
+    assert tm.byte_flops == pytest.approx(h200.conv_rate(True) / h200.bytes_per_second)
+    assert tm.tile_flop_factor == pytest.approx(1.0 / h200.tile_conv_efficiency)
+    assert tm.tile_flop_factor > 1.0
+    assert gpu_preset("h200").host_link_gb_s == h200.link_gb_s
+
+
+def test_doctor_calibration_refines_the_preset(tmp_path) -> None:
+    """A calibration of the card (wsitrain doctor --calibrate) replaces the efficiency factors; another card's not."""
+    h200 = GPU_SPEEDS["h200"]
+    cal = Calibration("NVIDIA H200", "cuda", "2026-11-26", byte_flops=50.0, call_flops=1e8, tile_call_flops=0.0,
+                      flops_per_second=100e12)  # fmt: skip
+    write_calibration(cal, tmp_path)
+    refined = clock_speed("h200", "NVIDIA H200", tmp_path)
+    assert refined is not None and "doctor" in refined.source
+    assert refined.conv_efficiency == pytest.approx(100e12 / (1e12 * h200.tf32_tflops))
+    assert refined.bytes_per_second == pytest.approx(100e12 / 50.0)
+    assert clock_speed("h200", "NVIDIA H100 80GB HBM3", tmp_path) == h200
+    assert clock_speed("a6000", "NVIDIA RTX A6000", tmp_path) is None

@@ -1,0 +1,240 @@
+"""The simulated clock: the time of a step on a GPU preset, from the operators the executor really issues.
+
+``OpClock`` is a ``TorchDispatchMode`` that sees every aten operator of a step run on fake tensors (the real
+executor, or plain PyTorch) and prices it with a preset's constants (``wsitrain.gpu_speed``):
+
+- on the device, an operator takes max(FLOPs / convolution rate, bytes read and written / memory rate) plus a
+  kernel floor per kernel it launches (FLOPs from ``torch.utils.flop_counter``'s formulas; views and
+  allocations launch nothing). Convolutions on small maps run below the large-map rate (``small_map_px``);
+- on the host, each operator costs its dispatch time (eager PyTorch's Python and autograd work), views less, and
+  host-side copies (cropping the uint8 image) their bytes at one thread's copy rate; each tile visit adds the
+  executor's own bookkeeping (``tile_host_us``);
+- copies between host and device cost bytes at the link's rate, on a copy engine.
+
+The three run concurrently (the host queues kernels ahead; copies overlap on a side stream) but the executor's
+tiles pace them: a step is split into windows (one per tile visit, one per plain segment and phase), a window
+takes the longest of its three, and the step is their sum. In bf16 (``low_precision``) floating-point tensors
+of forward and backward move two bytes per element (autocast's activations), convolutions run on tensor cores,
+and each convolution casts its float32 weight (tiles never use autocast's weight cache) and each weight gradient
+back; the optimizer step stays in float32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+from wsitrain.gpu_speed import GpuSpeed
+from wsitrain.sft.simulate.tracker import tensors_in
+
+aten = torch.ops.aten
+DEVICE = "meta"  # the simulated GPU's tensors (runtime.DEVICE_TYPE)
+# Operators that launch no kernel: allocations and metadata (views are found from the schema).
+NO_KERNEL = {
+    aten.empty, aten.empty_strided, aten.empty_like, aten.new_empty, aten.new_empty_strided, aten.detach,
+    aten.alias, aten.lift_fresh, aten.set_, aten.resize_, aten._local_scalar_dense, aten.is_same_size,
+    aten._has_compatible_shallow_copy_type, aten.sym_size, aten.sym_stride, aten.sym_numel, aten.sym_storage_offset,
+}  # fmt: skip
+CONVS = {aten.convolution, aten.convolution_backward}
+# Tensors a multi-tensor (foreach) kernel takes per launch (PyTorch's multi_tensor_apply: up to 110 tensors of
+# its depth-1 lists, fewer for deeper ones); a round figure for the optimizer's lists.
+FOREACH_TENSORS = 64
+# Categories the breakdown reports, by operator name.
+JOINS = {"copy_", "cat", "constant_pad_nd", "slice_scatter", "clone", "_to_copy", "narrow_copy", "index_put_", "fill_",
+         "zero_", "zeros_like", "new_zeros", "pad", "reflection_pad2d", "replication_pad2d"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class OpRecord:
+    """One device operator as the clock saw it: what it does, not yet priced (so constants can be refitted)."""
+
+    kind: str  # the breakdown's category
+    flops: float
+    bytes: float  # read and written, at the step's precision
+    kernels: int
+    conv_px: float  # output pixels per channel of a convolution (its small-map factor); 0 for other operators
+    low_precision: bool  # tensor-core (bf16/fp16) arithmetic
+    op: str = ""  # the aten operator's name
+
+
+@dataclass
+class Window:
+    """One stretch of the step the executor paces: a tile visit, or a plain segment's phase."""
+
+    label: str
+    weight: int = 1  # how many tile visits this one stands for (representative tiles)
+    tile: bool = False  # a tile visit (pays the executor's per-tile host work)
+    ops: list[OpRecord] = field(default_factory=list)
+    host_ops: int = 0  # operators dispatched that launch kernels (device or host)
+    views: int = 0  # metadata-only operators
+    host_bytes: float = 0.0  # bytes host-side operators write (image crops into staging buffers)
+    link_bytes: float = 0.0  # bytes copied over the host link
+
+
+@dataclass(frozen=True)
+class ClockReading:
+    """A step's simulated time on one preset, with what it is made of."""
+
+    preset: str
+    precision: str
+    seconds: float
+    gpu_seconds: float
+    host_seconds: float
+    link_seconds: float
+    host_bound_seconds: float  # time the GPU waits for the host (windows whose host work outlasts their kernels)
+    flops: float
+    bytes: float
+    kernels: float
+    operators: float
+    link_bytes: float
+    windows: int
+    by_kind: dict[str, float]  # GPU seconds per kind of operator
+    constants: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def text(self) -> str:
+        kinds = ", ".join(f"{k} {v:.3f} s" for k, v in self.by_kind.items() if v >= 5e-4)
+        return "\n".join([
+            f"simulated step time on the {self.preset} preset ({self.precision}): {self.seconds:.3f} s",
+            f"    GPU {self.gpu_seconds:.3f} s ({kinds}); host {self.host_seconds:.3f} s, of which the GPU waits "
+            f"{self.host_bound_seconds:.3f} s; host link {self.link_seconds:.3f} s ({self.link_bytes / 1e9:.2f} GB)",
+            f"    {self.flops / 1e12:.1f} TFLOP, {self.bytes / 1e9:.0f} GB moved, {self.kernels:.0f} kernel launches, "
+            f"{self.operators:.0f} operators, {self.windows} windows (constants: {self.constants})",
+        ])  # fmt: skip
+
+
+class OpClock(TorchDispatchMode):
+    """Records every operator of a step (see the module doc); ``mark(label, weight)`` opens a new window and
+    ``reading(speed)`` prices the record."""
+
+    def __init__(self, low_precision: bool) -> None:
+        super().__init__()
+        self.low_precision = low_precision
+        self.windows: list[Window] = [Window("start")]
+        self.optimizer_phase = False  # float32 optimizer step: no bf16 scaling
+
+    def mark(self, label: str, weight: int = 1, tile: bool = False) -> None:
+        self.windows.append(Window(label, weight, tile))
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self._record(func, args, kwargs, out)
+        return out
+
+    def _nbytes(self, t: torch.Tensor) -> float:
+        size = t.element_size()
+        if self.low_precision and not self.optimizer_phase and t.dtype.is_floating_point:
+            size = 2
+        return float(t.numel() * size)
+
+    def _record(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
+        w = self.windows[-1]
+        packet = func._overloadpacket
+        outs = tensors_in(out)
+        # metadata: views, allocations, and queries that return no tensor (``prim.device``, which the fake
+        # tensors' own bookkeeping dispatches while the clock is on)
+        if packet in NO_KERNEL or func.is_view or not (outs or func._schema.is_mutable):
+            w.views += 1
+            return
+        w.host_ops += 1
+        ins = tensors_in((args, kwargs))
+        devices = {t.device.type for t in (*ins, *outs)}
+        real = sum(float(t.numel() * t.element_size()) for t in outs)  # copies move their real dtype
+        if DEVICE in devices and "cpu" in devices:  # a copy over the host link (on a copy engine)
+            w.link_bytes += real or float(ins[0].numel() * ins[0].element_size())
+            return
+        if DEVICE not in devices:  # host work: cropping the image into a staging buffer, the step counters
+            w.host_bytes += real
+            return
+        name = packet.__name__
+        # in-place operators that return nothing (the optimizer's foreach updates) write what they read
+        written = outs or _written(func, args, kwargs)
+        moved = sum(self._nbytes(t) for t in ins) + sum(self._nbytes(t) for t in written)
+        flops = float(flop_registry[packet](*args, **kwargs, out_val=out)) if packet in flop_registry else 0.0
+        kernels = self._kernels(func, args, kwargs)
+        px = 0.0
+        low = self.low_precision and not self.optimizer_phase
+        if packet in CONVS:
+            ref = out if packet is aten.convolution else args[0]  # the output (its gradient, in backward)
+            px = float(ref.shape[-1] * ref.shape[-2])
+            kind = "convolution backward" if packet is aten.convolution_backward else "convolution forward"
+            if low:  # autocast's weight cast (and the weight gradient's, back): element-wise kernels
+                weight = args[1] if packet is aten.convolution else args[2]
+                wgrad = packet is aten.convolution_backward and bool(_output_mask(args, kwargs)[1])
+                casts = 1 if packet is aten.convolution or wgrad else 0
+                if casts:
+                    w.ops.append(OpRecord("weight casts (autocast)", 0.0, 6.0 * weight.numel(), 1, 0.0, low))
+                    w.host_ops += 1
+        else:
+            kind = ("optimizer" if self.optimizer_phase else
+                    "copies, crops, pads, joins" if name.rstrip("_") in JOINS or name in JOINS else
+                    "matrix products" if flops else "element-wise and reductions")  # fmt: skip
+        w.ops.append(OpRecord(kind, flops, moved, kernels, px, low, name))
+
+    def _kernels(self, func: Any, args: Any, kwargs: dict[str, Any]) -> int:
+        packet = func._overloadpacket
+        if packet is aten.convolution_backward:
+            return max(1, sum(bool(m) for m in _output_mask(args, kwargs)))
+        if packet.__name__.startswith("_foreach_"):
+            lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
+            return max(1, math.ceil(max((len(a) for a in lists), default=1) / FOREACH_TENSORS))
+        return 1
+
+    # ---- the step's time -----------------------------------------------------------------------------------------
+    def reading(self, speed: GpuSpeed, precision: str) -> ClockReading:
+        """The recorded step priced with ``speed``'s constants."""
+        s = speed
+        total = gpu_all = host_all = link_all = waits = 0.0
+        flops = moved = kernels = ops = link_bytes = 0.0
+        kinds: dict[str, float] = {}
+        for w in self.windows:
+            gpu = 0.0
+            for o in w.ops:
+                if o.conv_px:
+                    rate = s.conv_rate(o.low_precision) * o.conv_px / (o.conv_px + s.small_map_px)
+                    rate *= s.tile_conv_efficiency if w.tile else 1.0
+                else:
+                    rate = s.matmul_rate(o.low_precision)
+                t = max(o.flops / rate, o.bytes / s.bytes_per_second) + o.kernels * 1e-6 * s.kernel_floor_us
+                gpu += t
+                kinds[o.kind] = kinds.get(o.kind, 0.0) + w.weight * t
+                flops += w.weight * o.flops
+                moved += w.weight * o.bytes
+                kernels += w.weight * o.kernels
+            host = 1e-6 * (w.host_ops * s.host_op_us + w.views * s.view_host_us + (s.tile_host_us if w.tile else 0.0))
+            host += w.host_bytes / (1e9 * s.host_copy_gb_s)
+            link = w.link_bytes / (1e9 * s.link_gb_s)
+            total += w.weight * max(gpu, host, link)
+            gpu_all += w.weight * gpu
+            host_all += w.weight * host
+            link_all += w.weight * link
+            waits += w.weight * max(0.0, host - max(gpu, link))
+            ops += w.weight * (w.host_ops + w.views)
+            link_bytes += w.weight * w.link_bytes
+        return ClockReading(
+            s.name, precision, total, gpu_all, host_all, link_all, waits, flops, moved, kernels, ops, link_bytes,
+            sum(w.weight for w in self.windows), dict(sorted(kinds.items(), key=lambda kv: -kv[1])), s.source,
+        )  # fmt: skip
+
+
+def _written(func: Any, args: Any, kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors an operator writes in place (its schema's ``!`` arguments)."""
+    out: list[torch.Tensor] = []
+    for pos, a in enumerate(func._schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            v = kwargs.get(a.name, args[pos] if pos < len(args) else None)
+            out += tensors_in(v)
+    return out
+
+
+def _output_mask(args: Any, kwargs: dict[str, Any]) -> tuple[bool, ...]:
+    mask = kwargs.get("output_mask", args[-1] if args else (True, True, True))
+    return tuple(bool(m) for m in mask)

@@ -1,0 +1,82 @@
+"""Timed steps on the simulated device: ``SFT``'s real executor, or plain PyTorch, priced by the clock (clock.py).
+
+from wsitrain.sft.simulate.timing import clock_plain_step, clock_sft_step
+with torch.device("meta"):
+    model = build("resnet50", 2)
+print(clock_sft_step(model, (1, 3, 8192, 8192), "10.47GiB", gpu_speed("h200"), "bf16").text())
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from wsitrain.gpu_speed import GpuSpeed
+from wsitrain.sft.simulate.clock import ClockReading, OpClock
+from wsitrain.sft.simulate.fast_ops import FAST_OPS
+from wsitrain.sft.simulate.runtime import DEVICE_TYPE
+from wsitrain.sft.simulate.step import OPTIMIZERS, SimulatedStep, simulate_step
+from wsitrain.sft.simulate.tracker import LiveMemory
+from wsitrain.sft.target import TargetDevice
+
+LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _act(precision: str) -> torch.dtype | None:
+    return LOW_PRECISION.get(precision)
+
+
+def clock_sft_step(
+    model: nn.Module,
+    shape: tuple[int, ...],
+    memory_budget: int | str,
+    speed: GpuSpeed,
+    precision: str = "fp32",
+    *,
+    optimizer: str = "adamw",
+    target: TargetDevice | None = None,
+    every_tile: bool = False,
+    tile_size: int | None = None,
+) -> tuple[ClockReading, SimulatedStep, OpClock]:
+    """One ``SFT`` step (the image a uint8 host tensor, as ``fit`` feeds it) on the simulated device, timed for
+    ``speed``'s card in ``precision``. The step's memory figures are valid in fp32 only (see simulate_step). The
+    clock is returned too: ``clock.reading(other_speed, precision)`` prices the same step with other constants."""
+    clock = OpClock(precision in LOW_PRECISION)
+    sim = simulate_step(
+        model, shape, memory_budget, optimizer=optimizer, target=target, every_tile=every_tile, clock=clock,
+        act_dtype=_act(precision), tile_size=tile_size,
+    )  # fmt: skip
+    return clock.reading(speed, precision), sim, clock
+
+
+def clock_plain_step(
+    model: nn.Module, shape: tuple[int, ...], speed: GpuSpeed, precision: str = "fp32", *, optimizer: str = "adamw"
+) -> tuple[ClockReading, OpClock]:
+    """One plain PyTorch step (the image already on the device, as the issue's measurement had it), timed (and
+    its clock, to price again)."""
+    clock = OpClock(precision in LOW_PRECISION)
+    params = [p for p in model.parameters() if p.requires_grad]
+    memory = LiveMemory(fast=FAST_OPS)  # only for its shape-only BatchNorm: 10-100x faster than the fake one
+    with FakeTensorMode(allow_non_fake_inputs=True), memory:
+        opt = OPTIMIZERS[optimizer](params)
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opt.step()  # the optimizer's state exists from earlier steps, as in a timed step after a warm-up
+        for p in params:
+            p.grad = None
+        image = torch.empty(shape, dtype=torch.uint8, device=DEVICE_TYPE)  # (B, C, H, W) on the device
+        target = torch.zeros(shape[0], dtype=torch.long, device=DEVICE_TYPE)
+        with clock:
+            clock.mark("forward")
+            logits = model(image.float())
+            clock.mark("loss and backward")
+            loss = nn.functional.cross_entropy(logits.float(), target)
+            loss.backward()
+            clock.mark("optimizer step")
+            clock.optimizer_phase = True
+            opt.step()
+        del opt, loss, logits
+    for p in params:
+        p.grad = None
+    return clock.reading(speed, precision), clock
