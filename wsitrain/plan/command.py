@@ -27,6 +27,7 @@ from wsitrain.sft.plan_api import MAX_SQUARE_LIMIT
 from wsitrain.sft.planning.calibration import cpu_name, time_model_for
 from wsitrain.sft.planning.costs import DEFAULT_TIME_MODEL
 from wsitrain.sft.simulate import SimulatedStep, simulate_step, simulation_dict, simulation_text
+from wsitrain.sft.simulate.host_time import HostTime, measure_host_time
 from wsitrain.sft.simulate.step import Progress
 
 PLAN_NUM_CLASSES = 2  # the head is tiny next to the trunk; any class count plans the same
@@ -43,6 +44,7 @@ class PlanReport:
     max_size: int | None  # largest square edge that fits the budget; 0: none; None: not computed
     time_model: str = DEFAULT_TIME_MODEL  # where the time model's constants came from
     simulated: SimulatedStep | None = None  # one step run on the simulated device (``--simulate``)
+    host: HostTime | None = None  # the host's share of that step: time and launches (``--simulate``)
 
     def to_dict(self) -> dict[str, Any]:
         d = {
@@ -55,12 +57,16 @@ class PlanReport:
         }
         if self.simulated is not None:
             d["simulated"] = simulation_dict(self.simulated)
+        if self.host is not None:
+            d["host"] = self.host.to_dict()
         return d
 
     def __str__(self) -> str:
         lines = [str(self.plan), f"budget source: {self.budget.source}", f"time model: {self.time_model}"]
         if self.simulated is not None:
             lines.append(simulation_text(self.simulated))
+        if self.host is not None:
+            lines.append(self.host.text())
         if self.budget.gpu is not None:
             lines.append(f"gpu preset: {self.budget.gpu}")
         if self.budget.gpu is not None and self.plan.transfer_bytes:
@@ -208,9 +214,10 @@ def _simulated(
             net, shape, budget.bytes, optimizer=optimizer, tile_size=tile, progress=progress, target=budget.target,
             every_tile=every_tile,
         )  # fmt: skip
+        host = measure_host_time(net, shape, budget.bytes, optimizer=optimizer, target=budget.target, tile_size=tile)
     except PlanError as e:  # does not fit: show the plan as the plain command would
         raise WsiTrainError(str(e), hint=e.hint) from e
-    return PlanReport(sim.plan, budget, prec, None, simulated=sim)
+    return PlanReport(sim.plan, budget, prec, None, simulated=sim, host=host)
 
 
 def run_plan(
