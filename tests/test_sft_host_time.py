@@ -31,6 +31,8 @@ def test_counts_scale_with_the_grid_and_name_the_copies() -> None:
     # the image streams from the host: one upload per tile of the first segment (forward only: no parameters)
     assert fine.copies == fine.plan.segments[0].n_tiles and coarse.copies == 4
     assert fine.host_bytes > 0 and fine.seconds > 0 and fine.optimizer_launches > 0
+    # a tile's parameter gradients are summed by one multi-tensor add, not one add per parameter
+    assert 0 < fine.by_op["_foreach_add_.List"] < fine.tile_visits
     d = fine.to_dict()
     assert d["launches_per_step"] == fine.launches and "measured" in d["how"]
     assert "launches" in fine.text()

@@ -319,11 +319,23 @@ class TiledSegment(TileIO):
                     else:
                         dst += gx
             res = res[1:]
+        sums: list[torch.Tensor] = []
+        parts: list[torch.Tensor] = []
         for k, gp in enumerate(res):
-            if gp is not None:
+            if gp is None:
+                continue
+            acc_k = grads[k]
+            if acc_k is None:
                 # own the sum: a returned gradient may share memory autograd reuses for the next
                 # tile (seen as NaNs in bf16 weight gradients); summing into it in place corrupted it
-                grads[k] = gp.clone() if grads[k] is None else grads[k].add_(gp)
+                grads[k] = gp.clone()
+            else:
+                sums.append(acc_k)
+                parts.append(gp)
+        if sums:
+            # one multi-tensor launch per tile instead of one add per parameter (ResNet-50 at 8192 px capped: 606
+            # adds per step, measured by sft/simulate/host_time.py); each element is the same a + b either way
+            torch._foreach_add_(sums, parts)
 
     def _tick(self, r: int, c: int, phase: str) -> float:
         if self.hooks.on_tile is not None:
