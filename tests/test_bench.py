@@ -165,3 +165,15 @@ def test_bench_reports_the_plan_the_worker_ran() -> None:
     row = runner.result_row(bench_configs.BenchConfig(size=256, strategy="sft", model="tiny", device="cpu",
                                                       budget_bytes=14 * 2**20), result, 1)  # fmt: skip
     assert row["planned_peak_bytes"] == ran["estimated_peak_bytes"] and row["plan"] == ran
+
+
+def test_sft_planner_rows_carry_the_hosts_share_for_a_gpu_budget(tmp_path: Path) -> None:
+    """With a GPU preset's budget, the SFT planner row says the host time, launches and syncs of its CUDA plan's step
+    (sft/simulate/host_time.py on the meta device); fixed-tile rows do not."""
+    out, text = _bench(tmp_path, gpu="h100", memory="200MiB", strategies="sft", sizes="128")
+    rows = json.loads((out / "bench.json").read_text())["results"]
+    planner = [r for r in rows if r["variant"] == "planner"]
+    assert len(planner) == 1 and planner[0]["launches_per_step"] > 0 and planner[0]["host_ms_per_step"] > 0
+    assert planner[0]["syncs_per_step"] >= 0
+    assert all("launches_per_step" not in r for r in rows if r["variant"] != "planner")
+    assert "host side per step" in text

@@ -11,7 +11,8 @@ from wsitrain.bench.configs import BenchConfig
 
 CSV_FIELDS = (
     "size", "strategy", "variant", "status", "mean_ms", "std_ms", "min_ms", "runs", "peak_bytes",
-    "planned_peak_bytes", "budget_bytes", "within_budget", "note", "simulated_ms",
+    "planned_peak_bytes", "budget_bytes", "within_budget", "note", "simulated_ms", "host_ms_per_step",
+    "launches_per_step", "syncs_per_step",
 )  # fmt: skip
 
 

@@ -24,6 +24,7 @@ from wsitrain.bench.configs import (
     parse_sizes,
     parse_strategies,
 )
+from wsitrain.bench.host import host_columns, host_share
 from wsitrain.bench.report import result_row, write_outputs
 from wsitrain.bench.simulated import simulated_ms
 from wsitrain.bench.worker import INPUT_DTYPE, child_main
@@ -225,6 +226,7 @@ def run_bench(
             + (f"; beside each, its simulated time on the {budget.gpu} preset" if speed is not None else "")
         )
     rows: list[dict[str, Any]] = []
+    hosts: list[str] = []  # the host's share per SFT planner step (bench.host)
     oom_from: dict[str, int] = {}  # strategy variant -> smallest size that ran out of memory
     progress = Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
@@ -249,10 +251,18 @@ def run_bench(
             row = result_row(cfg, result, planned)
             row["simulated_ms"] = simulated_ms(cfg, speed, budget.target) if speed is not None else None
             rows.append(row)
+            if cfg.strategy == "sft" and cfg.tile is None and budget.device == "cuda":
+                progress.update(task, description=f"host share of the SFT step at {cfg.size} px (meta device)")
+                share = host_share(model, cfg.size, budget, precision)
+                rows[-1].update(host_columns(share))
+                if share is not None:
+                    hosts.append(f"SFT at {cfg.size} px: " + share.text())
             progress.advance(task)
             live.update(Group(progress, _live_table(rows, clock)))
         progress.update(task, description="done")
     console.print()
+    for line in hosts:
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
     meta["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     paths = write_outputs(out_dir, rows, meta, plot=not simulated_only)
     errors = [r for r in rows if r["status"] == "error"]

@@ -32,6 +32,7 @@ from wsitrain.sft.planning.calibration import CLOCK_SOURCE, clock_speed, clock_t
 from wsitrain.sft.planning.costs import DEFAULT_TIME_MODEL, TimeModel
 from wsitrain.sft.simulate import SimulatedStep, simulate_step, simulation_dict, simulation_text
 from wsitrain.sft.simulate.clock import ClockReading, OpClock
+from wsitrain.sft.simulate.host_time import HostTime, measure_host_time
 from wsitrain.sft.simulate.step import Progress
 from wsitrain.sft.simulate.timing import LOW_PRECISION, clock_plain_step
 from wsitrain.units import format_bytes
@@ -53,6 +54,7 @@ class PlanReport:
     clock: ClockReading | None = None  # that step's simulated time on the preset (``--simulate``)
     clock_plain: ClockReading | None = None  # plain PyTorch's step on the same card, simulated
     flop_rate: float | None = None  # FLOP/s of the time model when it is the clock's (its time in seconds)
+    host: HostTime | None = None  # the host's share of that step: time and launches (``--simulate``)
     frozen: Frozen | None = None  # what ``--freeze`` froze
     unfrozen: PlanReport | None = None  # the same plan with nothing frozen, to show what freezing saves
 
@@ -127,6 +129,8 @@ class PlanReport:
                 "slowdown": self.clock_slowdown,
                 "plan_slowdown": self.plan.slowdown,
             }
+        if self.host is not None:
+            d["host"] = self.host.to_dict()
         return d
 
     def __str__(self) -> str:
@@ -149,6 +153,8 @@ class PlanReport:
                 f"{self.clock_slowdown:.2f}x simulated, {self.plan.slowdown:.2f}x by the plan's time model "
                 f"({self.plan.slowdown / self.clock_slowdown - 1:+.0%})"
             )
+        if self.host is not None:
+            lines.append(self.host.text())
         saving = self.saving_text()
         if saving is not None:
             lines.append(saving)
@@ -367,6 +373,8 @@ def _simulated(
             net, shape, budget.bytes, optimizer=optimizer, tile_size=tile, progress=progress, target=budget.target,
             every_tile=every_tile, clock=clock, act_dtype=LOW_PRECISION.get(prec), time_model=tm,
         )  # fmt: skip
+        host = measure_host_time(net, shape, budget.bytes, dtype=LOW_PRECISION.get(prec, torch.float32),
+                                 optimizer=optimizer, target=budget.target, tile_size=tile)  # fmt: skip
     except PlanError as e:  # does not fit: show the plan as the plain command would
         raise WsiTrainError(str(e), hint=e.hint) from e
     reading = plain = None
@@ -374,7 +382,7 @@ def _simulated(
         reading = clock.reading(speed, prec)
         plain = clock_plain_step(net, shape, speed, prec, optimizer=optimizer)[1].reading(speed, prec)
     rate = _flop_rate(tm, speed, prec)
-    return PlanReport(sim.plan, budget, prec, None, tm.source, None if low else sim, reading, plain, rate)
+    return PlanReport(sim.plan, budget, prec, None, tm.source, None if low else sim, reading, plain, rate, host=host)
 
 
 def run_plan(

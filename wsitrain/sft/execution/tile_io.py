@@ -8,12 +8,15 @@ computes, in ``tiles()`` order (any other order is still exact, only slower).
 from __future__ import annotations
 
 import torch
+from torch.autograd.profiler import record_function
 
 from wsitrain.sft.execution.hooks import ExecHooks
 from wsitrain.sft.execution.staging import HostStager
 from wsitrain.sft.ops.fused_pool import Accumulator
 from wsitrain.sft.plan_types import SegmentPlan
 from wsitrain.sft.regions import AxisTile
+
+STAGE = "sft.stage"  # profiler range (torch.profiler): a tile packed and uploaded from host memory
 
 
 class TileIO:
@@ -50,7 +53,8 @@ class TileIO:
         nxt = self._next_tile(*self._tile_of(rt, ct))
         reg = self.regions
         ahead = None if nxt is None else (reg.rows[nxt[0]].need[self.start], reg.cols[nxt[1]].need[self.start])
-        return self.stager.fetch("input", x, rows, cols, self.device, ahead)
+        with record_function(STAGE):
+            return self.stager.fetch("input", x, rows, cols, self.device, ahead)
 
     def grad_tile(self, grad_out: torch.Tensor, r: int, c: int) -> torch.Tensor:
         """Tile (r, c)'s share of the output gradient, on the device. (B, C, th, tw).
@@ -63,7 +67,8 @@ class TileIO:
             return grad_out[:, :, rows[0] : rows[1], cols[0] : cols[1]]  # a view
         nxt = self._next_tile(r, c)
         ahead = None if nxt is None else (reg.rows_out[nxt[0]], reg.cols_out[nxt[1]])
-        return self.stager.fetch("grad", grad_out, rows, cols, self.device, ahead)
+        with record_function(STAGE):
+            return self.stager.fetch("grad", grad_out, rows, cols, self.device, ahead)
 
     def new_output(self, y: torch.Tensor) -> torch.Tensor:
         """The joined output (B, C, Ho, Wo) for tiles like ``y``: on the device, or in host memory.

@@ -1,0 +1,403 @@
+"""GPU profiling kit: where a whole-slide step's time goes, on one GPU, in one command (at most 8 minutes).
+
+    python scripts/gpu_session.py                    # an H100 or H200, unchanged: the table of issue 36 and a profile
+    python scripts/gpu_session.py --device cpu --size 512 --quick --models tiny --budget 64MiB --out /tmp/x
+                                                     # the same code path on a CPU (the test runs this)
+
+Cases per model (``--models``, default resnet50, vgg16, darknet19), each 2 classes, batch 1, bf16 autocast, cross
+entropy, AdamW (foreach), one warm-up step then ``--steps`` timed steps with a device synchronize around each:
+
+- ``plain patches``: plain PyTorch on ``--patches`` patches of 224 px (channels_last), what patch pipelines run;
+- ``plain NCHW`` / ``plain channels_last``: plain PyTorch on one ``--size`` px image on the device;
+- ``SFT uncapped``: ``SFT(model)`` planning for the card, the image uint8 in pinned host memory (as fit feeds it);
+- ``SFT capped``: ``SFT(model, memory_budget=--budget)`` with the allocator capped there
+  (``set_per_process_memory_fraction``), ``cudnn.benchmark`` off (as fit runs) and, for the first model, on.
+
+Then one capped SFT step of the first model runs under ``torch.profiler`` and its time is broken down (``breakdown``):
+convolution forward and backward, recompute, copies, crops, pads, joins and overlap-adds, host staging, optimizer,
+other kernels, and the device's idle time between kernels (from the kernel timeline). Every case is bounded: timed
+steps stop after ``--case-seconds``, and an out-of-memory marks the case and moves on. Writes
+``gpu_session.md`` and ``gpu_session.jsonl`` (a line per case, then the breakdown) into ``--out`` (default docs/).
+Figures are *measured* on the device that ran them; a case's *simulated* step time is added where
+``wsitrain.sft.simulate`` offers a clock (``simulated_step_seconds``), else left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from wsitrain.memory import cap_cuda_allocator
+from wsitrain.models import build
+from wsitrain.sft import SFT
+from wsitrain.sft.execution.tile_io import STAGE
+from wsitrain.sft.execution.tiled import JOIN, OVERLAP_ADD, RECOMPUTE, TILE_BACKWARD
+from wsitrain.units import format_bytes, parse_bytes
+
+REPO = Path(__file__).resolve().parents[1]
+NUM_CLASSES = 2
+BUDGET = "10.47GiB"  # the 2080 Ti preset's budget (issue 36's capped runs)
+FORWARD, BACKWARD, OPTIMIZER = "step.forward", "step.backward", "step.optimizer"
+CATEGORIES = (
+    "conv forward", "conv backward", "recompute", "copies", "crops", "pads", "joins", "overlap-adds",
+    "host staging", "optimizer", "other kernels", "idle between kernels",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    name: str  # the table's "run" column
+    sft: bool
+    channels_last: bool = False
+    budget: str | None = None  # SFT memory_budget (and the allocator cap on CUDA)
+    patches: int = 0  # plain PyTorch on this many patches of ``patch`` px instead of one image
+    benchmark: bool = False  # cudnn.benchmark
+
+
+def cases(models: list[str], budget: str, patches: int, patch: int = 224) -> list[Case]:
+    out: list[Case] = []
+    for k, m in enumerate(models):
+        out += [
+            Case(m, f"plain, {patches} patches of {patch} px, channels_last", False, True, patches=patches),
+            Case(m, "plain, one image, NCHW", False),
+            Case(m, "plain, one image, channels_last", False, True),
+            Case(m, "SFT, no budget (plans for the card)", True),
+            Case(m, f"SFT, capped at {budget}, cudnn.benchmark off", True, budget=budget),
+        ]
+        if k == 0:  # the first step with benchmark on searches algorithms for every tile shape (a minute on an H200)
+            out.append(Case(m, f"SFT, capped at {budget}, cudnn.benchmark on", True, budget=budget, benchmark=True))
+    return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in str(e).lower()
+
+
+class Runner:
+    """One case's model, optimizer, input and step; ``step()`` runs one synchronized training step."""
+
+    def __init__(self, case: Case, device: torch.device, size: int, patch: int) -> None:
+        self.case, self.device = case, device
+        torch.manual_seed(0)
+        model = build(case.model, NUM_CLASSES).to(device)
+        if case.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        self.model = model
+        self.opt = torch.optim.AdamW(model.parameters(), foreach=True)
+        if case.sft:
+            self.sft: SFT | None = SFT(model, memory_budget=case.budget)
+            x = torch.randint(0, 256, (1, 3, size, size), dtype=torch.uint8)  # (B, C, H, W) on the host, as fit
+            self.x = x.pin_memory() if device.type == "cuda" else x
+            self.forward: Callable[[torch.Tensor], torch.Tensor] = self.sft
+        else:
+            self.sft = None
+            n, edge = (case.patches, patch) if case.patches else (1, size)
+            x = torch.randint(0, 256, (n, 3, edge, edge), dtype=torch.uint8, device=device)
+            self.x = x.contiguous(memory_format=torch.channels_last) if case.channels_last else x
+            self.forward = model
+        self.target = torch.zeros(self.x.shape[0], dtype=torch.long, device=device)
+
+    def step(self, ranges: bool = False) -> float:
+        def part(name: str) -> contextlib.AbstractContextManager[Any]:
+            return torch.autograd.profiler.record_function(name) if ranges else contextlib.nullcontext()
+
+        _sync(self.device)
+        t0 = time.perf_counter()
+        self.opt.zero_grad(set_to_none=True)
+        with part(FORWARD), torch.autocast(self.device.type, dtype=torch.bfloat16):
+            logits = self.forward(self.x)
+        loss = nn.functional.cross_entropy(logits.float(), self.target)
+        with part(BACKWARD):
+            loss.backward()
+        with part(OPTIMIZER):
+            self.opt.step()
+        _sync(self.device)
+        return time.perf_counter() - t0
+
+
+def run_case(case: Case, device: torch.device, size: int, patch: int, steps: int, case_seconds: float) -> dict:
+    row: dict[str, Any] = {"model": case.model, "run": case.name, "size": size, "device": _device_name(device)}
+    budget = parse_bytes(case.budget, "--budget") if case.budget else None
+    if device.type == "cuda":
+        cap_cuda_allocator(device, budget)
+        torch.backends.cudnn.benchmark = case.benchmark
+        torch.cuda.reset_peak_memory_stats(device)
+    runner: Runner | None = None
+    try:
+        runner = Runner(case, device, size, patch)
+        row["first_step_s"] = runner.step()
+        times: list[float] = []
+        started = time.perf_counter()
+        while len(times) < steps and (not times or time.perf_counter() - started < case_seconds):
+            times.append(runner.step())
+        row.update(status="ok", step_s=min(times), steps=len(times))
+        pixels = runner.x.shape[0] * runner.x.shape[2] * runner.x.shape[3]
+        row["mpx_per_s"] = pixels / row["step_s"] / 1e6
+        if device.type == "cuda":
+            row["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+        if runner.sft is not None:
+            plan = runner.sft.plan_of(runner.x, torch.bfloat16)
+            row["plan"] = " | ".join(
+                f"{s.mode} {s.tile_grid[0]}x{s.tile_grid[1]}" if s.mode == "tiled" else s.mode for s in plan.segments
+            )
+            row["planned_overhead"] = plan.slowdown - 1.0
+            sim = _simulated_seconds(runner, plan)
+            if sim is not None:
+                row["simulated_step_s"] = sim
+    except Exception as e:  # one case's failure is its row; the session goes on
+        row["status"] = "oom" if _is_oom(e) else "error"
+        row["note"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        if row["status"] == "error":
+            row["traceback"] = traceback.format_exc()[-3000:]
+    finally:
+        del runner
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            cap_cuda_allocator(device, None)
+            torch.backends.cudnn.benchmark = False
+    return row
+
+
+def _simulated_seconds(runner: Runner, plan: Any) -> float | None:
+    """The simulated clock's step time for this plan, where ``wsitrain.sft.simulate`` offers one (optional)."""
+    try:
+        from wsitrain.sft import simulate
+
+        clock = getattr(simulate, "simulated_step_seconds", None)
+        return None if clock is None else float(clock(plan))
+    except Exception:  # no clock yet, or none for this plan: the measured figures stand alone
+        return None
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+# ---- the profile and its breakdown --------------------------------------------------------------
+def profile_step(case: Case, device: torch.device, size: int, patch: int) -> dict[str, Any]:
+    """One capped SFT step under ``torch.profiler`` (after a warm-up step), broken down by ``breakdown``."""
+    budget = parse_bytes(case.budget, "--budget") if case.budget else None
+    if device.type == "cuda":
+        cap_cuda_allocator(device, budget)
+    runner: Runner | None = None
+    try:
+        runner = Runner(case, device, size, patch)
+        runner.step()
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
+            seconds = runner.step(ranges=True)
+        out = breakdown(prof.events(), device.type == "cuda")
+        out.update(model=case.model, run=case.name, size=size, step_s=seconds, device=_device_name(device))
+        return out
+    finally:
+        del runner
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            cap_cuda_allocator(device, None)
+
+
+_RANGES = (STAGE, JOIN, OVERLAP_ADD, RECOMPUTE, TILE_BACKWARD, OPTIMIZER, FORWARD, BACKWARD)
+
+
+def classify(name: str, ranges: Iterable[str]) -> str:
+    """The category of an operator (or of the kernels it launched) named ``name`` inside the profiler ``ranges``
+    (innermost first)."""
+    inner = set(ranges)
+    n = name.lower()
+    if OPTIMIZER in inner:
+        return "optimizer"
+    if STAGE in inner or "memcpy" in n or "htod" in n or "dtoh" in n:
+        return "host staging"
+    if JOIN in inner:
+        return "joins"
+    if OVERLAP_ADD in inner:
+        return "overlap-adds"
+    if RECOMPUTE in inner:
+        return "recompute"
+    if "conv" in n and "backward" in n or "wgrad" in n or "dgrad" in n:
+        return "conv backward"
+    if "conv" in n:
+        return "conv forward" if BACKWARD not in inner or TILE_BACKWARD in inner else "recompute"
+    if "pad" in n:
+        return "pads"
+    if "slice" in n or "narrow" in n or "as_strided" in n:
+        return "crops"
+    if "copy" in n or "clone" in n or "contiguous" in n or "to_copy" in n:
+        return "copies"
+    return "other kernels"
+
+
+def breakdown(events: Any, device_timeline: bool) -> dict[str, Any]:
+    """Seconds per category of one profiled step, and the idle time between kernels.
+
+    ``device_timeline``: attribute the device's kernel time to the operator that launched each kernel (CUDA); else
+    the operators' own CPU time (a CPU step). Idle: the step's span on that timeline minus the union of its busy
+    intervals (kernels on CUDA, top-level operators on a CPU).
+    """
+    seconds = dict.fromkeys(CATEGORIES, 0.0)
+    busy: list[tuple[float, float]] = []
+    for e in events:
+        ranges = _enclosing_ranges(e)
+        if device_timeline:
+            if _is_device(e):
+                busy.append((e.time_range.start, e.time_range.end))
+                parent = _launcher(e)
+                cat = classify(f"{e.name} {parent.name if parent is not None else ''}",
+                               _enclosing_ranges(parent) if parent is not None else [])  # fmt: skip
+                seconds[cat] += (e.time_range.end - e.time_range.start) / 1e6
+            continue
+        if e.name in _RANGES or not e.name.startswith("aten::"):
+            continue
+        seconds[classify(e.name, ranges)] += e.self_cpu_time_total / 1e6
+        if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"):
+            busy.append((e.time_range.start, e.time_range.end))
+    span, union = _span_and_union(busy)
+    seconds["idle between kernels"] = max(0.0, span - union) / 1e6
+    return {"seconds": seconds, "span_s": span / 1e6, "busy_s": union / 1e6, "intervals": len(busy)}
+
+
+def _is_device(e: Any) -> bool:
+    return str(getattr(e, "device_type", "")).endswith(("CUDA", "PrivateUse1")) and e.time_range.end > 0
+
+
+def _launcher(e: Any) -> Any:
+    """The CPU operator that launched a kernel event (its linked correlation parent), where the profiler kept it."""
+    return getattr(e, "cpu_parent", None) or getattr(e, "linked_cpu_event", None)
+
+
+def _enclosing_ranges(e: Any) -> list[str]:
+    out = []
+    p = e
+    while p is not None:
+        if p.name in _RANGES:
+            out.append(p.name)
+        p = p.cpu_parent
+    return out
+
+
+def _span_and_union(intervals: list[tuple[float, float]]) -> tuple[float, float]:
+    """(last end - first start, length of the union) of [start, end) intervals, in their unit."""
+    if not intervals:
+        return 0.0, 0.0
+    intervals = sorted(intervals)
+    union, (cur_s, cur_e) = 0.0, intervals[0]
+    for s, e in intervals[1:]:
+        if s > cur_e:
+            union += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    union += cur_e - cur_s
+    return intervals[-1][1] - intervals[0][0] if intervals else 0.0, union
+
+
+# ---- tables -------------------------------------------------------------------------------------
+def write_tables(out: Path, rows: list[dict[str, Any]], prof: dict[str, Any] | None, argv: list[str]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "gpu_session.jsonl").open("w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+        if prof is not None:
+            f.write(json.dumps({"breakdown": prof}) + "\n")
+    dev = rows[0]["device"] if rows else "?"
+    lines = [
+        "# GPU session: where a whole-slide step's time goes",
+        "",
+        f"*Measured* on {dev}, torch {torch.__version__}, by `python scripts/gpu_session.py {' '.join(argv)}`: "
+        "batch 1, bf16 autocast, cross entropy, AdamW (foreach), one warm-up step, the fastest timed step.",
+        "",
+        "| model | run | step | throughput | peak allocated | first step | plan | planned overhead | simulated |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['model']} | {r['run']} | {r['status']} | | | | | | {r.get('note', '')[:80]} |")
+            continue
+        peak = format_bytes(r["peak_allocated_bytes"]) if "peak_allocated_bytes" in r else "-"
+        over = f"{r['planned_overhead']:+.1%}" if "planned_overhead" in r else ""
+        sim = f"{r['simulated_step_s']:.3f} s" if "simulated_step_s" in r else ""
+        lines.append(
+            f"| {r['model']} | {r['run']} | {r['step_s']:.3f} s | {r['mpx_per_s']:.3g} Mpx/s | {peak} | "
+            f"{r['first_step_s']:.1f} s | {r.get('plan', '')} | {over} | {sim} |"
+        )
+    if prof is not None:
+        total = sum(prof["seconds"].values()) or 1.0
+        lines += [
+            "",
+            f"## One profiled step: {prof['model']}, {prof['run']} ({prof['step_s']:.3f} s with the profiler on)",
+            "",
+            "| part | seconds | share |",
+            "| --- | --- | --- |",
+        ]
+        lines += [f"| {k} | {v:.4f} | {v / total:.1%} |" for k, v in prof["seconds"].items()]
+        lines.append("")
+        lines.append(
+            f"Timeline: span {prof['span_s']:.4f} s, busy {prof['busy_s']:.4f} s over {prof['intervals']} "
+            "intervals (kernels on a GPU; top-level operators on a CPU)."
+        )
+    (out / "gpu_session.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (the code path, small)")
+    ap.add_argument("--size", type=int, default=8192, help="image edge in px (default 8192)")
+    ap.add_argument("--models", default="resnet50,vgg16,darknet19")
+    ap.add_argument("--budget", default=BUDGET, help=f"the capped runs' budget (default {BUDGET}, the 2080 Ti's)")
+    ap.add_argument("--patches", type=int, default=256, help="patches of 224 px in the patch case (default 256)")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per case (default 3)")
+    ap.add_argument("--case-seconds", type=float, default=20.0, help="stop timing a case after this (default 20)")
+    ap.add_argument("--quick", action="store_true", help="one timed step, 4 patches of 64 px: the code path only")
+    ap.add_argument("--out", type=Path, default=REPO / "docs")
+    a = ap.parse_args(argv)
+    device = torch.device(a.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            print("no CUDA device here: run with --device cpu --size 512 --quick for the code path", file=sys.stderr)
+            return 2
+        device = torch.device("cuda", torch.cuda.current_device())
+    models = [m.strip() for m in a.models.split(",") if m.strip()]
+    steps, patches, patch = (1, 4, 64) if a.quick else (a.steps, a.patches, 224)
+    rows = []
+    t0 = time.perf_counter()
+    for case in cases(models, a.budget, patches, patch):
+        row = run_case(case, device, a.size, patch, steps, a.case_seconds)
+        rows.append(row)
+        step = f"{row['step_s']:.3f} s" if row["status"] == "ok" else row["status"]
+        print(f"[{time.perf_counter() - t0:6.1f} s] {case.model}: {case.name}: {step}", flush=True)
+    capped = next(c for c in cases(models, a.budget, patches, patch) if c.sft and c.budget and not c.benchmark)
+    try:
+        prof: dict[str, Any] | None = profile_step(capped, device, a.size, patch)
+    except Exception as e:  # the table stands without the profile
+        print(f"profile failed: {type(e).__name__}: {e}", file=sys.stderr)
+        prof = None
+    write_tables(a.out, rows, prof, argv)
+    print(f"wrote {a.out / 'gpu_session.md'} and gpu_session.jsonl in {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
