@@ -12,8 +12,10 @@ import pytest
 import torch
 from rich.console import Console
 
+import wsitrain.preflight as pf
 from wsitrain.config import WsiTrainConfig
 from wsitrain.models import build
+from wsitrain.preflight import PreflightError, run_preflight
 from wsitrain.sft import SFT
 from wsitrain.slides.augment import AugmentConfig, Geometry, augment_from_config
 from wsitrain.slides.stream import read_slide_region
@@ -180,3 +182,29 @@ def test_fit_with_streamed_tiles_trains_bitwise_the_same(tmp_path: Path) -> None
     assert all(r["chunks_decoded"] == 0 for r in rows[True]) and all(r["chunks_decoded"] > 0 for r in rows[False])
     wa, wb = (load_checkpoint(r / "last.pt")["model"] for r in (runs[False], runs[True]))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_preflight_counts_streamed_tiles_not_the_slide(slide: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host RAM per node with data.stream_tiles is a few tiles, not the slide; the refusal names the need, the ranks
+    and the fix (exit 2 through PreflightError)."""
+    (slide.parent / "labels.csv").write_text(f"slide,label\n{slide.name},positive\n")
+
+    def cfg(stream: bool) -> WsiTrainConfig:
+        return WsiTrainConfig.model_validate({
+            "data": {"labels": str(slide.parent / "labels.csv"), "stream_tiles": stream, "prefetch": True},
+            "model": {"name": "tiny"}, "engine": {"device": "cpu", "tile_size": 64},
+        })  # fmt: skip
+
+    whole = run_preflight(cfg(False), 2**30, "cpu")
+    streamed = run_preflight(cfg(True), 2**30, "cpu")
+    image = 3 * whole.buckets[0].bucket[0] * whole.buckets[0].bucket[1]
+    assert streamed.buckets[0].plan is not None and streamed.buckets[0].plan.segments[0].mode == "tiled"
+    # today: the slide in the plan's peak and the next one read ahead; streamed: neither
+    assert whole.host_needed_bytes - streamed.host_needed_bytes >= image
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setattr(pf, "available_host_bytes", lambda: 8 * streamed.host_needed_bytes)
+    run_preflight(cfg(True), 2**30, "cpu")  # 8 ranks of the streamed need fit
+    with pytest.raises(PreflightError) as info:
+        run_preflight(cfg(False), 2**30, "cpu")
+    (problem,) = info.value.problems
+    assert "x 8 processes on this node" in problem.message and "data.stream_tiles: true" in problem.hint
