@@ -14,13 +14,15 @@ from rich.console import Console
 
 import wsitrain.preflight as pf
 from wsitrain.config import WsiTrainConfig
+from wsitrain.host_need import host_need, streamed_bytes
 from wsitrain.models import build
+from wsitrain.plan.command import host_line
 from wsitrain.preflight import PreflightError, run_preflight
-from wsitrain.sft import SFT
+from wsitrain.sft import SFT, plan
 from wsitrain.slides.augment import AugmentConfig, Geometry, augment_from_config
 from wsitrain.slides.stream import read_slide_region
 from wsitrain.slides.synth import write_synthetic_slide
-from wsitrain.slides.tile_source import SlideTileSource, open_tile_source, pre_box
+from wsitrain.slides.tile_source import READ_AHEAD, SlideTileSource, open_tile_source, pre_box
 from wsitrain.train.checkpoint import load_checkpoint
 from wsitrain.train.fit import run_fit
 
@@ -208,3 +210,19 @@ def test_preflight_counts_streamed_tiles_not_the_slide(slide: Path, monkeypatch:
         run_preflight(cfg(False), 2**30, "cpu")
     (problem,) = info.value.problems
     assert "x 8 processes on this node" in problem.message and "data.stream_tiles: true" in problem.hint
+
+
+def test_planned_host_ram_per_rank_streamed_is_a_few_tiles() -> None:
+    """`wsitrain plan` on CUDA: the whole slides (trained + read ahead) against the regions of a streamed slide."""
+    with torch.device("meta"):
+        model = build("tiny", 2).train()
+    p = plan(model, (1, 3, 20000, 20000), "1GiB", device="cuda")
+    assert p.fits and p.segments[0].mode == "tiled" and p.input_on_host
+    streamed = streamed_bytes(p, READ_AHEAD)
+    tile = 3 * p.segments[0].tile_shape[0] * p.segments[0].tile_shape[1]
+    assert streamed == (READ_AHEAD + 2) * tile
+    whole = host_need(p, 3 * 20000 * 20000, 2, "cuda")
+    lean = host_need(p, 0, 0, "cuda", 1, streamed)
+    assert whole.per_rank - lean.per_rank == 2 * 3 * 20000 * 20000 - streamed  # the same staging and checkpoints
+    line = host_line(p)
+    assert whole.describe() in line and lean.describe() in line and "streamed tiles" in line

@@ -84,6 +84,7 @@ class HostNeed:
     staging: int  # the stager's page-locked buffers, as requested
     rounding: int  # what the pinned allocator adds by rounding them up to powers of two
     ranks: int = 1
+    streamed: bool = False  # ``images`` are the regions of a slide read tile by tile (data.stream_tiles)
 
     @property
     def per_rank(self) -> int:
@@ -95,7 +96,7 @@ class HostNeed:
 
     def describe(self) -> str:
         parts = {
-            "slides (or their streamed tiles)": self.images,
+            "streamed tiles" if self.streamed else "slides": self.images,
             "host checkpoints and gradient buffers" if self.staging or self.rounding else "the plan's peak": self.plan,
             "staging buffers": self.staging,
             "pinned rounding": self.rounding,
@@ -124,10 +125,11 @@ def host_need(
     is held; the plan was made with the image on the host, outside its peak."""
     if plan is not None and streamed:
         if device != "cuda":
-            return HostNeed(streamed, plan.estimated_peak_bytes, 0, 0, ranks)
+            return HostNeed(streamed, plan.estimated_peak_bytes, 0, 0, ranks, streamed=True)
         bufs = staging_buffers(plan)
         host_ck = sum(2 * s.checkpoint_bytes for s in plan.segments if s.start and s.checkpoint_location == "host")
-        return HostNeed(streamed, host_ck, sum(bufs), sum(pinned_size(n) for n in bufs) - sum(bufs), ranks)
+        rounding = sum(pinned_size(n) for n in bufs) - sum(bufs)
+        return HostNeed(streamed, host_ck, sum(bufs), rounding, ranks, streamed=True)
     if plan is None:
         return HostNeed(images * image_bytes, 0, 0, 0, ranks)
     if device != "cuda":
