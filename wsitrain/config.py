@@ -147,6 +147,12 @@ class DataConfig(Section):
     # become the background colour, and chunks wholly outside it are not decoded: background is then one constant
     # colour (pen marks and dust outside tissue go too). Strict: 1, "yes" or "true" in quotes are not taken as true.
     mask_background: Annotated[bool, Field(strict=True)] = True
+    # Read the slide tile by tile into the first tiled segment (slides/tile_source.py) instead of decoding the whole
+    # image into host memory first: host memory holds a few tiles, not the slide; the step is bitwise the same.
+    # Each tile is decoded again by the backward recompute (and by each sweep of a BatchNorm segment), so the slide
+    # is decoded two or more times per step: off by default, for slides that fit the host. A plan whose first
+    # segment is not tiled reads the whole image as before.
+    stream_tiles: Annotated[bool, Field(strict=True)] = False
     tissue: TissueConfig = Field(default_factory=TissueConfig)
 
     def tissue_settings(self) -> TissueSettings:

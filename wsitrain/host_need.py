@@ -84,6 +84,7 @@ class HostNeed:
     staging: int  # the stager's page-locked buffers, as requested
     rounding: int  # what the pinned allocator adds by rounding them up to powers of two
     ranks: int = 1
+    streamed: bool = False  # ``images`` are the regions of a slide read tile by tile (data.stream_tiles)
 
     @property
     def per_rank(self) -> int:
@@ -95,7 +96,7 @@ class HostNeed:
 
     def describe(self) -> str:
         parts = {
-            "slides": self.images,
+            "streamed tiles" if self.streamed else "slides": self.images,
             "host checkpoints and gradient buffers" if self.staging or self.rounding else "the plan's peak": self.plan,
             "staging buffers": self.staging,
             "pinned rounding": self.rounding,
@@ -105,8 +106,30 @@ class HostNeed:
         return f"{format_bytes(self.total)} ({what}{ranks})"
 
 
-def host_need(plan: Plan | None, image_bytes: int, images: int, device: str, ranks: int = 1) -> HostNeed:
-    """Host RAM for ``images`` slides of ``image_bytes`` each trained under ``plan`` on ``device`` ("cuda"/"cpu")."""
+def streamed_bytes(plan: Plan, ahead: int) -> int:
+    """Host bytes of a slide read tile by tile (``data.stream_tiles``) into ``plan``'s tiled first segment: the
+    region in use, the ``ahead`` regions decoded ahead and the decode box of one (uint8 input regions, halo in);
+    0 when the first segment is not tiled (then the whole image is read)."""
+    first = plan.segments[0] if plan.segments else None
+    if first is None or first.mode != "tiled":
+        return 0
+    return (ahead + 2) * _tile_bytes(first, _elem(plan.input_dtype), "input")
+
+
+def host_need(
+    plan: Plan | None, image_bytes: int, images: int, device: str, ranks: int = 1, streamed: int = 0
+) -> HostNeed:
+    """Host RAM for ``images`` slides of ``image_bytes`` each trained under ``plan`` on ``device`` ("cuda"/"cpu").
+
+    ``streamed``: the slide is read tile by tile (``streamed_bytes``, its regions held at once) and no whole image
+    is held; the plan was made with the image on the host, outside its peak."""
+    if plan is not None and streamed:
+        if device != "cuda":
+            return HostNeed(streamed, plan.estimated_peak_bytes, 0, 0, ranks, streamed=True)
+        bufs = staging_buffers(plan)
+        host_ck = sum(2 * s.checkpoint_bytes for s in plan.segments if s.start and s.checkpoint_location == "host")
+        rounding = sum(pinned_size(n) for n in bufs) - sum(bufs)
+        return HostNeed(streamed, host_ck, sum(bufs), rounding, ranks, streamed=True)
     if plan is None:
         return HostNeed(images * image_bytes, 0, 0, 0, ranks)
     if device != "cuda":

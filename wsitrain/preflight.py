@@ -31,11 +31,12 @@ from torch import nn
 from wsitrain.config import WsiTrainConfig
 from wsitrain.errors import PlanError, SlideError, WsiTrainError
 from wsitrain.gpus import run_budget
-from wsitrain.host_need import HostNeed, host_need, ranks_per_node
+from wsitrain.host_need import HostNeed, host_need, ranks_per_node, streamed_bytes
 from wsitrain.memory import available_host_bytes
 from wsitrain.precision import activation_dtype, check_device_precision
 from wsitrain.sft.plan_types import Plan
 from wsitrain.slides.buckets import bucket_shape
+from wsitrain.slides.tile_source import READ_AHEAD
 from wsitrain.train.engine import resolve_device
 from wsitrain.units import format_bytes
 
@@ -353,24 +354,40 @@ def _meta_model(cfg: WsiTrainConfig, num_classes: int) -> nn.Module:
     return model.train()
 
 
+def _plan_bucket(cfg: WsiTrainConfig, model: nn.Module, bucket: tuple[int, int], budget: int, dev: str) -> Plan:
+    """The plan fit runs on a bucket. On CPU the whole uint8 image is process memory inside the budget, unless
+    data.stream_tiles reads it tile by tile into a tiled first segment (then it is planned as host input, outside)."""
+    from wsitrain.sft import plan
+
+    e = cfg.engine
+
+    def planned(on_host: bool) -> Plan:
+        return plan(
+            model, (1, 3, *bucket), budget, activation_dtype(cfg.train.precision), tile_size=e.tile_size,
+            checkpoints=e.checkpoints, optimizer=cfg.train.optimizer, input_dtype=torch.uint8,
+            input_on_host=on_host, device=dev,
+        )  # fmt: skip
+
+    if dev == "cuda" or not cfg.data.stream_tiles:
+        return planned(dev == "cuda")
+    p = planned(True)
+    # a first segment that does not tile reads the whole image after all: plan it inside the budget, as without
+    return p if p.fits and p.segments and p.segments[0].mode == "tiled" else planned(False)
+
+
 def _plan_buckets(cfg: WsiTrainConfig, model: nn.Module, report: PreflightReport, dev: str) -> list[Problem]:
     """Plan every bucket as fit will run it (uint8 image, staged on the host for CUDA); problems for those that fail.
 
     The same planning error on several buckets (a bad ``engine.checkpoints`` name, an untileable layer) is one
     problem naming all their slides.
     """
-    from wsitrain.sft import plan
 
     e, budget = cfg.engine, report.budget_bytes
     errors: dict[str, tuple[PlanError, list[str]]] = {}
     problems: list[Problem] = []
     for i, b in enumerate(report.buckets):
         try:
-            p = plan(
-                model, (1, 3, *b.bucket), budget, activation_dtype(cfg.train.precision), tile_size=e.tile_size,
-                checkpoints=e.checkpoints, optimizer=cfg.train.optimizer, input_dtype=torch.uint8,
-                input_on_host=dev == "cuda", device=dev,
-            )  # fmt: skip
+            p = _plan_bucket(cfg, model, b.bucket, budget, dev)
         except PlanError as err:
             _, named = errors.setdefault(err.message, (err, []))
             named.extend(s for s in b.slides if s not in named)
@@ -457,7 +474,9 @@ def _host_need(cfg: WsiTrainConfig, bucket: BucketPlan, dev: str, ranks: int) ->
     # non-square slide, which fills a new buffer before the old one is freed
     h, w = bucket.bucket
     images = 1 + int(cfg.data.prefetch) + int(cfg.data.augment.rot90 and h != w)
-    return host_need(bucket.plan, 3 * h * w, images, dev, ranks)  # uint8 (3, H, W) images
+    # data.stream_tiles into a tiled first segment: no whole image, only the regions read ahead (slides/tile_source)
+    streamed = streamed_bytes(bucket.plan, READ_AHEAD) if cfg.data.stream_tiles and bucket.plan is not None else 0
+    return host_need(bucket.plan, 3 * h * w, images, dev, ranks, streamed)  # uint8 (3, H, W) images
 
 
 def _host_problems(cfg: WsiTrainConfig, report: PreflightReport, dev: str) -> list[Problem]:
@@ -477,7 +496,8 @@ def _host_problems(cfg: WsiTrainConfig, report: PreflightReport, dev: str) -> li
             f"the largest region, {largest.bucket[0]} x {largest.bucket[1]} px, needs "
             f"{need[largest.bucket].describe()} of {where} while training; "
             f"{format_bytes(report.host_available_bytes)} is available",
-            hint="read at a coarser resolution (data.mpp or data.level), set data.prefetch: false, turn off "
+            hint=("" if cfg.data.stream_tiles else "set data.stream_tiles: true (the slide read tile by tile), ")
+            + "read at a coarser resolution (data.mpp or data.level), set data.prefetch: false, turn off "
             "data.augment.rot90 for non-square slides, run fewer processes per node, or train on a machine with "
             "more RAM",
         )

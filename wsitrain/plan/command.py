@@ -20,6 +20,7 @@ from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
 from wsitrain.errors import PlanError, WsiTrainError
 from wsitrain.gpu_speed import GpuSpeed
 from wsitrain.gpus import Budget, gpu_preset, resolve_budget
+from wsitrain.host_need import host_need, streamed_bytes
 from wsitrain.models import build
 from wsitrain.models.freeze import FreezeSpec, Frozen
 from wsitrain.models.heads import AVG, POOLS
@@ -35,6 +36,7 @@ from wsitrain.sft.simulate.clock import ClockReading, OpClock
 from wsitrain.sft.simulate.host_time import HostTime, measure_host_time
 from wsitrain.sft.simulate.step import Progress
 from wsitrain.sft.simulate.timing import LOW_PRECISION, clock_plain_step
+from wsitrain.slides.tile_source import READ_AHEAD
 from wsitrain.units import format_bytes
 
 PLAN_NUM_CLASSES = 2  # the head is tiny next to the trunk; any class count plans the same
@@ -166,6 +168,8 @@ class PlanReport:
                 f"host -> device staging: {self.plan.transfer_bytes / 1e9 / link:.1f} s per step at {link:g} GB/s "
                 "(nominal link rate; overlapped with compute where the device allows)"
             )
+        if self.plan.input_on_host:
+            lines.append(host_line(self.plan))
         if self.max_size is not None:
             if self.max_size >= MAX_SQUARE_LIMIT // 64 * 64:
                 lines.append(
@@ -179,6 +183,18 @@ class PlanReport:
                     else "no square image fits this budget: the weights alone need more"
                 )
         return "\n".join(lines)
+
+
+def host_line(plan: Plan) -> str:
+    """Host RAM per rank (planned): whole uint8 slides (the trained one and the one read ahead) against the slide
+    read tile by tile (data.stream_tiles: the regions read ahead, slides/tile_source.py)."""
+    b, c, h, w = plan.input_shape
+    whole = host_need(plan, b * c * h * w, 2, "cuda")
+    streamed = streamed_bytes(plan, READ_AHEAD)
+    text = f"host RAM per rank (planned): {whole.describe()} with whole slides and data.prefetch"
+    if not streamed:
+        return text + "; data.stream_tiles would read the whole image too (the first segment is not tiled)"
+    return text + f"; {host_need(plan, 0, 0, 'cuda', 1, streamed).describe()} with data.stream_tiles"
 
 
 def parse_size(size: str | int, stride: int, model: str) -> tuple[int, int]:

@@ -27,6 +27,7 @@ from wsitrain.sft.plan_api import model_graph, node_namer
 from wsitrain.sft.plan_types import Plan
 from wsitrain.sft.planning.costs import TimeModel
 from wsitrain.sft.planning.planner import build_plan
+from wsitrain.sft.source import is_source
 from wsitrain.sft.target import TargetDevice, detection_device, target_for
 from wsitrain.sft.trail import guarded
 from wsitrain.units import format_bytes, parse_bytes
@@ -258,6 +259,8 @@ class SFT(nn.Module):
                 if self._hooks.on_tile is not None:  # where a peak happens: a plain segment has one "tile"
                     self._hooks.on_tile(sp.index, 0, 0, "plain forward")
                 if sp.start == 0:
+                    if is_source(env[0]):  # a slide read tile by tile, but the plan starts untiled: read it whole
+                        env[0] = env[0].materialize()
                     self._plain_input_sink(env)
                     if on_host:  # the whole image at once: its pages registered for the copy (host_register.py)
                         env[0] = upload_whole(env[0], device)

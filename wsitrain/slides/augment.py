@@ -197,10 +197,24 @@ def augment_uint8(
     if image.dtype != torch.uint8 or image.ndim != 3 or image.shape[0] != 3:
         raise WsiTrainError(f"augment_uint8 needs a uint8 (3, H, W) tensor, got {image.dtype} {tuple(image.shape)}")
     _check_jitter(color_jitter, strength)
+    geo, params = draw_augmentation(rng, AugmentConfig(flips, rot90, color_jitter, strength))
+    return apply_drawn(image, geo, params)
+
+
+def draw_augmentation(
+    rng: np.random.Generator | int | None, cfg: AugmentConfig
+) -> tuple[Geometry, ColorJitterParams | None]:
+    """The flips, turns and jitter parameters ``augment_from_config`` applies with a generator in ``rng``'s state.
+
+    Every random number is drawn up front, in a fixed order, so a seed gives the same result whatever is enabled.
+    """
     g = _rng(rng)
-    # Draw every random number up front, in a fixed order, so a seed gives the same result whatever is enabled.
-    geo = _draw_geometry(g, flips, rot90)
-    params = sample_color_jitter(g, color_jitter, strength) if color_jitter else None
+    geo = _draw_geometry(g, cfg.flips, cfg.rot90)
+    return geo, sample_color_jitter(g, cfg.color_jitter, cfg.strength) if cfg.color_jitter else None
+
+
+def apply_drawn(image: torch.Tensor, geo: Geometry, params: ColorJitterParams | None) -> torch.Tensor:
+    """Apply drawn augmentations to a uint8 (3, H, W) slide, in place except non-square quarter turns."""
     if geo.hflip:
         hflip_(image)
     if geo.vflip:

@@ -22,6 +22,7 @@ from wsitrain.slides.augment import AugmentConfig, augment_from_config, geometry
 from wsitrain.slides.info import slide_info
 from wsitrain.slides.stream import ReadResult, read_slide_region
 from wsitrain.slides.suffixes import SLIDE_SUFFIXES
+from wsitrain.slides.tile_source import open_tile_source
 
 TRAIN_SPLITS = ("train", "training")
 VAL_SPLITS = ("val", "valid", "validation")
@@ -220,7 +221,9 @@ class SlideDataset(torch.utils.data.Dataset):
         read_kwargs: dict[str, Any] | None = None,
         augment: AugmentConfig | None = None,
         seed: int = 0,
+        stream: bool = False,
     ) -> None:
+        self.stream = stream  # data.stream_tiles: items hold a SlideTileSource, decoded tile by tile when used
         self.records = list(records)
         self.read_kwargs = dict(read_kwargs or {})
         self.augment = augment
@@ -235,6 +238,10 @@ class SlideDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int, SlideRecord, ReadResult]:
         rec = self.records[i]
+        if self.stream:
+            rng = np.random.default_rng([self.seed, self.epoch, i]) if self.augment is not None else None
+            res = open_tile_source(rec.path, augment=self.augment, rng=rng, **self.read_kwargs)
+            return res.image, rec.label, rec, res
         res = read_slide_region(rec.path, **self.read_kwargs)
         image = res.image
         if self.augment is not None:

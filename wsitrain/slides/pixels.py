@@ -230,25 +230,99 @@ def fill_region_masked(
                 add(read_chunk, x, y, h, w)
         return stats(run_chunks(jobs, threads))
     # Resize path: keep each chunk's *source* read about chunk x chunk, however strong the downscale.
-    step = max(64, int(chunk * scale))
-    margin = int(math.ceil(1.0 / scale)) + 2  # bilinear support is 1/scale source px on each side
+    step = resize_step(chunk, scale)
 
     def resize_chunk(x: int, y: int, h: int, w: int) -> None:
-        bx0, by0 = origin[0] + x / scale, origin[1] + y / scale
-        bx1, by1 = origin[0] + (x + w) / scale, origin[1] + (y + h) / scale
-        sx0, sy0 = int(math.floor(bx0)) - margin, int(math.floor(by0)) - margin
-        sx1, sy1 = int(math.ceil(bx1)) + margin, int(math.ceil(by1)) + margin
-        src = reader.read_region(level, sx0, sy0, sx1 - sx0, sy1 - sy0)
-        img = Image.fromarray(src).resize(
-            (w, h), Image.Resampling.BILINEAR, box=(bx0 - sx0, by0 - sy0, bx1 - sx0, by1 - sy0)
-        )
-        out[:, y : y + h, x : x + w].copy_(torch.from_numpy(np.array(img)).permute(2, 0, 1))
+        resize_into(reader, out[:, y : y + h, x : x + w], level, scale, origin, x, y)
 
     for y in range(0, H, step):
         for x in range(0, W, step):
             h, w = min(step, H - y), min(step, W - x)
             add(resize_chunk, x, y, h, w)
     return stats(run_chunks(jobs, threads))
+
+
+def resize_step(chunk: int, scale: float) -> int:
+    """The resized read's chunk edge (output px): each chunk's *source* read stays about chunk x chunk."""
+    return max(64, int(chunk * scale))
+
+
+def resize_into(
+    reader: SlideReader, view: torch.Tensor, level: int, scale: float, origin: tuple[float, float], x: int, y: int
+) -> None:
+    """Output pixels [y, y + h) x [x, x + w) of a resized read (``view`` (3, h, w)) from their own source margin.
+
+    The one place a resized chunk is computed: a region read (``fill_box_masked``) gives bitwise the pixels of the
+    whole read only when it resizes the very same chunks with the very same arithmetic (PIL's filter weights
+    depend on the box, so a sub-box of a chunk is not the same as a chunk of its own).
+    """
+    _, h, w = view.shape
+    margin = int(math.ceil(1.0 / scale)) + 2  # bilinear support is 1/scale source px on each side
+    bx0, by0 = origin[0] + x / scale, origin[1] + y / scale
+    bx1, by1 = origin[0] + (x + w) / scale, origin[1] + (y + h) / scale
+    sx0, sy0 = int(math.floor(bx0)) - margin, int(math.floor(by0)) - margin
+    sx1, sy1 = int(math.ceil(bx1)) + margin, int(math.ceil(by1)) + margin
+    src = reader.read_region(level, sx0, sy0, sx1 - sx0, sy1 - sy0)
+    img = Image.fromarray(src).resize(
+        (w, h), Image.Resampling.BILINEAR, box=(bx0 - sx0, by0 - sy0, bx1 - sx0, by1 - sy0)
+    )
+    view.copy_(torch.from_numpy(np.array(img)).permute(2, 0, 1))
+
+
+def fill_box_masked(
+    reader: SlideReader,
+    out: torch.Tensor,
+    level: int,
+    scale: float,
+    origin: tuple[float, float],
+    mask: RegionMask | None,
+    whole: tuple[int, int],
+    y0: int,
+    x0: int,
+    chunk: int = 4096,
+    threads: ReadThreads | None = 1,
+) -> FillStats:
+    """Rows [y0, y0 + h) and columns [x0, x0 + w) of the image ``fill_region_masked`` gives with these arguments
+    into an output of ``whole`` (H, W) px, into ``out`` (3, h, w): bitwise the same pixels, without the rest of the
+    image.
+
+    Unresized, a pixel depends only on its own coordinates, so the box is read as it is (in ``chunk`` pieces on
+    ``threads`` threads). Resized, the whole read's chunks that the box overlaps are resized as the whole read
+    resizes them (``resize_into``) and cropped.
+    """
+    _, h, w = out.shape
+    if scale >= 1.0:
+        sub = None if mask is None else RegionMask(mask.grid, mask.rows[y0 : y0 + h], mask.cols[x0 : x0 + w],
+                                                   mask.background)  # fmt: skip
+        ox, oy = int(round(origin[0])), int(round(origin[1]))
+        return fill_region_masked(reader, out, level, scale, (ox + x0, oy + y0), sub, chunk, threads)
+    step = resize_step(chunk, scale)
+    H, W = whole
+    jobs: list[Callable[[], None]] = []
+    decoded = skipped = 0
+
+    def one(cy: int, cx: int, ch: int, cw: int, state: str) -> None:
+        part = torch.empty((3, ch, cw), dtype=torch.uint8)
+        if state == OUTSIDE:
+            assert mask is not None
+            mask.fill(part)
+        else:
+            resize_into(reader, part, level, scale, origin, cx, cy)
+            if state == PARTIAL:
+                assert mask is not None
+                mask.apply(part, cy, cx)
+        ya, yb, xa, xb = max(cy, y0), min(cy + ch, y0 + h), max(cx, x0), min(cx + cw, x0 + w)
+        out[:, ya - y0 : yb - y0, xa - x0 : xb - x0].copy_(part[:, ya - cy : yb - cy, xa - cx : xb - cx])
+
+    for cy in range((y0 // step) * step, y0 + h, step):
+        for cx in range((x0 // step) * step, x0 + w, step):
+            # the whole read's chunk, clipped at the whole image's edge exactly as that read clips it
+            ch, cw = min(step, H - cy), min(step, W - cx)
+            state = INSIDE if mask is None else mask.chunk(cy, cx, ch, cw)
+            skipped += state == OUTSIDE
+            decoded += state != OUTSIDE
+            jobs.append(partial(one, cy, cx, ch, cw, state))
+    return FillStats(run_chunks(jobs, threads), decoded, skipped)
 
 
 def read_thumbnail(reader: SlideReader, max_side: int = 512) -> tuple[np.ndarray, float]:

@@ -200,80 +200,124 @@ def read_slide_region(
     ``tissue_settings``: how the detector keeps pieces (data.tissue; None: its defaults).
     """
     t0 = time.perf_counter()
+    own = not isinstance(path, SlideReader)
+    _check_read_args(read_threads, mask_background)
+    reader = open_slide(path, background) if own else path  # type: ignore[arg-type]
+    try:
+        lay = layout_read(reader, level=level, mpp=mpp, magnification=magnification, fallback_mpp=fallback_mpp,
+                          region=region, size=size, pad_multiple=pad_multiple,
+                          mask_background=mask_background, tissue_settings=tissue_settings)  # fmt: skip
+        out, pinned = _allocate((3, *lay.shape), pin_memory)
+        res = lay.res
+        filled = fill_region_masked(reader, out, res.level, res.scale, lay.origin, lay.mask, chunk, read_threads)
+        return lay.result(out, reader, time.perf_counter() - t0, pinned, filled.threads, filled.decoded,
+                          filled.skipped)  # fmt: skip
+    finally:
+        if own:
+            reader.close()
+
+
+def _check_read_args(read_threads: ReadThreads | None, mask_background: bool) -> None:
     resolve_read_threads(read_threads)  # a bad value fails before the slide is opened
     if not isinstance(mask_background, bool):
         raise SlideError(
             f"mask_background {mask_background!r} is not true or false", hint="set data.mask_background: true or false"
         )
-    own = not isinstance(path, SlideReader)
-    reader = open_slide(path, background) if own else path  # type: ignore[arg-type]
-    try:
-        info = reader.info
-        name = info.name
-        if region not in REGIONS:
-            raise SlideError(f"{name}: region {region!r} is not one of {', '.join(REGIONS)}", hint="set data.region")
-        if not isinstance(pad_multiple, int) or pad_multiple < 1:
-            raise SlideError(
-                f"pad_multiple {pad_multiple!r} must be a positive int", hint="use the model's stride, e.g. 32"
-            )
-        if region == "fixed" and size is None:
-            raise SlideError(f"{name}: region 'fixed' needs a size", hint="set data.size, e.g. 4096 or [4096, 6144]")
-        if region != "fixed" and size is not None:
-            raise SlideError(
-                f"{name}: size {size!r} is only used with region 'fixed' (got {region!r})",
-                hint="set data.region: fixed, or remove data.size",
-            )
-        res: Resolution = choose_resolution(
-            info, level=level, mpp=mpp, magnification=magnification, fallback_mpp=fallback_mpp
-        )
-        w0, h0 = info.dimensions
-        tissue = _tissue(reader, tissue_settings) if region in ("tissue", "fixed") or mask_background else None
-        tissue_box = tissue.box if tissue is not None and region in ("tissue", "fixed") else None
-        ds = res.downsample
-        if region == "fixed":
-            assert size is not None
-            oh, ow = _as_hw(size, name)
-            cx, cy = (
-                (w0 / 2, h0 / 2)
-                if tissue_box is None
-                else (tissue_box[0] + tissue_box[2] / 2, tissue_box[1] + tissue_box[3] / 2)
-            )
-            bx, by = cx - ow * ds / 2, cy - oh * ds / 2
-        else:
-            bx, by, bw, bh = (0, 0, w0, h0) if region == "whole" or tissue_box is None else tissue_box
-            ow, oh = max(1, int(round(bw / ds))), max(1, int(round(bh / ds)))
-        ow = -(-ow // pad_multiple) * pad_multiple
-        oh = -(-oh // pad_multiple) * pad_multiple
-        ds_level = info.level_downsamples[res.level]
-        if res.scale >= 1.0:  # snap to the level grid so no resampling happens
-            bx, by = round(bx / ds_level) * ds_level, round(by / ds_level) * ds_level
-        out, pinned = _allocate((3, oh, ow), pin_memory)
-        mask = None
-        if mask_background:
-            assert tissue is not None
-            mask = region_mask(tissue, (w0, h0), (bx, by), ds, (oh, ow), reader.background)
-        origin = (bx / ds_level, by / ds_level)
-        filled = fill_region_masked(reader, out, res.level, res.scale, origin, mask, chunk, read_threads)
-        seconds = time.perf_counter() - t0
-        box = (int(round(bx)), int(round(by)), int(round(ow * ds)), int(round(oh * ds)))
+
+
+@dataclass(frozen=True)
+class ReadLayout:
+    """Where a read's pixels come from: the one arithmetic shared by the whole-image read (``read_slide_region``)
+    and the region-by-region read (``wsitrain.slides.tile_source``), so both give the same pixels."""
+
+    res: Resolution
+    shape: tuple[int, int]  # (H, W) output px, padded to pad_multiple
+    origin: tuple[float, float]  # the output's top-left corner in level px
+    box: tuple[int, int, int, int]  # (x, y, w, h) level-0 px
+    tissue_box: tuple[int, int, int, int] | None
+    mask: RegionMask | None
+
+    def result(
+        self, image: torch.Tensor, reader: SlideReader, seconds: float, pinned: bool = False, threads: int = 1,
+        decoded: int = 0, skipped: int = 0,
+    ) -> ReadResult:  # fmt: skip
+        """The ``ReadResult`` of this layout with ``image`` (a tensor, or a region source standing in for one)."""
+        h, w = self.shape
         return ReadResult(
-            image=out,
+            image=image,
             path=str(reader.path),
-            level=res.level,
-            scale=res.scale,
-            downsample=ds,
-            box=box,
-            mpp=res.mpp,
-            bytes=out.numel(),
+            level=self.res.level,
+            scale=self.res.scale,
+            downsample=self.res.downsample,
+            box=self.box,
+            mpp=self.res.mpp,
+            bytes=3 * h * w,
             seconds=seconds,
-            tissue_box=tissue_box,
+            tissue_box=self.tissue_box,
             pinned=pinned,
-            threads=filled.threads,
-            tissue_fraction=None if mask is None else mask.fraction(),
-            mask=mask,
-            chunks_decoded=filled.decoded,
-            chunks_skipped=filled.skipped,
+            threads=threads,
+            tissue_fraction=None if self.mask is None else self.mask.fraction(),
+            mask=self.mask,
+            chunks_decoded=decoded,
+            chunks_skipped=skipped,
         )
-    finally:
-        if own:
-            reader.close()
+
+
+def layout_read(
+    reader: SlideReader,
+    *,
+    level: int | None = None,
+    mpp: float | None = None,
+    magnification: float | None = None,
+    fallback_mpp: float | None = None,
+    region: str = "whole",
+    size: int | tuple[int, int] | None = None,
+    pad_multiple: int = 1,
+    mask_background: bool = False,
+    tissue_settings: TissueSettings | None = None,
+) -> ReadLayout:
+    """The layout ``read_slide_region`` reads with these arguments (resolution, size, origin, tissue mask)."""
+    info = reader.info
+    name = info.name
+    if region not in REGIONS:
+        raise SlideError(f"{name}: region {region!r} is not one of {', '.join(REGIONS)}", hint="set data.region")
+    if not isinstance(pad_multiple, int) or pad_multiple < 1:
+        raise SlideError(
+            f"pad_multiple {pad_multiple!r} must be a positive int", hint="use the model's stride, e.g. 32"
+        )
+    if region == "fixed" and size is None:
+        raise SlideError(f"{name}: region 'fixed' needs a size", hint="set data.size, e.g. 4096 or [4096, 6144]")
+    if region != "fixed" and size is not None:
+        raise SlideError(
+            f"{name}: size {size!r} is only used with region 'fixed' (got {region!r})",
+            hint="set data.region: fixed, or remove data.size",
+        )
+    res: Resolution = choose_resolution(info, level=level, mpp=mpp, magnification=magnification,
+                                        fallback_mpp=fallback_mpp)  # fmt: skip
+    w0, h0 = info.dimensions
+    tissue = _tissue(reader, tissue_settings) if region in ("tissue", "fixed") or mask_background else None
+    tissue_box = tissue.box if tissue is not None and region in ("tissue", "fixed") else None
+    ds = res.downsample
+    if region == "fixed":
+        assert size is not None
+        oh, ow = _as_hw(size, name)
+        cx, cy = (
+            (w0 / 2, h0 / 2)
+            if tissue_box is None
+            else (tissue_box[0] + tissue_box[2] / 2, tissue_box[1] + tissue_box[3] / 2)
+        )
+        bx, by = cx - ow * ds / 2, cy - oh * ds / 2
+    else:
+        bx, by, bw, bh = (0, 0, w0, h0) if region == "whole" or tissue_box is None else tissue_box
+        ow, oh = max(1, int(round(bw / ds))), max(1, int(round(bh / ds)))
+    ow = -(-ow // pad_multiple) * pad_multiple
+    oh = -(-oh // pad_multiple) * pad_multiple
+    ds_level = info.level_downsamples[res.level]
+    if res.scale >= 1.0:  # snap to the level grid so no resampling happens
+        bx, by = round(bx / ds_level) * ds_level, round(by / ds_level) * ds_level
+    mask = None
+    if mask_background:
+        assert tissue is not None
+        mask = region_mask(tissue, (w0, h0), (bx, by), ds, (oh, ow), reader.background)
+    box = (int(round(bx)), int(round(by)), int(round(ow * ds)), int(round(oh * ds)))
+    return ReadLayout(res, (oh, ow), (bx / ds_level, by / ds_level), box, tissue_box, mask)

@@ -168,8 +168,9 @@ class FitRecipe:
             objective=self.objective,
         )  # fmt: skip
         rk = read_kwargs(cfg, self.model.stride)
-        self.train_ds = SlideDataset(self.data.train, rk, augment_settings(cfg), cfg.seed)
-        self.val_ds = SlideDataset(self.data.val, rk, None, cfg.seed) if self.data.val else None
+        stream = cfg.data.stream_tiles
+        self.train_ds = SlideDataset(self.data.train, rk, augment_settings(cfg), cfg.seed, stream=stream)
+        self.val_ds = SlideDataset(self.data.val, rk, None, cfg.seed, stream=stream) if self.data.val else None
         self.test_ds = SlideDataset(self.data.test, rk, None, cfg.seed) if self.data.test else None
         self.test_metrics: dict[str, float] = {}
         self._best_weights: dict[str, torch.Tensor] | None = None  # best.pt's weights, for the test evaluation

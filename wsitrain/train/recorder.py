@@ -14,6 +14,7 @@ from wsitrain.config import LogConfig
 from wsitrain.precision import activation_dtype
 from wsitrain.sft import SFT, Plan
 from wsitrain.sft.planning.tissue_share import tissue_tile_share
+from wsitrain.sft.source import is_source
 from wsitrain.slides.dataset import SlideRecord
 from wsitrain.slides.stream import ReadResult
 from wsitrain.train.loop import OptimizerStep, SlideStep
@@ -48,7 +49,8 @@ class RunRecorder:
         """The plan the engine runs for this slide: its shape, its dtype (uint8) and where it lives (the host)."""
         shape = (1, *image.shape[-3:])
         if shape not in self._plans:
-            self._plans[shape] = self.engine.plan_of(image.reshape(shape), self.dtype)
+            x = image if is_source(image) else image.reshape(shape)  # a slide read tile by tile is (1, 3, H, W)
+            self._plans[shape] = self.engine.plan_of(x, self.dtype)  # type: ignore[arg-type]
         return self._plans[shape]
 
     def forget_plans(self) -> None:
@@ -98,7 +100,8 @@ class RunRecorder:
         # the time model's step over plain training's at this slide's share of tiles holding tissue (the rest is
         # flat background, computed once): counted on the image at the first tiled segment's tiles
         plan = self._plans.get((1, *read.image.shape[-3:]))
-        tile_share = tissue_tile_share(read.image, plan) if plan is not None else None
+        # (not counted on a slide read tile by tile: that would decode the whole slide once more)
+        tile_share = tissue_tile_share(read.image, plan) if plan is not None and not is_source(read.image) else None
         predicted = plan.slowdown_at(1.0 if tile_share is None else tile_share) if plan is not None else None
         if computed_share is not None:
             self._times["computed_tile_share"].append(computed_share)

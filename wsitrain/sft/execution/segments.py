@@ -17,6 +17,7 @@ from wsitrain.sft.execution.tiled import TiledSegment
 from wsitrain.sft.facts import GraphFacts
 from wsitrain.sft.ops.barriers import segment_barriers
 from wsitrain.sft.plan_types import SegmentPlan
+from wsitrain.sft.source import is_source
 from wsitrain.sft.trail import at_segment
 
 
@@ -30,6 +31,19 @@ def abandon_on_error(seg: TiledSegment) -> Iterator[None]:
         raise
 
 
+def _save_input(ctx: Any, x: Any) -> None:
+    """Keep the segment input for backward: a tensor through autograd, a region source (sft/source.py) as it is."""
+    if is_source(x):
+        ctx.source = x  # re-read region by region by the recompute; never a gradient
+    else:
+        ctx.source = None
+        ctx.save_for_backward(x)
+
+
+def _saved_input(ctx: Any) -> Any:
+    return ctx.source if ctx.source is not None else ctx.saved_tensors[0]
+
+
 class TiledFunction(torch.autograd.Function):
     """Autograd node of one tiled segment: saves only the segment input (the checkpoint)."""
 
@@ -37,7 +51,7 @@ class TiledFunction(torch.autograd.Function):
     def forward(ctx: Any, seg: TiledSegment, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.seg = seg
         ctx.autocast = AutocastState.capture(seg.device.type)
-        ctx.save_for_backward(x)
+        _save_input(ctx, x)
         ctx.masks = seg.runner.masks.current  # the recompute replays this step's drop masks
         with torch.no_grad(), ctx.autocast.context(), abandon_on_error(seg):
             out, ctx.pool = seg.forward_all(x)
@@ -45,7 +59,7 @@ class TiledFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        (x,) = ctx.saved_tensors
+        x = _saved_input(ctx)
         with ctx.seg.runner.masks.replaying(ctx.masks), abandon_on_error(ctx.seg):
             grad_x, grads = ctx.seg.backward_all(x, grad_out, ctx.needs_input_grad[1], ctx.autocast, ctx.pool)
         return (None, grad_x, *grads)
@@ -67,14 +81,14 @@ class MultiPassFunction(torch.autograd.Function):
     def forward(ctx: Any, seg: MultiPassSegment, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.seg = seg
         ctx.autocast = AutocastState.capture(seg.device.type)
-        ctx.save_for_backward(x)
+        _save_input(ctx, x)
         with torch.no_grad(), ctx.autocast.context(), abandon_on_error(seg):
             out, ctx.stats, ctx.pool = seg.forward_sweeps(x, keep_graph=True)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        (x,) = ctx.saved_tensors
+        x = _saved_input(ctx)
         with abandon_on_error(ctx.seg):
             grad_x, grads = ctx.seg.backward_sweeps(
                 x, grad_out, ctx.stats, ctx.needs_input_grad[1], ctx.autocast, ctx.pool

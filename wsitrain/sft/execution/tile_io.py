@@ -15,6 +15,7 @@ from wsitrain.sft.execution.staging import HostStager
 from wsitrain.sft.ops.fused_pool import Accumulator
 from wsitrain.sft.plan_types import SegmentPlan
 from wsitrain.sft.regions import AxisTile
+from wsitrain.sft.source import is_source
 
 STAGE = "sft.stage"  # profiler range (torch.profiler): a tile packed and uploaded from host memory
 
@@ -40,6 +41,8 @@ class TileIO:
         self._order_key: tuple[object, object] = (None, None)  # the regions and visit hook the order is for
         self._order: list[tuple[int, int]] = []
         self._after: dict[tuple[int, int], tuple[int, int]] = {}
+        self._source_for: object = None  # the tile order the source regions below were listed for
+        self._source_regions: list[tuple[tuple[int, int], tuple[int, int]]] = []
 
     def input_region(self, x: torch.Tensor, rt: AxisTile, ct: AxisTile) -> torch.Tensor:
         """The tile's input with its halo, cut from the checkpoint. (B, C, th + halo, tw + halo).
@@ -48,13 +51,24 @@ class TileIO:
         region in tile order (loops visit tiles in ``tiles()`` order; any other order is still exact).
         """
         rows, cols = rt.need[self.start], ct.need[self.start]
-        if not self.in_on_host and x.device == self.device:
+        if is_source(x):  # a slide read tile by tile (sft/source.py): told the visit order, so it reads ahead
+            x.expect(self._source_order())  # type: ignore[attr-defined]
+        elif not self.in_on_host and x.device == self.device:
             return x[:, :, rows[0] : rows[1], cols[0] : cols[1]]  # a view
         nxt = self._next_tile(*self._tile_of(rt, ct))
         reg = self.regions
         ahead = None if nxt is None else (reg.rows[nxt[0]].need[self.start], reg.cols[nxt[1]].need[self.start])
         with record_function(STAGE):
             return self.stager.fetch("input", x, rows, cols, self.device, ahead)
+
+    def _source_order(self) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+        """The input regions in ``tiles()`` order (one list per regions and visit order: a source sees it once)."""
+        order = self.tiles()
+        if self._source_for is not order:
+            reg = self.regions
+            self._source_regions = [(reg.rows[r].need[self.start], reg.cols[c].need[self.start]) for r, c in order]
+            self._source_for = order
+        return self._source_regions
 
     def grad_tile(self, grad_out: torch.Tensor, r: int, c: int) -> torch.Tensor:
         """Tile (r, c)'s share of the output gradient, on the device. (B, C, th, tw).
