@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from typer.testing import CliRunner
+from tiny_runs import config_file as tiny_config
+from tiny_runs import invoke
 
-from wsitrain.cli import app
 from wsitrain.errors import WsiTrainError
 from wsitrain.models import build
 from wsitrain.models.weights import load_weights
@@ -31,25 +31,12 @@ FIXTURE = Path(__file__).parent / "fixtures" / "ckpt_before_safe_load.pt"
 # Written under numpy 1.26.4 (numpy.core.multiarray._reconstruct in the pickle, where numpy 2 writes numpy._core):
 # {"format": 1, "model": {"w": ones(2)}, "rng": {torch, numpy, python} after seed 3 each, "config": {...}}
 FIXTURE_NUMPY1 = Path(__file__).parent / "fixtures" / "ckpt_numpy126_rng.pt"
-SYNTH = "{n: 4, size: 128, seed: 0, positive_fraction: 0.5, cache_dir: %s}"
 REFUSED = "is not a wsitrain checkpoint or asks to run code"
-runner = CliRunner()
-
-
-def invoke(*args: str) -> Any:
-    return runner.invoke(app, list(args), env={"COLUMNS": "300", "NO_COLOR": "1"})
 
 
 def config_file(tmp: Path, synth_dir: Path, epochs: int = 1) -> Path:
     """The fixture's config (tiny, sgd, cosine) with this test's folders."""
-    path = tmp / "cfg.yaml"
-    path.write_text(
-        f"name: exp\nseed: 0\ndata:\n  synthetic: {SYNTH % synth_dir}\n  region: whole\n  val_fraction: 0.5\n"
-        f"model: {{name: tiny}}\nengine: {{memory_budget: 1GiB, device: cpu}}\n"
-        f"train: {{epochs: {epochs}, optimizer: sgd, lr: 0.003, schedule: cosine}}\n"
-        f"log: {{dir: {tmp / 'runs'}, tiles: 'off'}}\n"
-    )
-    return path
+    return tiny_config(tmp, synth_dir, epochs, schedule="cosine")
 
 
 @pytest.fixture(scope="module")

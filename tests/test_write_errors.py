@@ -23,30 +23,14 @@ from typing import Any
 
 import pytest
 import torch
-from typer.testing import CliRunner
+from tiny_runs import config_file, invoke
 
-from wsitrain.cli import app
 from wsitrain.errors import WsiTrainError
 from wsitrain.slides.synth import write_synthetic_dataset
 from wsitrain.train.checkpoint import load_checkpoint, save_checkpoint
 from wsitrain.train.runfolder import JsonlWriter
 
 ROOT = Path(__file__).resolve().parents[1]
-runner = CliRunner()
-
-
-def invoke(*args: str) -> Any:
-    return runner.invoke(app, list(args), env={"COLUMNS": "300", "NO_COLOR": "1"})
-
-
-def config_file(tmp: Path, synth_dir: Path, epochs: int = 1) -> Path:
-    path = tmp / "cfg.yaml"
-    path.write_text(
-        f"name: exp\nseed: 0\ndata:\n  synthetic: {{n: 4, size: 128, seed: 0, cache_dir: {synth_dir}}}\n"
-        f"  region: whole\n  val_fraction: 0.5\nmodel: {{name: tiny}}\nengine: {{memory_budget: 1GiB, device: cpu}}\n"
-        f"train: {{epochs: {epochs}, optimizer: sgd, lr: 0.003}}\nlog: {{dir: {tmp / 'runs'}, tiles: 'off'}}\n"
-    )
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -42,32 +42,32 @@ def masked_global_pool(kind: str, x: torch.Tensor, mask: torch.Tensor | None) ->
     return F.adaptive_max_pool2d(off, 1).flatten(1) if kind == MAX else off.amax((2, 3))
 
 
-class MaskedAvgPool2d(MaskedPool, nn.AdaptiveAvgPool2d):
+class _MaskedAdaptivePool(MaskedPool):
+    """The adaptive pool to 1 x 1 it is mixed into, reduced by ``kind`` over the mask's positions when one is set."""
+
+    kind: str
+
+    def __init__(self) -> None:
+        super().__init__(1)  # type: ignore[call-arg]  # the torch pool's output size, next in the MRO
+        self.mask: MaskSource | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = self.mask_at(x.shape[-2], x.shape[-1])
+        if mask is None:
+            return super().forward(x)  # type: ignore[misc]  # the torch pool's own
+        return masked_global_pool(self.kind, x, mask)[:, :, None, None]  # (B, C, 1, 1) as the unmasked pool
+
+
+class MaskedAvgPool2d(_MaskedAdaptivePool, nn.AdaptiveAvgPool2d):
     """``AdaptiveAvgPool2d(1)`` that averages over the positions of the mask set with ``masked()`` only."""
 
-    def __init__(self) -> None:
-        super().__init__(1)
-        self.mask: MaskSource | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mask = self.mask_at(x.shape[-2], x.shape[-1])
-        if mask is None:
-            return super().forward(x)
-        return masked_global_pool(AVG, x, mask)[:, :, None, None]  # (B, C, 1, 1) as the unmasked pool
+    kind = AVG
 
 
-class MaskedMaxPool2d(MaskedPool, nn.AdaptiveMaxPool2d):
+class MaskedMaxPool2d(_MaskedAdaptivePool, nn.AdaptiveMaxPool2d):
     """``AdaptiveMaxPool2d(1)`` that takes the maximum over the positions of the mask set with ``masked()`` only."""
 
-    def __init__(self) -> None:
-        super().__init__(1)
-        self.mask: MaskSource | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mask = self.mask_at(x.shape[-2], x.shape[-1])
-        if mask is None:
-            return super().forward(x)
-        return masked_global_pool(MAX, x, mask)[:, :, None, None]
+    kind = MAX
 
 
 class MaskedAmax(MaskedPool, nn.Module):
