@@ -195,3 +195,17 @@ def test_write_error_of_a_figure(tmp_path: Path, run_dir: Path) -> None:
     with file_size_limit(1024), pytest.raises(WsiTrainError) as err:
         write_curves(run)
     assert err.value.message.startswith(f"cannot write the figure {run / 'curves.png'}: file too large (EFBIG)")
+
+
+def test_file_size_limit_on_the_job_file_and_doctor_json(tmp_path: Path) -> None:
+    """The Slurm job file and doctor's JSON: a write error is exit 2 naming the file, as for checkpoints."""
+    from wsitrain.doctor.report import write_json
+    from wsitrain.train.preempt import JOB_FILE, write_job_file
+
+    env = {"SLURM_JOB_ID": "42", "SLURM_JOB_NAME": "x" * 4000}  # a record larger than the limit below
+    with file_size_limit(64), pytest.raises(WsiTrainError) as err:
+        write_job_file(tmp_path, env)
+    assert str(tmp_path / JOB_FILE) in str(err.value) and "EFBIG" in str(err.value)
+    with file_size_limit(64), pytest.raises(WsiTrainError) as err:
+        write_json(tmp_path / "doctor.json", {"x": "y" * 4000})
+    assert str(tmp_path / "doctor.json") in str(err.value) and "EFBIG" in str(err.value)

@@ -30,6 +30,7 @@ from wsitrain.doctor.gpu_tests import GPU_TESTS, run_gpu_tests
 from wsitrain.doctor.report import markdown, write_json
 from wsitrain.sft.planning.calibration import calibration_dir, cpu_name, time_model_for, write_calibration
 from wsitrain.units import format_bytes, parse_bytes
+from wsitrain.write_errors import named_write_errors
 
 # The cap of the peak checks and Figure 8: the RTX 2080 Ti's 11 GiB, as the SFT paper budgets it.
 DEFAULT_CAP = "11GiB"
@@ -102,7 +103,8 @@ def run_doctor(
         _figure8(device, fast, cap_bytes, meta, out, extra, say)
     meta["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     write_json(out / "doctor.json", {"meta": meta, "checks": [asdict(c) for c in checks], **extra})
-    (out / "doctor.md").write_text(markdown(meta, checks, extra))
+    with named_write_errors(out / "doctor.md", "the doctor report"):
+        (out / "doctor.md").write_text(markdown(meta, checks, extra))
     failed = [c for c in checks if not c.ok]
     say(f"wrote {out / 'doctor.md'} (paste it into an issue) and {out / 'doctor.json'}")
     if failed:

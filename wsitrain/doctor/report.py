@@ -11,6 +11,7 @@ from wsitrain.doctor.checks import Check
 from wsitrain.doctor.figure8 import figure8_markdown
 from wsitrain.doctor.gpu_tests import tests_markdown
 from wsitrain.units import format_bytes
+from wsitrain.write_errors import named_write_errors
 
 
 def markdown(meta: dict[str, Any], checks: list[Check], extra: dict[str, Any]) -> str:
@@ -73,7 +74,8 @@ def markdown(meta: dict[str, Any], checks: list[Check], extra: dict[str, Any]) -
 
 
 def write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(obj, indent=1, default=_json_default))
+    with named_write_errors(path):
+        path.write_text(json.dumps(obj, indent=1, default=_json_default))
 
 
 def _json_default(x: Any) -> Any:

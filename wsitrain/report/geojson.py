@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from wsitrain.report.map_grid import MapGrid, block_any, block_mean
+from wsitrain.write_errors import named_write_errors
 
 # At most this many detections unless a cell size is given: keeps a whole-slide file under ~50 MB (see above).
 MAX_CELLS = 150_000
@@ -96,7 +97,7 @@ def write_geojson(
     keys = [json.dumps(str(name)) for name in maps]
     values = list(means.values())
     n = 0
-    with open(path, "w") as f:
+    with named_write_errors(path, "the GeoJSON heatmap"), open(path, "w") as f:
         f.write('{"type":"FeatureCollection","features":[')
         for i, j in zip(*np.nonzero(write), strict=True):
             x0, x1, y0, y1 = xs[j], xs[j + 1], ys[i], ys[i + 1]

@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from wsitrain.report.map_grid import MapGrid
+from wsitrain.write_errors import named_write_errors
 
 TILE = 256
 OUTSIDE = 256  # colour index of pixels off the map: the LUT's extra, white entry
@@ -172,7 +173,11 @@ def write_heatmap_tiff(
     options = {"dtype": np.uint8, "tile": (tile, tile), "photometric": "rgb", "planarconfig": "contig",
                "compression": "zlib"}
     workers = max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
-    with tifffile.TiffWriter(path, bigtiff=True, ome=True) as tif, ThreadPoolExecutor(workers) as pool:
+    with (
+        named_write_errors(path, "the pyramidal heatmap"),
+        tifffile.TiffWriter(path, bigtiff=True, ome=True) as tif,
+        ThreadPoolExecutor(workers) as pool,
+    ):
         for level, (w, h) in enumerate(sizes):
             ds = ((w0 / w) + (h0 / h)) / 2  # level-0 px per level px (2^level, up to the rounding of odd sizes)
             extra: dict[str, object] = {}

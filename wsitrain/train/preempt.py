@@ -21,6 +21,7 @@ import torch
 
 from wsitrain.errors import WsiTrainError
 from wsitrain.train import distributed as D
+from wsitrain.write_errors import named_write_errors
 
 # EX_TEMPFAIL (sysexits.h): "try again later"; distinct from 0 (done), 1 (bug), 2 (bad input), 3 (not available).
 PREEMPTED_EXIT_CODE = 75
@@ -134,7 +135,8 @@ def write_job_file(run_dir: Path, env: dict[str, str] | None = None) -> None:
     if key is None:
         return
     data = {"job": key, "slurm_job_id": env.get("SLURM_JOB_ID"), "slurm_job_name": env.get("SLURM_JOB_NAME")}
-    (Path(run_dir) / JOB_FILE).write_text(json.dumps(data, indent=2) + "\n")
+    with named_write_errors(Path(run_dir) / JOB_FILE, "the job file"):
+        (Path(run_dir) / JOB_FILE).write_text(json.dumps(data, indent=2) + "\n")
 
 
 def find_job_run(log_dir: Path, env: dict[str, str] | None = None) -> Path | None:
