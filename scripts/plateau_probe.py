@@ -33,7 +33,8 @@ from wsitrain.slides.synth.lesions import read_sidecar
 # The plateau ends at the first epoch whose mean training loss is <= 0.6 (chance is ln 2 = 0.693; on the plateau it
 # stays 0.68-0.72, measured, docs/plateau.md). Not the spread of p: a large init starts with a spread it has not learnt.
 PLATEAU_LOSS = 0.6
-VARIANTS = ("torch_init", "he_init", "he_zero_head", "lr3e-3", "zero_head", "balanced_sampling")
+VARIANTS = ("torch_init", "he_init", "he_zero_head", "lr3e-3", "zero_head", "balanced_sampling",
+            "accumulate2", "accumulate4")
 
 
 def load_cohort(cohort: Path, n: int, size: int, crop: int | None = None
@@ -142,13 +143,15 @@ def run(variant: str, pool: str, seed: int, args: argparse.Namespace, data: tupl
             order = rng.choice(pos, len(train) // 2).tolist() + rng.choice(neg, len(train) - len(train) // 2).tolist()
             rng.shuffle(order)
         losses, ps = [], []
-        for i in order:
+        accumulate = int(variant[len("accumulate"):]) if variant.startswith("accumulate") else 1
+        for k, i in enumerate(order):
             x = torch.rot90(images[i].float() / 255, int(rng.integers(4)), (2, 3))
             logits = model(x)
             loss = F.cross_entropy(logits, torch.tensor([ys[i]]))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+            (loss / accumulate).backward()  # as train.accumulate: the mean gradient of ``accumulate`` slides a step
+            if (k + 1) % accumulate == 0 or k + 1 == len(order):
+                opt.step()
+                opt.zero_grad()
             losses.append(float(loss.detach()))
             ps.append(float(torch.softmax(logits.detach(), 1)[0, 1]))
         model.eval()
@@ -160,6 +163,7 @@ def run(variant: str, pool: str, seed: int, args: argparse.Namespace, data: tupl
             if pool in zoo.ATTENTION_POOLS:
                 mass = float(np.mean([lesion_mass(model, images[i].float() / 255, side[names[i]]["boxes"])
                                       for i in held if ys[i]]))  # fmt: skip
+        # "steps": slides seen (one optimizer step per slide unless accumulating)
         row = {"epoch": epoch + 1, "steps": (epoch + 1) * len(order), "train_loss": round(float(np.mean(losses)), 4),
                "train_p_spread": round(float(np.std(ps)), 4), "held_loss": round(hl, 4),
                "held_auc": round(auc(hy, hp), 3), "held_acc": round(float(np.mean([(p > 0.5) == y for p, y in
