@@ -462,7 +462,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", action="store_true",
                     help="also the frozen-feature baseline per seed (frozen trunk, patch features, attention head)")
     ap.add_argument("--patch", type=int, default=64, help="the baseline's patch edge, px (level 0)")
-    ap.add_argument("--baseline-epochs", type=int, default=50, help="the baseline head's epoch cap (budget first)")
+    ap.add_argument("--baseline-epochs", type=int, default=2000,
+                    help="the baseline head's epoch cap; the wall-time budget normally stops it first")
     ap.add_argument("--quick", action="store_true", help="16 slides of 1024 px, 8 train, 1 seed, 2 epochs")
     ap.add_argument("--plot-only", action="store_true", help="rewrite the table and plot from --out's JSONL")
     args = ap.parse_args(argv)
