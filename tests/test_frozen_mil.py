@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from wsitrain.models import zoo
 from wsitrain.train import frozen_mil as FM
 
 
@@ -29,6 +30,9 @@ def test_features_computed_once_per_patch_without_grad() -> None:
     with torch.no_grad():  # patch 5 (row 1, column 1) alone gives the same vector
         one = model.features(model.normalize(img[:, :, 32:64, 32:64])).mean(dim=(2, 3))[0]
     torch.testing.assert_close(feats[5], one)
+    # no graph even where the trunk's weights do require grad: the features are constants to the head
+    trainable = zoo.build("tiny", 2, pool="attention")
+    assert FM.patch_features(trainable, img, 32).grad_fn is None
 
 
 def test_head_trains_and_trunk_stays_fixed() -> None:
