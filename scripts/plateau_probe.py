@@ -34,7 +34,7 @@ from wsitrain.slides.synth.lesions import read_sidecar
 # stays 0.68-0.72, measured, docs/plateau.md). Not the spread of p: a large init starts with a spread it has not learnt.
 PLATEAU_LOSS = 0.6
 VARIANTS = ("torch_init", "he_init", "he_zero_head", "lr3e-3", "zero_head", "balanced_sampling",
-            "accumulate2", "accumulate4")
+            "accumulate2", "accumulate4", "head_lr10x")
 
 
 def load_cohort(cohort: Path, n: int, size: int, crop: int | None = None
@@ -131,7 +131,12 @@ def run(variant: str, pool: str, seed: int, args: argparse.Namespace, data: tupl
     model = make_model(pool, variant, seed)
     stats = trunk_stats(model, images[train[0]])
     lr = 3e-3 if variant == "lr3e-3" else args.lr
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    if variant == "head_lr10x":  # train.backbone_lr_scale 0.1 at lr 10x: the head 10x faster, the trunk as before
+        from wsitrain.train.optim import parameter_groups
+
+        opt = torch.optim.AdamW(parameter_groups(model, 10 * lr, 0.1))
+    else:
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     out: dict[str, Any] = {"variant": variant, "pool": pool, "seed": seed, "lr": lr, **stats, "epochs": []}
     t0 = time.perf_counter()
     for epoch in range(args.epochs):
