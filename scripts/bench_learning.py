@@ -182,8 +182,9 @@ def run_baseline(base: dict[str, Any], labels: Path, seed: int, budget_s: float,
     feature_s = time.perf_counter() - t0
     train = [r for r in rows if r["split"] == "train"]
     held = [r for r in rows if r["split"] != "train"]
-    fit = FM.train_head(model, [bags[r["slide"]] for r in train], [int(r["label"] == "positive") for r in train],
-                        epochs=args.baseline_epochs, lr=args.lr, seed=seed, budget_s=max(0.0, budget_s - feature_s))
+    labels_train = [int(r["label"] == "positive") for r in train]
+    fit = FM.train_head(model, [bags[r["slide"]] for r in train], labels_train, epochs=args.baseline_epochs,
+                        lr=args.lr, seed=seed, budget_s=max(0.0, budget_s - feature_s))  # fmt: skip
     wall = time.perf_counter() - t0
     probs = FM.predict_bags(model, [bags[r["slide"]] for r in held])[:, 1].tolist()
     ys = [int(r["label"] == "positive") for r in held]
@@ -460,10 +461,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (the machine is shared)")
     ap.add_argument("--no-thumbnail", action="store_true", help="skip the thumbnail baseline")
     ap.add_argument("--baseline", action="store_true",
-                    help="also the frozen-feature baseline per seed (frozen trunk, patch features, attention head)")
+                    help="also the frozen-feature baseline per seed (frozen trunk, patch features, MIL head)")  # fmt: skip
     ap.add_argument("--patch", type=int, default=64, help="the baseline's patch edge, px (level 0)")
     ap.add_argument("--baseline-epochs", type=int, default=2000,
-                    help="the baseline head's epoch cap; the wall-time budget normally stops it first")
+                    help="the baseline head's epoch cap; the wall-time budget normally stops it first")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="16 slides of 1024 px, 8 train, 1 seed, 2 epochs")
     ap.add_argument("--plot-only", action="store_true", help="rewrite the table and plot from --out's JSONL")
     args = ap.parse_args(argv)

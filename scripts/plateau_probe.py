@@ -33,8 +33,17 @@ from wsitrain.slides.synth.lesions import read_sidecar
 # The plateau ends at the first epoch whose mean training loss is <= 0.6 (chance is ln 2 = 0.693; on the plateau it
 # stays 0.68-0.72, measured, docs/plateau.md). Not the spread of p: a large init starts with a spread it has not learnt.
 PLATEAU_LOSS = 0.6
-VARIANTS = ("torch_init", "he_init", "he_zero_head", "lr3e-3", "zero_head", "balanced_sampling",
-            "accumulate2", "accumulate4", "head_lr10x")
+VARIANTS = (
+    "torch_init",
+    "he_init",
+    "he_zero_head",
+    "lr3e-3",
+    "zero_head",
+    "balanced_sampling",
+    "accumulate2",
+    "accumulate4",
+    "head_lr10x",
+)
 
 
 def load_cohort(cohort: Path, n: int, size: int, crop: int | None = None
@@ -114,8 +123,12 @@ def trunk_stats(model: nn.Module, x: torch.Tensor) -> dict[str, float]:
     g_first = float(model.features.conv1.weight.grad.norm() / model.features.conv1.weight.norm())
     g_head = float(model.classifier.weight.grad.norm() / max(float(model.classifier.weight.norm()), 1e-12))
     model.zero_grad()
-    return {"feature_mean": float(f.mean()), "feature_std_over_positions": float(f.std(dim=(2, 3)).mean()),
-            "conv1_relative_grad": g_first, "classifier_relative_grad": g_head}
+    return {
+        "feature_mean": float(f.mean()),
+        "feature_std_over_positions": float(f.std(dim=(2, 3)).mean()),
+        "conv1_relative_grad": g_first,
+        "classifier_relative_grad": g_head,
+    }
 
 
 def run(variant: str, pool: str, seed: int, args: argparse.Namespace, data: tuple) -> dict[str, Any]:
@@ -148,7 +161,7 @@ def run(variant: str, pool: str, seed: int, args: argparse.Namespace, data: tupl
             order = rng.choice(pos, len(train) // 2).tolist() + rng.choice(neg, len(train) - len(train) // 2).tolist()
             rng.shuffle(order)
         losses, ps = [], []
-        accumulate = int(variant[len("accumulate"):]) if variant.startswith("accumulate") else 1
+        accumulate = int(variant[len("accumulate") :]) if variant.startswith("accumulate") else 1
         for k, i in enumerate(order):
             x = torch.rot90(images[i].float() / 255, int(rng.integers(4)), (2, 3))
             logits = model(x)
