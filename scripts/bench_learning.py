@@ -461,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (the machine is shared)")
     ap.add_argument("--no-thumbnail", action="store_true", help="skip the thumbnail baseline")
     ap.add_argument("--baseline", action="store_true",
-                    help="also the frozen-feature baseline per seed (frozen trunk, patch features, MIL head)")  # fmt: skip
+                    help="also the frozen-feature baseline per seed (frozen trunk, patch features)")  # fmt: skip
     ap.add_argument("--patch", type=int, default=64, help="the baseline's patch edge, px (level 0)")
     ap.add_argument("--baseline-epochs", type=int, default=2000,
                     help="the baseline head's epoch cap; the wall-time budget normally stops it first")  # fmt: skip
