@@ -149,6 +149,84 @@ def run_one(base: dict[str, Any], work: Path, labels: Path, seed: int, pool: str
     }
 
 
+def read_level0(path: Path) -> torch.Tensor:
+    """A slide's level 0, whole, as (1, 3, H, W) float in [0, 1] (the benchmark's slides are small)."""
+    import openslide
+
+    s = openslide.OpenSlide(str(path))
+    rgb = np.asarray(s.read_region((0, 0), 0, s.dimensions).convert("RGB"))
+    return torch.from_numpy(rgb.copy()).permute(2, 0, 1)[None].float() / 255
+
+
+def run_baseline(base: dict[str, Any], labels: Path, seed: int, budget_s: float, args: argparse.Namespace,
+                 run_dir: Path) -> dict[str, Any]:  # fmt: skip
+    """The frozen-feature baseline (wsitrain.train.frozen_mil): the same ``tiny`` model and seed as the end-to-end
+    runs, its trunk frozen, every ``--patch`` px patch of level 0 embedded once, and the model's own attention head
+    trained on the bags (one slide per step, the same lr) for up to ``--baseline-epochs`` epochs or until the
+    wall-time budget (the seed's mean end-to-end whole-slide fit) is spent, feature extraction included."""
+    from wsitrain.report.localisation import inside_mask, score_map
+    from wsitrain.train import frozen_mil as FM
+
+    rows = list(csv.DictReader(labels.open()))
+    slides_dir = Path(base["data"]["slides_dir"])
+    side = read_sidecar(slides_dir)["slides"]
+    t0 = time.perf_counter()
+    torch.manual_seed(seed)
+    model = FM.build_frozen_mil(base["model"]["name"], 2, pool="attention")
+    bags: dict[str, torch.Tensor] = {}
+    grids: dict[str, tuple[int, int]] = {}
+    for r in rows:
+        image = read_level0(slides_dir / r["slide"])  # (1, 3, H, W)
+        grids[r["slide"]] = (image.shape[2] // args.patch, image.shape[3] // args.patch)
+        bags[r["slide"]] = FM.patch_features(model, image, args.patch)  # (rows * cols, C)
+    feature_s = time.perf_counter() - t0
+    train = [r for r in rows if r["split"] == "train"]
+    held = [r for r in rows if r["split"] != "train"]
+    labels_train = [int(r["label"] == "positive") for r in train]
+    fit = FM.train_head(model, [bags[r["slide"]] for r in train], labels_train, epochs=args.baseline_epochs,
+                        lr=args.lr, seed=seed, budget_s=max(0.0, budget_s - feature_s))  # fmt: skip
+    wall = time.perf_counter() - t0
+    probs = FM.predict_bags(model, [bags[r["slide"]] for r in held])[:, 1].tolist()
+    ys = [int(r["label"] == "positive") for r in held]
+    pred = [int(p > 0.5) for p in probs]
+    loss = float(np.mean([-np.log(max(p if y else 1 - p, 1e-12)) for p, y in zip(probs, ys, strict=True)]))
+    recall = [np.mean([q == y for q, y2 in zip(pred, ys, strict=True) if y2 == y]) for y in (0, 1)]
+    points, masses = [], []
+    for r in held:
+        if r["label"] != "positive":
+            continue
+        w = FM.attention_weights(model, bags[r["slide"]]).numpy()
+        rows_cols = grids[r["slide"]]
+        inside = inside_mask(rows_cols, args.patch, (0.0, 0.0), 1.0, [b for b in side[r["slide"]]["boxes"]
+                                                                    if b["kind"] == "lesion"])  # fmt: skip
+        score = score_map(w.reshape(rows_cols), inside)
+        points.append(score.pointing)
+        masses.append(score.mass)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "validation.json").write_text(json.dumps({"slides": [
+        {"slide": r["slide"], "label": r["label"], "probs": {"negative": 1 - p, "positive": p}}
+        for r, p in zip(held, probs, strict=True)]}))  # fmt: skip
+    return {
+        "kind": "run", "input": "frozen features", "mpp": LESION_MPP, "pool": "attention", "seed": seed,
+        "roc_auc": _num(auc(ys, probs)), "accuracy": float(np.mean([q == y for q, y in zip(pred, ys, strict=True)])),
+        "balanced_accuracy": float(np.mean(recall)), "val_loss": loss, "chance_loss": chance_loss(labels),
+        "pointing_game": float(np.mean(points)) if points else None,
+        "lesion_mass": float(np.mean(masses)) if masses else None,
+        "first_train_loss": fit.train_loss[0], "last_train_loss": fit.train_loss[-1], "head_epochs": fit.epochs,
+        "feature_s": round(feature_s, 1), "budget_s": round(budget_s, 1), "patch": args.patch,
+        "wall_s": round(wall, 1), "run_dir": str(run_dir),
+    }  # fmt: skip
+
+
+def auc(ys: list[int], ps: list[float]) -> float:
+    """ROC AUC by pairwise comparison (ties count half); nan with one class only."""
+    pos = [p for p, y in zip(ps, ys, strict=True) if y]
+    neg = [p for p, y in zip(ps, ys, strict=True) if not y]
+    if not pos or not neg:
+        return float("nan")
+    return sum((a > b) + 0.5 * (a == b) for a in pos for b in neg) / (len(pos) * len(neg))
+
+
 def chance_loss(labels: Path) -> float:
     """The held-out cross-entropy of always predicting the training set's class shares (ln 2 when balanced): a run
     whose held-out loss is not below it has learned nothing it can show on held-out slides."""
@@ -205,7 +283,8 @@ def groups(rows: list[dict[str, Any]]) -> list[tuple[str, str, list[dict[str, An
         if (r["input"], r["pool"]) not in keys:
             keys.append((r["input"], r["pool"]))
     order = next((r["pools"] for r in rows if r["kind"] == "setup"), [])
-    keys.sort(key=lambda k: (k[0] != "whole slide", order.index(k[1]) if k[1] in order else len(order), k[1]))
+    rank = {"whole slide": 0, "frozen features": 1}
+    keys.sort(key=lambda k: (rank.get(k[0], 2), order.index(k[1]) if k[1] in order else len(order), k[1]))
     return [(i, p, [r for r in runs if (r["input"], r["pool"]) == (i, p)]) for i, p in keys]
 
 
@@ -277,7 +356,9 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         per = ", ".join(f"{r['roc_auc']:.2f}" if r["roc_auc"] is not None else "nan" for r in rs)
         spreads = [x for x in (prob_spread(r) for r in rs) if x is not None]
         spread = f"{statistics.mean(spreads):.3f}" if spreads else "-"
-        what = f"whole slide ({LESION_MPP} um/px)" if inp == "whole slide" else f"thumbnail ({THUMB_MPP:g} um/px)"
+        what = {"whole slide": f"whole slide ({LESION_MPP} um/px)",
+                "frozen features": f"frozen features ({LESION_MPP} um/px, baseline)"}.get(
+            inp, f"thumbnail ({THUMB_MPP:g} um/px)")  # fmt: skip
         lines.append(
             f"| {what} | {pool} | {_mean_std(aucs)} | {per} | {statistics.mean(accs) if accs else float('nan'):.2f} "
             f"| {_mean(rs, 'balanced_accuracy')} | {_mean(rs, 'val_loss')} / {_mean(rs, 'chance_loss')} | {spread} "
@@ -295,6 +376,10 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         "whole slides only. *Decided on tissue*: per class, the share of held-out slides whose max-pooled score was "
         "decided at a map cell inside the tissue mask (`model.mask_pool`). "
         "Wall time is the fit's (the held-out prediction with heatmaps is timed apart: `localise_s` in the JSONL). "
+        "*Frozen features* (``--baseline``): the same model and seed with its trunk frozen, every "
+        f"{next((r.get('patch') for r in rows if r.get('input') == 'frozen features'), 64)} px patch of level 0 "
+        "embedded once, the model's own attention head trained on the bags within the seed's mean end-to-end wall "
+        "time (wsitrain.train.frozen_mil); its pointing game and mass are over the patch grid. "
         "Every figure above is measured.",
     ]
     return "\n".join(lines) + "\n"
@@ -345,13 +430,13 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax = fig.add_subplot(grid[:, 0])
     for i, (inp, _pool, rs) in enumerate(gs):
         aucs = [r["roc_auc"] for r in rs if r["roc_auc"] is not None]
-        colour = "tab:blue" if inp == "whole slide" else "tab:orange"
+        colour = {"whole slide": "tab:blue", "frozen features": "tab:green"}.get(inp, "tab:orange")
         if aucs:
             ax.bar(i, statistics.mean(aucs), 0.6, color=colour, alpha=0.6,
                    yerr=statistics.stdev(aucs) if len(aucs) > 1 else 0, capsize=4)  # fmt: skip
             ax.scatter([i] * len(aucs), aucs, color="k", s=14, zorder=3)
     ax.axhline(0.5, color="grey", lw=0.8, ls="--")
-    ax.set_xticks(range(len(gs)), [f"{'whole slide' if i == 'whole slide' else 'thumbnail'}\n{p}" for i, p, _ in gs],
+    ax.set_xticks(range(len(gs)), [f"{i}\n{p}" for i, p, _ in gs],
                   fontsize=8)  # fmt: skip
     ax.set(ylabel="held-out ROC AUC", ylim=(0, 1.05),
            title=f"whole slide ({head['size']} px) vs {head['size'] // BLOCK} px thumbnail (measured)")  # fmt: skip
@@ -394,6 +479,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--schedule", choices=("cosine", "constant"), default="constant", help="train.schedule")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (the machine is shared)")
     ap.add_argument("--no-thumbnail", action="store_true", help="skip the thumbnail baseline")
+    ap.add_argument("--baseline", action="store_true",
+                    help="also the frozen-feature baseline per seed (frozen trunk, patch features)")  # fmt: skip
+    ap.add_argument("--patch", type=int, default=64, help="the baseline's patch edge, px (level 0)")
+    ap.add_argument("--baseline-epochs", type=int, default=2000,
+                    help="the baseline head's epoch cap; the wall-time budget normally stops it first")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="16 slides of 1024 px, 8 train, 1 seed, 2 epochs")
     ap.add_argument("--plot-only", action="store_true", help="rewrite the table and plot from --out's JSONL")
     args = ap.parse_args(argv)
@@ -447,6 +537,16 @@ def main(argv: list[str] | None = None) -> int:
                       f"({row['wall_s']} s)", flush=True)  # fmt: skip
                 setup["total_wall_s"] = round(time.perf_counter() - t_start, 1)
                 write(rows, args.out)  # after every run: a cut-off benchmark keeps what it measured
+        if args.baseline:
+            walls = [r["wall_s"] for r in rows if r.get("seed") == seed and r.get("input") == "whole slide"]
+            budget = statistics.mean(walls) if walls else 60.0
+            row = run_baseline(base, csv_path, seed, budget, args, work / "runs" / f"frozen-attention-seed{seed}")
+            row.update(torch=torch.__version__, nproc=os.cpu_count(), torch_threads=torch.get_num_threads())
+            rows.append(row)
+            print(f"seed {seed} frozen features attention AUC {row['roc_auc']} acc {row['accuracy']} "
+                  f"({row['wall_s']} s, {row['head_epochs']} head epochs)", flush=True)  # fmt: skip
+            setup["total_wall_s"] = round(time.perf_counter() - t_start, 1)
+            write(rows, args.out)
     setup["total_wall_s"] = round(time.perf_counter() - t_start, 1)
     write(rows, args.out)
     print((args.out / "bench_learning.md").read_text())

@@ -1,0 +1,234 @@
+"""What makes the near-constant-output plateau: a small, cheap probe (docs/plateau.md).
+
+    python scripts/plateau_probe.py --out /tmp/probe.jsonl --variants torch_init,he_init --pools max,attention
+
+Trains wsitrain's ``tiny`` model (``wsitrain.models.zoo.build``, the same layers ``fit`` trains) with plain autograd
+(no SFT engine, no data loader: the slides are small enough to hold whole) on a ``synth --lesions small`` cohort,
+one slide per step, AdamW, and logs per epoch: the mean train loss, the spread (std) of p(positive) over the training
+slides as seen in training, the held-out loss, AUC and spread, and for attention pools the attention mass on the
+lesion boxes of held-out positives. Each variant changes one thing against ``torch_init`` (PyTorch's default layer
+init, what ``tiny`` has) so the plateau's length can be compared variant by variant. Every figure it prints
+is *measured* on the machine that runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from wsitrain.models import zoo
+from wsitrain.slides.synth import write_synthetic_dataset
+from wsitrain.slides.synth.lesions import read_sidecar
+
+# The plateau ends at the first epoch whose mean training loss is <= 0.6 (chance is ln 2 = 0.693; on the plateau it
+# stays 0.68-0.72, measured, docs/plateau.md). Not the spread of p: a large init starts with a spread it has not learnt.
+PLATEAU_LOSS = 0.6
+VARIANTS = (
+    "torch_init",
+    "he_init",
+    "he_zero_head",
+    "lr3e-3",
+    "zero_head",
+    "balanced_sampling",
+    "accumulate2",
+    "accumulate4",
+    "head_lr10x",
+)
+
+
+def load_cohort(cohort: Path, n: int, size: int, crop: int | None = None
+                ) -> tuple[list[torch.Tensor], list[int], list[str], dict[str, Any]]:  # fmt: skip
+    """The cohort's level-0 images; with ``crop``, a ``crop`` px window around each slide's first structure (a
+    lesion on positives, a look-alike distractor on negatives: no shortcut), its boxes moved into the window."""
+    import openslide
+
+    labels_csv = write_synthetic_dataset(cohort, n=n, size=size, seed=0, lesions="small")
+    side = read_sidecar(cohort)["slides"]
+    rows = list(csv.DictReader(labels_csv.open()))
+    images, ys, names = [], [], []
+    for r in rows:
+        s = openslide.OpenSlide(str(cohort / r["slide"]))
+        rgb = np.asarray(s.read_region((0, 0), 0, s.dimensions).convert("RGB"))
+        if crop is not None:
+            rgb = _crop(rgb, crop, side[r["slide"]])
+        images.append(torch.from_numpy(rgb.copy()).permute(2, 0, 1)[None])  # (1, 3, H, W) uint8
+        ys.append(int(r["label"] == "positive"))
+        names.append(r["slide"])
+    return images, ys, names, side
+
+
+def _crop(rgb: np.ndarray, crop: int, entry: dict[str, Any]) -> np.ndarray:
+    first = sorted(entry["boxes"], key=lambda b: b["kind"] != "lesion")[0]
+    cx, cy = (first["x0"] + first["x1"]) // 2, (first["y0"] + first["y1"]) // 2
+    x0 = int(np.clip(cx - crop // 2, 0, rgb.shape[1] - crop))
+    y0 = int(np.clip(cy - crop // 2, 0, rgb.shape[0] - crop))
+    entry["boxes"] = [{**b, "x0": b["x0"] - x0, "x1": b["x1"] - x0, "y0": b["y0"] - y0, "y1": b["y1"] - y0}
+                      for b in entry["boxes"]]  # fmt: skip
+    return rgb[y0 : y0 + crop, x0 : x0 + crop]
+
+
+def he_init(trunk: nn.Module) -> None:
+    """He (fan-in, ReLU) init for every convolution, zero biases: the trunk's output keeps the input's scale."""
+    for m in trunk.modules():
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, mode="fan_in", nonlinearity="relu")
+            nn.init.zeros_(m.bias)
+
+
+def make_model(pool: str, variant: str, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    model = zoo.build("tiny", 2, pool=pool)  # tiny's layers keep PyTorch's default init
+    if variant.startswith("he_"):
+        he_init(model.features)
+    if variant in ("zero_head", "he_zero_head"):
+        nn.init.zeros_(model.classifier.weight)
+        nn.init.zeros_(model.classifier.bias)
+    return model
+
+
+def auc(y: list[int], p: list[float]) -> float:
+    pos = [q for q, t in zip(p, y, strict=True) if t]
+    neg = [q for q, t in zip(p, y, strict=True) if not t]
+    wins = sum((a > b) + 0.5 * (a == b) for a in pos for b in neg)
+    return wins / (len(pos) * len(neg))
+
+
+def lesion_mass(model: nn.Module, x: torch.Tensor, boxes: list[dict[str, Any]]) -> float:
+    hs = model[:3](x)  # normalize, features, attention: (1, C + 1, h, w)
+    a = model.pool.weights(hs)[0, 0]  # (h, w), sums to 1
+    stride = model.stride
+    on = torch.zeros_like(a, dtype=torch.bool)
+    for b in boxes:
+        if b["kind"] == "lesion":
+            on[b["y0"] // stride : -(-b["y1"] // stride), b["x0"] // stride : -(-b["x1"] // stride)] = True
+    return float(a[on].sum())
+
+
+def trunk_stats(model: nn.Module, x: torch.Tensor) -> dict[str, float]:
+    """How much of the trunk's output depends on the input at init: std over positions vs the mean level."""
+    with torch.no_grad():
+        f = model.features(model.normalize(x.float() / 255))  # (1, C, h, w)
+    model.zero_grad()
+    F.cross_entropy(model(x.float() / 255), torch.tensor([1])).backward()
+    g_first = float(model.features.conv1.weight.grad.norm() / model.features.conv1.weight.norm())
+    g_head = float(model.classifier.weight.grad.norm() / max(float(model.classifier.weight.norm()), 1e-12))
+    model.zero_grad()
+    return {
+        "feature_mean": float(f.mean()),
+        "feature_std_over_positions": float(f.std(dim=(2, 3)).mean()),
+        "conv1_relative_grad": g_first,
+        "classifier_relative_grad": g_head,
+    }
+
+
+def run(variant: str, pool: str, seed: int, args: argparse.Namespace, data: tuple) -> dict[str, Any]:
+    images, ys, names, side = data
+    idx_pos = [i for i, y in enumerate(ys) if y]
+    idx_neg = [i for i, y in enumerate(ys) if not y]
+    rng = np.random.default_rng(seed)
+    train = sorted(rng.permutation(idx_pos)[: args.train // 2].tolist() + rng.permutation(idx_neg)[
+        : args.train - args.train // 2].tolist())  # fmt: skip
+    if variant == "balanced_sampling":  # imbalance on purpose: drop one positive, then sample classes equally
+        train = train[1:] if ys[train[0]] else train
+    held = [i for i in range(len(ys)) if i not in train]
+    model = make_model(pool, variant, seed)
+    stats = trunk_stats(model, images[train[0]])
+    lr = 3e-3 if variant == "lr3e-3" else args.lr
+    if variant == "head_lr10x":  # train.backbone_lr_scale 0.1 at lr 10x: the head 10x faster, the trunk as before
+        from wsitrain.train.optim import parameter_groups
+
+        opt = torch.optim.AdamW(parameter_groups(model, 10 * lr, 0.1))
+    else:
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    out: dict[str, Any] = {"variant": variant, "pool": pool, "seed": seed, "lr": lr, **stats, "epochs": []}
+    t0 = time.perf_counter()
+    for epoch in range(args.epochs):
+        model.train()
+        order = rng.permutation(train).tolist()
+        if variant == "balanced_sampling":
+            pos = [i for i in train if ys[i]]
+            neg = [i for i in train if not ys[i]]
+            order = rng.choice(pos, len(train) // 2).tolist() + rng.choice(neg, len(train) - len(train) // 2).tolist()
+            rng.shuffle(order)
+        losses, ps = [], []
+        accumulate = int(variant[len("accumulate") :]) if variant.startswith("accumulate") else 1
+        for k, i in enumerate(order):
+            x = torch.rot90(images[i].float() / 255, int(rng.integers(4)), (2, 3))
+            logits = model(x)
+            loss = F.cross_entropy(logits, torch.tensor([ys[i]]))
+            (loss / accumulate).backward()  # as train.accumulate: the mean gradient of ``accumulate`` slides a step
+            if (k + 1) % accumulate == 0 or k + 1 == len(order):
+                opt.step()
+                opt.zero_grad()
+            losses.append(float(loss.detach()))
+            ps.append(float(torch.softmax(logits.detach(), 1)[0, 1]))
+        model.eval()
+        with torch.no_grad():
+            hp = [float(torch.softmax(model(images[i].float() / 255), 1)[0, 1]) for i in held]
+            hy = [ys[i] for i in held]
+            hl = float(np.mean([-np.log(max(p if y else 1 - p, 1e-12)) for p, y in zip(hp, hy, strict=True)]))
+            mass = None
+            if pool in zoo.ATTENTION_POOLS:
+                mass = float(np.mean([lesion_mass(model, images[i].float() / 255, side[names[i]]["boxes"])
+                                      for i in held if ys[i]]))  # fmt: skip
+        # "steps": slides seen (one optimizer step per slide unless accumulating)
+        row = {"epoch": epoch + 1, "steps": (epoch + 1) * len(order), "train_loss": round(float(np.mean(losses)), 4),
+               "train_p_spread": round(float(np.std(ps)), 4), "held_loss": round(hl, 4),
+               "held_auc": round(auc(hy, hp), 3), "held_acc": round(float(np.mean([(p > 0.5) == y for p, y in
+                                                                                   zip(hp, hy, strict=True)])), 3),
+               "held_p_spread": round(float(np.std(hp)), 4), "lesion_mass": None if mass is None else round(mass, 4),
+               "wall_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
+        out["epochs"].append(row)
+        print(variant, pool, seed, json.dumps(row), flush=True)
+    out["plateau_steps"] = plateau_steps(out["epochs"])
+    return out
+
+
+def plateau_steps(epochs: list[dict[str, Any]], loss: float = PLATEAU_LOSS) -> int | None:
+    """Optimizer steps until the end of the first epoch whose mean training loss is <= ``loss`` (None: the run never
+    left the plateau)."""
+    return next((e["steps"] for e in epochs if e["train_loss"] <= loss), None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True, help="JSONL, one line per (variant, pool, seed)")
+    ap.add_argument("--cohort", type=Path, default=Path(".cache/wsitrain/lesions/n16-s1024"))
+    ap.add_argument("--n", type=int, default=16)
+    ap.add_argument("--size", type=int, default=1024)
+    ap.add_argument("--train", type=int, default=8)
+    ap.add_argument("--epochs", type=int, default=6)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--seeds", default="0")
+    ap.add_argument("--pools", default="max,attention")
+    ap.add_argument("--variants", default="torch_init,he_init")
+    ap.add_argument("--crop", type=int, default=None, help="a window around each slide's first structure, px")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
+    if unknown:
+        print(f"error: unknown --variants {unknown}; choose from {', '.join(VARIANTS)}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
+    data = load_cohort(args.cohort, args.n, args.size, args.crop)
+    with args.out.open("a") as f:
+        for seed in (int(s) for s in args.seeds.split(",")):
+            for pool in args.pools.split(","):
+                for variant in args.variants.split(","):
+                    f.write(json.dumps(run(variant, pool, seed, args, data)) + "\n")
+                    f.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
