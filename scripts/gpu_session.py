@@ -87,6 +87,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _release(device: torch.device) -> None:
+    """After a case: free its memory, lift the allocator cap and turn cudnn.benchmark off for the next one."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        cap_cuda_allocator(device, None)
+        torch.backends.cudnn.benchmark = False
+
+
 def _is_oom(e: BaseException) -> bool:
     return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in str(e).lower()
 
@@ -169,11 +178,7 @@ def run_case(case: Case, device: torch.device, size: int, patch: int, steps: int
             row["traceback"] = traceback.format_exc()[-3000:]
     finally:
         del runner
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            cap_cuda_allocator(device, None)
-            torch.backends.cudnn.benchmark = False
+        _release(device)
     return row
 
 
@@ -212,10 +217,7 @@ def profile_step(case: Case, device: torch.device, size: int, patch: int) -> dic
         return out
     finally:
         del runner
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            cap_cuda_allocator(device, None)
+        _release(device)
 
 
 _RANGES = (STAGE, JOIN, OVERLAP_ADD, RECOMPUTE, TILE_BACKWARD, OPTIMIZER, FORWARD, BACKWARD)

@@ -19,12 +19,11 @@ import numpy as np
 import pytest
 import torch
 from tiny_runs import config_file as tiny_config
-from tiny_runs import invoke
+from tiny_runs import finished_run, invoke, synthetic_slides
 
 from wsitrain.errors import WsiTrainError
 from wsitrain.models import build
 from wsitrain.models.weights import load_weights
-from wsitrain.slides.synth import write_synthetic_dataset
 from wsitrain.train.checkpoint import load_checkpoint, rng_states, save_checkpoint, set_rng_states
 
 FIXTURE = Path(__file__).parent / "fixtures" / "ckpt_before_safe_load.pt"
@@ -41,18 +40,13 @@ def config_file(tmp: Path, synth_dir: Path, epochs: int = 1) -> Path:
 
 @pytest.fixture(scope="module")
 def synth_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("synth")
-    write_synthetic_dataset(out, n=4, size=128, seed=0, positive_fraction=0.5)
-    return out
+    return synthetic_slides(tmp_path_factory.mktemp("synth"))
 
 
 @pytest.fixture(scope="module")
 def run_dir(synth_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A finished 1-epoch run folder (config.yaml, validation.json, best.pt, last.pt)."""
-    tmp = tmp_path_factory.mktemp("run")
-    result = invoke("--quiet", "fit", str(config_file(tmp, synth_dir)))
-    assert result.exit_code == 0, result.output
-    return tmp / "runs" / "exp"
+    return finished_run(config_file(tmp_path_factory.mktemp("run"), synth_dir))
 
 
 # ---- the crafted file: what the issue's evil.pt did, and a pure-python variant

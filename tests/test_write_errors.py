@@ -23,10 +23,9 @@ from typing import Any
 
 import pytest
 import torch
-from tiny_runs import config_file, invoke
+from tiny_runs import config_file, finished_run, invoke, synthetic_slides
 
 from wsitrain.errors import WsiTrainError
-from wsitrain.slides.synth import write_synthetic_dataset
 from wsitrain.train.checkpoint import load_checkpoint, save_checkpoint
 from wsitrain.train.runfolder import JsonlWriter
 
@@ -35,17 +34,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def synth_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("synth")
-    write_synthetic_dataset(out, n=4, size=128, seed=0, positive_fraction=0.5)
-    return out
+    return synthetic_slides(tmp_path_factory.mktemp("synth"))
 
 
 @pytest.fixture(scope="module")
 def run_dir(synth_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tmp = tmp_path_factory.mktemp("run")
-    result = invoke("--quiet", "fit", str(config_file(tmp, synth_dir)))
-    assert result.exit_code == 0, result.output
-    return tmp / "runs" / "exp"
+    return finished_run(config_file(tmp_path_factory.mktemp("run"), synth_dir))
 
 
 def digest(path: Path) -> str:

@@ -9,6 +9,7 @@ from typing import Any
 from typer.testing import CliRunner
 
 from wsitrain.cli import app
+from wsitrain.slides.synth import write_synthetic_dataset
 
 runner = CliRunner()
 
@@ -30,3 +31,16 @@ def config_file(tmp: Path, synth_dir: Path, epochs: int = 1, schedule: str | Non
         f"log: {{dir: {tmp / 'runs'}, tiles: 'off'}}\n"
     )
     return path
+
+
+def synthetic_slides(out: Path) -> Path:
+    """The four 128 px synthetic slides ``config_file`` trains on, written to ``out``."""
+    write_synthetic_dataset(out, n=4, size=128, seed=0, positive_fraction=0.5)
+    return out
+
+
+def finished_run(config: Path) -> Path:
+    """Fit ``config`` (from ``config_file``) to the end; its run folder (config.yaml, best.pt, last.pt, ...)."""
+    result = invoke("--quiet", "fit", str(config))
+    assert result.exit_code == 0, result.output
+    return config.parent / "runs" / "exp"
