@@ -95,8 +95,13 @@ def residual_net() -> nn.Module:
 def train_bn_net() -> nn.Module:
     """Train-mode BatchNorm (a barrier: multi-pass tiles, which stay out of place); running statistics change."""
     trunk = nn.Sequential(
-        OrderedDict(conv1=nn.Conv2d(3, 6, 3, padding=1), bn1=nn.BatchNorm2d(6), act1=nn.ReLU(inplace=True),
-                    conv2=nn.Conv2d(6, 6, 3, padding=1), act2=nn.LeakyReLU(0.1))  # fmt: skip
+        OrderedDict(
+            conv1=nn.Conv2d(3, 6, 3, padding=1),
+            bn1=nn.BatchNorm2d(6),
+            act1=nn.ReLU(inplace=True),
+            conv2=nn.Conv2d(6, 6, 3, padding=1),
+            act2=nn.LeakyReLU(0.1),
+        )  # fmt: skip
     )
     return nn.Sequential(OrderedDict([("features", trunk), *_head(6)])).train()
 
