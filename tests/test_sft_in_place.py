@@ -58,8 +58,8 @@ def dark_like() -> nn.Module:
 
 
 class Branch(nn.Module):
-    """``a = bn(conv(x))`` read twice: by a ReLU and by the residual add. The ReLU must stay out of place (writing
-    into ``a`` would change the add's operand); the ReLU after the add may run in place."""
+    """``a = bn(conv(x))`` read twice, inside a tile: by a ReLU and by the residual add. The ReLU must stay out of
+    place (writing into ``a`` would change the add's operand); the ReLU after the adds may run in place."""
 
     def __init__(self, c: int) -> None:
         super().__init__()
@@ -69,7 +69,7 @@ class Branch(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = self.bn1(self.conv1(x))
-        return self.relu2(self.conv2(self.relu1(a)) + a)
+        return self.relu2(self.conv2(self.relu1(a)) + a + x)  # x read again: no checkpoint can sit at ``a``
 
 
 class Saved(nn.Module):
