@@ -195,8 +195,8 @@ def test_the_branch_value_and_saved_values_are_never_overwritten() -> None:
     # the segment's own input (a view of its checkpoint) is never overwritten either
     relu2 = next(n.index for n in facts.nodes if n.name == "features.b1.relu2")
     add = facts.nodes[relu2].inputs[0]
-    assert relu2 not in segment_in_place(facts, add, facts.trunk_end)
-    assert relu2 in segment_in_place(facts, 0, facts.trunk_end)
+    assert relu2 not in segment_in_place(facts.nodes, add, facts.trunk_end)
+    assert relu2 in segment_in_place(facts.nodes, 0, facts.trunk_end)
 
 
 def test_the_tile_replay_holds_one_map_less_per_in_place_leaky_relu() -> None:

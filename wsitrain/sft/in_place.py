@@ -20,7 +20,8 @@ Planning replays those nodes in place (``planning.session``); the executor reads
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Protocol
 
 from torch import fx, nn
 
@@ -29,8 +30,18 @@ from wsitrain.sft.ops.barriers import barrier_kind, in_chain, segment_barriers
 from wsitrain.sft.ops.registry import MERGE, OpSpec, exact_in_place_function
 from wsitrain.sft.ops.types import TILE_CALL, out_of_place
 
-if TYPE_CHECKING:
-    from wsitrain.sft.facts import GraphFacts
+
+class NodeInPlace(Protocol):
+    """What ``segment_in_place`` reads of a node (``facts.NodeFacts``)."""
+
+    @property
+    def spec(self) -> OpSpec: ...
+
+    @property
+    def inputs(self) -> tuple[int, ...]: ...
+
+    @property
+    def in_place_in_tile(self) -> bool: ...
 
 
 def _fresh_unsaved(spec: OpSpec, module: nn.Module | None) -> bool:
@@ -62,12 +73,12 @@ def may_run_in_place(
     return _fresh_unsaved(producer_spec, producer_module)
 
 
-def segment_in_place(facts: GraphFacts, start: int, end: int) -> tuple[int, ...]:
-    """The nodes of segment (start, end] that its tiles run in place (what ``SegmentPlan.in_place`` holds)."""
-    nodes = range(start + 1, end + 1)
-    if not any(facts.nodes[i].in_place_in_tile for i in nodes):
+def segment_in_place(nodes: Sequence[NodeInPlace], start: int, end: int) -> tuple[int, ...]:
+    """The nodes of segment (start, end] that its tiles run in place (what ``SegmentPlan.in_place`` holds);
+    ``nodes``: every node's facts (``GraphFacts.nodes``)."""
+    seg = range(start + 1, end + 1)
+    if not any(nodes[i].in_place_in_tile for i in seg):
         return ()
-    specs = {i: facts.nodes[i].spec for i in nodes}
-    if segment_barriers(specs, {i: facts.nodes[i].inputs for i in nodes}, start, end):
+    if segment_barriers({i: nodes[i].spec for i in seg}, {i: nodes[i].inputs for i in seg}, start, end):
         return ()
-    return tuple(i for i in nodes if facts.nodes[i].in_place_in_tile and facts.nodes[i].inputs[0] != start)
+    return tuple(i for i in seg if nodes[i].in_place_in_tile and nodes[i].inputs[0] != start)

@@ -109,7 +109,7 @@ class PlanSession:
         key = (start, end)
         ip = self._in_place.get(key)
         if ip is None:
-            ip = self._in_place[key] = frozenset(segment_in_place(self.facts, start, end))
+            ip = self._in_place[key] = frozenset(segment_in_place(self.facts.nodes, start, end))
         return ip
 
     def tile_op(self, i: int, out_bytes: int, in_bytes: int, grad: bool, inplace: bool = False) -> SimOp:
