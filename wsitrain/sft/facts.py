@@ -18,6 +18,7 @@ from torch import fx
 
 from wsitrain.errors import PlanError
 from wsitrain.sft.graph import ModelGraph
+from wsitrain.sft.in_place import may_run_in_place
 from wsitrain.sft.ops.barriers import mark_barriers
 from wsitrain.sft.ops.fused_pool import PoolFusion, pool_kind
 from wsitrain.sft.ops.registry import POINTWISE, OpSpec
@@ -39,6 +40,8 @@ class NodeFacts:
     requires_grad: bool
     param_bytes: int  # trainable parameter bytes of this operator
     is_cut: bool  # a checkpoint may sit after this node
+    # an activation a tile may run in place, overwriting its input (in_place.py); a segment's plan says where it does
+    in_place_in_tile: bool = False
 
     def __str__(self) -> str:
         shape = "x".join(map(str, self.shape)) or "-"
@@ -124,6 +127,7 @@ def annotate(
             requires_grad=rg[g.index],
             param_bytes=param_bytes[g.index],
             is_cut=g.index in cut_set,
+            in_place_in_tile=_in_place_in_tile(graph, specs, g.index),
         )
         for g in graph.nodes
     )
@@ -142,6 +146,14 @@ def annotate(
         largest_param_bytes=max((p.numel() * p.element_size() for p in params), default=0),
         fusion=_fusion(graph, trunk_end, nodes),
     )
+
+
+def _in_place_in_tile(graph: ModelGraph, specs: list[OpSpec], i: int) -> bool:
+    g = graph.nodes[i]
+    if len(g.inputs) != 1:
+        return False
+    p = g.inputs[0]
+    return may_run_in_place(g.fx_node, graph.module(i), p, specs[p], graph.module(p), graph.nodes[p].users, i)
 
 
 def _float32_nodes(graph: ModelGraph) -> set[int]:

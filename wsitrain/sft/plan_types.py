@@ -32,6 +32,8 @@ class SegmentPlan:
     output_location: str = "device"  # "host" when the next segment's checkpoint lives in host memory
     start: int = field(default=0, repr=False)  # node index of the segment input (a cut)
     end: int = field(default=0, repr=False)  # node index of the segment output (a cut)
+    # the activations its tiles run in place, overwriting their input (wsitrain/sft/in_place.py): node indices
+    in_place: tuple[int, ...] = field(default=(), repr=False)
     # every tile's intervals (tiled segments): what the executor runs; not part of the printed plan
     regions: SegmentRegions | None = field(default=None, repr=False, compare=False)
 

@@ -10,7 +10,7 @@ from torch.fx.node import map_arg
 
 from wsitrain.sft.graph import ModelGraph
 from wsitrain.sft.ops.drop import MaskReplay, replay_callable
-from wsitrain.sft.ops.registry import out_of_place_callable
+from wsitrain.sft.ops.registry import in_place_callable, out_of_place_callable
 from wsitrain.sft.trail import WHERE
 
 
@@ -28,6 +28,9 @@ class NodeRunner:
         self.index = graph.index
         self.original: dict[int, tuple[Any, dict[str, Any]]] = {}
         self.safe: dict[int, tuple[Any, dict[str, Any]]] = {}
+        # activations a tile runs writing into their input (planned: SegmentPlan.in_place, wsitrain/sft/in_place.py),
+        # made on first use
+        self.overwriting: dict[int, tuple[Any, dict[str, Any]]] = {}
         self.masks = MaskReplay()  # per-sample drop masks of the current step, replayed by tiles and recomputes
         for g in graph.nodes[1:]:
             WHERE.node = g.index
@@ -54,10 +57,17 @@ class NodeRunner:
         out_of_place: bool,
         fetch: Callable[[int], Any] | None = None,
         call: Callable[..., Any] | None = None,
+        in_place: bool = False,
     ) -> Any:
-        """Node i's value. ``call``: what a tile runs in its place, with its arguments (``OpSpec.extra[TILE_CALL]``)."""
+        """Node i's value. ``call``: what a tile runs in its place, with its arguments (``OpSpec.extra[TILE_CALL]``).
+        ``in_place``: overwrite the input (only where a plan says so: ``SegmentPlan.in_place``)."""
         n = self.graph.nodes[i].fx_node
-        fn, kwargs = (self.safe if out_of_place else self.original)[i]
+        if in_place:
+            if i not in self.overwriting:
+                self.overwriting[i] = in_place_callable(n, self.graph.module(i))
+            fn, kwargs = self.overwriting[i]
+        else:
+            fn, kwargs = (self.safe if out_of_place else self.original)[i]
 
         def arg(a: fx.Node) -> Any:
             if a.op == "get_attr":

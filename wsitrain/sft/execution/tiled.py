@@ -70,6 +70,8 @@ class TiledSegment(TileIO):
         self.inputs = {i: facts.nodes[i].inputs for i in self.nodes}
         # the few nodes a tile runs a stand-in for, looked up once: stand_in() is asked per node per tile
         self._stand_ins = {i for i in self.nodes if TILE_CALL in self.specs[i].extra}
+        # activations the plan runs in place: their input is this tile's own fresh map, read by them alone
+        self.in_place = frozenset(seg.in_place)
         self.names = {i: facts.nodes[i].name for i in self.nodes}
         params: dict[int, nn.Parameter] = {}
         for i in self.nodes:
@@ -128,7 +130,10 @@ class TiledSegment(TileIO):
                 nr, nc = rt.need[v][0], ct.need[v][0]
                 return crop(env[v], self.specs[v].spatial_dims, (rl - nr, rh - nr), (cl - nc, ch - nc))
 
-            out = self.runner.run(u, env, out_of_place=True, fetch=fetch, call=self.stand_in(u, rt, ct))
+            if u in self.in_place:
+                out = self.runner.run(u, env, out_of_place=True, fetch=self.whole(env, u, fetch), in_place=True)
+            else:
+                out = self.runner.run(u, env, out_of_place=True, fetch=fetch, call=self.stand_in(u, rt, ct))
             spec = self.specs[u]
             if spec.kind == WINDOW:  # the layer produced outputs from its crop's first aligned position
                 assert spec.windows is not None
@@ -144,6 +149,17 @@ class TiledSegment(TileIO):
                 if self.last_user.get(v, u) <= u:
                     env.pop(v, None)
         return env[self.end]
+
+    def whole(self, env: dict[int, torch.Tensor], u: int, fetch: Callable[[int], torch.Tensor]) -> Callable[[int], Any]:
+        """``fetch`` for an activation run in place: its input must be the map itself, not a crop (a view)."""
+
+        def get(v: int) -> torch.Tensor:
+            x = fetch(v)
+            if x is not env[v]:  # the planner's rule (in_place.py) guarantees it; never write into a view
+                raise RuntimeError(f"{self.names[u]}: planned in place but its tile input is cropped")
+            return x
+
+        return get
 
     # ---- the whole segment ---------------------------------------------------------------------
     def forward_all(self, x: torch.Tensor) -> tuple[torch.Tensor, Accumulator | None]:

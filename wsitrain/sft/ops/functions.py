@@ -297,6 +297,33 @@ def function_spec(node: fx.Node) -> OpSpec:
     return not_tileable(tname, OPAQUE, f"function {tname} is not supported inside a tiled region")
 
 
+def _relu_in_place(x: torch.Tensor, inplace: bool = True) -> torch.Tensor:
+    return torch.relu_(x)
+
+
+# Functions whose in-place form is exact in a tile (see ``activations.exact_in_place``): ReLU only.
+_EXACT_IN_PLACE_FUNCS = {F.relu, torch.relu, F.relu_, torch.relu_}
+
+
+def exact_in_place_function(node: fx.Node) -> bool:
+    """A call_function node whose in-place form computes the same bits as its out-of-place form (ReLU)."""
+    return node.op == "call_function" and node.target in _EXACT_IN_PLACE_FUNCS
+
+
+def in_place_callable(node: fx.Node, module: nn.Module | None) -> tuple[Any, dict[str, Any]]:
+    """The callable and kwargs to run ``node`` writing into its input: only for nodes the planner marked
+    (``NodeFacts.in_place_in_tile``), whose input nobody else reads and no one saved for backward."""
+    kwargs = dict(node.kwargs)
+    if node.op == "call_module":
+        assert module is not None
+        if not getattr(module, "inplace", False):
+            module = copy.copy(module)  # shallow: shares parameters, only the flag differs
+            module.inplace = True
+        return module, kwargs
+    assert exact_in_place_function(node), node
+    return _relu_in_place, kwargs
+
+
 def out_of_place_callable(node: fx.Node, module: nn.Module | None) -> tuple[Any, dict[str, Any]]:
     """The callable and kwargs to run ``node`` without writing into its input.
 

@@ -12,7 +12,7 @@ from torch import fx, nn
 
 from wsitrain.sft.ops.activations import ACTIVATIONS, is_pointwise_module, known_activation
 from wsitrain.sft.ops.attention_pool import AttentionPool
-from wsitrain.sft.ops.functions import function_spec, out_of_place_callable
+from wsitrain.sft.ops.functions import exact_in_place_function, function_spec, in_place_callable, out_of_place_callable
 from wsitrain.sft.ops.grn import grn_spec, is_grn_module
 from wsitrain.sft.ops.masked_pool import MaskedAmax
 from wsitrain.sft.ops.norm_act import (
@@ -88,6 +88,8 @@ __all__ = [
     "module_spec",
     "node_parameters",
     "out_of_place_callable",
+    "in_place_callable",
+    "exact_in_place_function",
     "user_name",
 ]
 

@@ -147,6 +147,12 @@ def out_of_place(spec: OpSpec) -> OpSpec:
     return replace(spec, inplace=False, saves_input=si, saves_output=so, saves_input_clone=False)
 
 
+def in_place(spec: OpSpec) -> OpSpec:
+    """The activation as a tile runs it in place (``NodeFacts.in_place_in_tile``): its output is its input's
+    storage and autograd keeps that storage, the result, for backward (``activations.exact_in_place``)."""
+    return replace(spec, inplace=True, saves_input=False, saves_output=True, saves_input_clone=False)
+
+
 # In-place activations whose derivative reads the original input: autograd clones the input before the op writes
 # it (``original_self`` in PyTorch's derivatives), so the in-place form keeps a copy of the input and not its
 # output. Seen on the simulated device: EfficientNet-B0's plain segments held conv, BatchNorm and SiLU-clone maps,

@@ -341,6 +341,7 @@ def _segment_plans(sess: PlanSession, path: tuple[SegOption, ...], base_peak: in
                 fused_pool=f.fusion.kind if opt.fused and f.fusion is not None else None,
                 start=opt.start,
                 end=opt.end,
+                in_place=tuple(sorted(sess.in_place(opt.start, opt.end))) if opt.mode == TILED else (),
                 regions=regions,
             )
         )

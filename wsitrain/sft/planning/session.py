@@ -10,8 +10,9 @@ import math
 from dataclasses import dataclass, field, replace
 
 from wsitrain.sft.facts import GraphFacts
+from wsitrain.sft.in_place import segment_in_place
 from wsitrain.sft.ops.registry import MERGE, WINDOW
-from wsitrain.sft.ops.types import out_of_place
+from wsitrain.sft.ops.types import in_place, out_of_place
 from wsitrain.sft.planning.costs import MemoryTerms, TimeModel, Work, default_time_model, forward_work, node_work
 from wsitrain.sft.planning.memory_model import SimOp, SimResult, simulate
 from wsitrain.sft.target import CPU_TARGET, TargetDevice
@@ -37,7 +38,8 @@ class PlanSession:
     # memos of tile replay steps and per-node work: a node's tile extents depend on the segment's end and tile
     # edge, not its start, so segments ending at the same cut share them (planning EfficientNet-B0 at 45% of
     # its plain memory made 850,000 replay steps for 14,000 distinct ones)
-    _tile_ops: dict[tuple[int, int, int, bool], SimOp] = field(default_factory=dict, repr=False)
+    _tile_ops: dict[tuple[int, int, int, bool, bool], SimOp] = field(default_factory=dict, repr=False)
+    _in_place: dict[tuple[int, int], frozenset[int]] = field(default_factory=dict, repr=False)  # memo of in_place
     _node_work: dict[tuple[int, int, int, int], tuple[Work, Work]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -66,10 +68,11 @@ class PlanSession:
         return max(1, round(self.facts.input_shape[2] / max(1, self.facts.nodes[i].shape[2])))
 
     # ---- replay steps --------------------------------------------------------------------------
-    def sim_op(self, i: int, out_bytes: int, grad: bool = True, tiled: bool = False) -> SimOp:
-        """Node i's replay step; ``tiled``: as a tile runs it, out of place (``ops.types.out_of_place``)."""
+    def sim_op(self, i: int, out_bytes: int, grad: bool = True, tiled: bool = False, inplace: bool = False) -> SimOp:
+        """Node i's replay step; ``tiled``: as a tile runs it, out of place (``ops.types.out_of_place``), or in
+        place where its segment's plan says so (``inplace``, ``in_place.segment_in_place``)."""
         node = self.facts.nodes[i]
-        spec = out_of_place(node.spec) if tiled else node.spec
+        spec = in_place(node.spec) if inplace else out_of_place(node.spec) if tiled else node.spec
         ins = node.inputs
         rg = node.requires_grad and grad
         saved: list[int] = []
@@ -101,12 +104,21 @@ class PlanSession:
             return op
         return replace(op, fwd_extra=op.fwd_extra + tile_bytes, bwd_extra=op.bwd_extra + tile_bytes)
 
-    def tile_op(self, i: int, out_bytes: int, in_bytes: int, grad: bool) -> SimOp:
-        """Node i's replay step on a tile: ``sim_op`` plus the copy of its input crop into a dense layout (memoized)."""
-        key = (i, out_bytes, in_bytes, grad)
+    def in_place(self, start: int, end: int) -> frozenset[int]:
+        """The nodes the tiles of segment (start, end] run in place (memoized)."""
+        key = (start, end)
+        ip = self._in_place.get(key)
+        if ip is None:
+            ip = self._in_place[key] = frozenset(segment_in_place(self.facts.nodes, start, end))
+        return ip
+
+    def tile_op(self, i: int, out_bytes: int, in_bytes: int, grad: bool, inplace: bool = False) -> SimOp:
+        """Node i's replay step on a tile: ``sim_op`` plus the copy of its input crop into a dense layout (memoized);
+        ``inplace``: the tile overwrites its input (``in_place.py``)."""
+        key = (i, out_bytes, in_bytes, grad, inplace)
         op = self._tile_ops.get(key)
         if op is None:
-            op = self.sim_op(i, out_bytes, grad=grad, tiled=True)
+            op = self.sim_op(i, out_bytes, grad=grad, tiled=True, inplace=inplace)
             op = self._tile_ops[key] = self.with_layout_copy(op, in_bytes) if self.facts.nodes[i].inputs else op
         return op
 

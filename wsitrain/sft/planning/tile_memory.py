@@ -149,8 +149,12 @@ def tile_choice(sess: PlanSession, start: int, end: int, edge: int, staged: bool
     image_staged = start == 0 and (sess.input_on_host or not f.input_dtype.is_floating_point)
     crop = tb[start] if staged or image_staged else 0
 
+    ip = sess.in_place(start, end)  # activations the tiles run in place (in_place.py): their input's storage
+
     def ops(grad: bool) -> list[SimOp]:  # constants read nothing
-        return [sess.tile_op(i, tb[i], tb[f.nodes[i].inputs[0]] if f.nodes[i].inputs else 0, grad) for i in nodes]
+        return [
+            sess.tile_op(i, tb[i], tb[f.nodes[i].inputs[0]] if f.nodes[i].inputs else 0, grad, i in ip) for i in nodes
+        ]
 
     fwd = simulate(ops(False), {start: crop}, backward=False).forward_peak
     bres = simulate(ops(True), {start: crop}, result_held=True, grad_bytes={start: tb[start]})
