@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from wsitrain.models import zoo
+from wsitrain.sft.ops.topk_pool import MaskedTopKMean
 from wsitrain.slides.synth import write_synthetic_dataset
 from wsitrain.slides.synth.lesions import read_sidecar
 
@@ -43,7 +44,13 @@ VARIANTS = (
     "accumulate2",
     "accumulate4",
     "head_lr10x",
+    "topk4",
+    "topk16",
+    "topk64",
+    "inst_aux",
 )
+# inst_aux: CLAM's bag / instance weighting (bag loss 0.7, instance loss 0.3) and the instance positions per slide
+INST_WEIGHT, INST_K = 0.3, 8
 
 
 def load_cohort(cohort: Path, n: int, size: int, crop: int | None = None
@@ -93,7 +100,34 @@ def make_model(pool: str, variant: str, seed: int) -> nn.Module:
     if variant in ("zero_head", "he_zero_head"):
         nn.init.zeros_(model.classifier.weight)
         nn.init.zeros_(model.classifier.bias)
+    if variant.startswith("topk"):  # the global pool replaced by the top-k mean (model.pool: topk, model.topk)
+        if pool in zoo.ATTENTION_POOLS:
+            raise SystemExit(f"--variants {variant} replaces a max or avg pool, not {pool}")
+        model.pool = MaskedTopKMean(int(variant[len("topk") :]))
     return model
+
+
+def forward_with_instances(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slide's logits (1, 2) and its per-position logit map (1, 2, h, w): the classifier on each position's
+    features (attention: the attended features ``h``), as the CAM path computes it."""
+    trunk_end = 3 if "attention" in model._modules else 2
+    f = model[:trunk_end](x)  # (1, C [+ K], h, w)
+    h = f[:, : -model.pool.branches] if trunk_end == 3 else f
+    w, b = model.classifier.weight, model.classifier.bias
+    cam = torch.einsum("kc,bchw->bkhw", w, h) + b[None, :, None, None]  # (1, 2, h, w)
+    return model[trunk_end:](f), cam
+
+
+def instance_loss(cam: torch.Tensor, y: int, k: int = INST_K) -> torch.Tensor:
+    """CLAM-style instance loss on the per-position logit map: a positive slide's k highest positions (by the positive
+    class's margin) pushed to positive and its k lowest to negative; a negative slide's k highest to negative."""
+    margin = (cam[0, 1] - cam[0, 0]).flatten()  # (h * w,)
+    top = margin.topk(k).values
+    if not y:
+        return F.binary_cross_entropy_with_logits(top, torch.zeros_like(top))
+    bottom = (-margin).topk(k).values.neg()
+    z = torch.cat([top, bottom])
+    return F.binary_cross_entropy_with_logits(z, torch.cat([torch.ones_like(top), torch.zeros_like(bottom)]))
 
 
 def auc(y: list[int], p: list[float]) -> float:
@@ -164,9 +198,16 @@ def run(variant: str, pool: str, seed: int, args: argparse.Namespace, data: tupl
         accumulate = int(variant[len("accumulate") :]) if variant.startswith("accumulate") else 1
         for k, i in enumerate(order):
             x = torch.rot90(images[i].float() / 255, int(rng.integers(4)), (2, 3))
-            logits = model(x)
-            loss = F.cross_entropy(logits, torch.tensor([ys[i]]))
-            (loss / accumulate).backward()  # as train.accumulate: the mean gradient of ``accumulate`` slides a step
+            if variant == "inst_aux":
+                logits, cam = forward_with_instances(model, x)
+                loss = F.cross_entropy(logits, torch.tensor([ys[i]]))
+                aux = instance_loss(cam, ys[i])
+                ((1 - INST_WEIGHT) * loss + INST_WEIGHT * aux).backward()  # the logged loss stays the bag's
+            else:
+                logits = model(x)
+                loss = F.cross_entropy(logits, torch.tensor([ys[i]]))
+            if variant != "inst_aux":
+                (loss / accumulate).backward()  # as train.accumulate: the mean gradient of ``accumulate`` slides a step
             if (k + 1) % accumulate == 0 or k + 1 == len(order):
                 opt.step()
                 opt.zero_grad()

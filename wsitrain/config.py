@@ -35,7 +35,7 @@ from pydantic import (
 
 from wsitrain.errors import ConfigError, WsiTrainError
 from wsitrain.models.freeze import FreezeSpec
-from wsitrain.models.heads import ATTENTION_POOLS, POOLS, AttentionSpec
+from wsitrain.models.heads import ATTENTION_POOLS, DEFAULT_TOPK, POOLS, TOPK, AttentionSpec
 from wsitrain.models.registry import ModelNameError, is_imagenet, resolve_model_name
 from wsitrain.precision import Precision
 from wsitrain.slides.tissue.result import DEFAULT_MIN_FRAGMENT_MM2, TissueSettings
@@ -234,6 +234,8 @@ class ModelConfig(Section):
     weights: UserPath | None = None  # a state dict, a wsitrain run checkpoint (best.pt), or `imagenet`
     pool: str = "avg"  # one of wsitrain.models.heads.POOLS
     attention: AttentionConfig = AttentionConfig()
+    # pool: topk's k: each channel pools the mean of its k strongest tissue positions (wsitrain.sft.ops.topk_pool)
+    topk: int = Field(DEFAULT_TOPK, ge=1, strict=True)
     freeze_bn: bool = True
     freeze: FreezeConfig | None = None  # fine-tuning: layers kept fixed (forward-only in the engine)
 
@@ -256,6 +258,12 @@ class ModelConfig(Section):
             raise ValueError(
                 f"model.attention applies to pool: {' or '.join(ATTENTION_POOLS)}, but model.pool is {self.pool!r}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _topk_needs_topk_pool(self) -> ModelConfig:
+        if "topk" in self.model_fields_set and self.pool != TOPK:
+            raise ValueError(f"model.topk applies to pool: {TOPK}, but model.pool is {self.pool!r}")
         return self
 
     @field_validator("name")
