@@ -48,9 +48,14 @@ VARIANTS = (
     "topk16",
     "topk64",
     "inst_aux",
+    "head_warmup",
+    "head_warmup_patch",
 )
 # inst_aux: CLAM's bag / instance weighting (bag loss 0.7, instance loss 0.3) and the instance positions per slide
 INST_WEIGHT, INST_K = 0.3, 8
+# head_warmup: head-only AdamW steps on the frozen initial trunk's maps before end-to-end training (the frozen-feature
+# baseline's head made 5,816 in its budget, docs/plateau.md section 5)
+WARMUP_STEPS = 2000
 
 
 def load_cohort(cohort: Path, n: int, size: int, crop: int | None = None
@@ -105,6 +110,42 @@ def make_model(pool: str, variant: str, seed: int) -> nn.Module:
             raise SystemExit(f"--variants {variant} replaces a max or avg pool, not {pool}")
         model.pool = MaskedTopKMean(int(variant[len("topk") :]))
     return model
+
+
+def warm_up_head(model: nn.Module, images: list[torch.Tensor], ys: list[int], train: list[int], lr: float,
+                 rng: np.random.Generator, steps: int = WARMUP_STEPS) -> dict[str, float]:  # fmt: skip
+    """Train only the head (everything after ``features``) on the initial trunk's maps of the training slides, one
+    slide and a random quarter turn per step; the trunk is untouched. Returns its loss and wall time."""
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        maps = [model[:2](images[i].float() / 255) for i in train]  # (1, C, h, w) each
+    head = model[2:]
+    opt = torch.optim.AdamW(head.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        j = int(rng.integers(len(train)))
+        logits = head(torch.rot90(maps[j], int(rng.integers(4)), (2, 3)))
+        loss = F.cross_entropy(logits, torch.tensor([ys[train[j]]]))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return {"warmup_steps": steps, "warmup_last100_loss": round(float(np.mean(losses[-100:])), 4),
+            "warmup_wall_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
+
+
+def warm_up_head_on_patches(model: nn.Module, images: list[torch.Tensor], ys: list[int], train: list[int], lr: float,
+                            seed: int, steps: int = WARMUP_STEPS, patch: int = 64) -> dict[str, float]:  # fmt: skip
+    """The same, on bags of ``patch`` px patch vectors (the frozen-feature baseline's features: each patch through the
+    initial trunk alone, its map averaged), as ``wsitrain.train.frozen_mil`` computes them."""
+    from wsitrain.train.frozen_mil import patch_features, train_head
+
+    t0 = time.perf_counter()
+    bags = [patch_features(model, images[i].float() / 255, patch) for i in train]  # (N, C) each
+    fit = train_head(model, bags, [ys[i] for i in train], epochs=steps // len(train), lr=lr, seed=seed)
+    model.train()
+    return {"warmup_steps": fit.epochs * len(train), "warmup_last_epoch_loss": round(fit.train_loss[-1], 4),
+            "warmup_wall_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
 
 
 def forward_with_instances(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,6 +218,12 @@ def run(variant: str, pool: str, seed: int, args: argparse.Namespace, data: tupl
     held = [i for i in range(len(ys)) if i not in train]
     model = make_model(pool, variant, seed)
     stats = trunk_stats(model, images[train[0]])
+    if variant == "head_warmup":
+        stats.update(warm_up_head(model, images, ys, train, args.lr, rng))
+    if variant == "head_warmup_patch":  # as train.head_warmup does it: wsitrain.train.frozen_mil's bags of patches
+        stats.update(warm_up_head_on_patches(model, images, ys, train, args.lr, seed))
+    if variant.startswith("head_warmup"):
+        print(variant, pool, seed, json.dumps(stats), flush=True)
     lr = 3e-3 if variant == "lr3e-3" else args.lr
     if variant == "head_lr10x":  # train.backbone_lr_scale 0.1 at lr 10x: the head 10x faster, the trunk as before
         from wsitrain.train.optim import parameter_groups

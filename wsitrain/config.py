@@ -298,6 +298,22 @@ class EngineConfig(Section):
         return None if self.memory_budget is None else parse_bytes(self.memory_budget, what="engine.memory_budget")
 
 
+class HeadWarmupConfig(Section):
+    """``train.head_warmup``: head-only steps on the initial trunk's patch features before end-to-end training
+    (wsitrain.train.head_warmup). ``head_warmup: 2000`` is short for ``{steps: 2000}``."""
+
+    steps: int = Field(2000, ge=1, strict=True)  # head-only AdamW steps, one training slide's bag each
+    patch: int = Field(64, ge=8, strict=True)  # patch edge in px at the read's resolution: one vector per patch
+    lr: float | None = Field(None, gt=0)  # none: train.lr
+
+    @model_validator(mode="before")
+    @classmethod
+    def _short_form(cls, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return {"steps": value}
+        return value
+
+
 class TrainConfig(Section):
     epochs: int = Field(10, ge=1)
     optimizer: Literal["sgd", "adam", "adamw"] = "adamw"
@@ -316,6 +332,9 @@ class TrainConfig(Section):
     # Imbalanced classes: "weights" weighs each slide's loss by n / (classes * n_class) of the training set,
     # "sampling" draws each epoch's slides with those weights (with replacement, as many as there are); none: as is.
     class_balance: Literal["none", "weights", "sampling"] = "none"
+    # Before the first epoch of a new run, the head alone learns on the initial trunk's patch features (the attention
+    # head then no longer starts uniform: docs/plateau.md section 6). None: end to end from the first step.
+    head_warmup: HeadWarmupConfig | None = None
     val_every: int = Field(1, ge=1)
     # Also write last.pt every N optimizer steps (not only at each epoch's end), so a killed run loses little.
     checkpoint_every: int | None = Field(None, ge=1)
@@ -323,6 +342,12 @@ class TrainConfig(Section):
     checkpoint_minutes: float | None = Field(None, gt=0)
     # A signal that stops the run cleanly besides SIGTERM and SIGINT, e.g. USR1 for `sbatch --signal=B:USR1@120`.
     stop_signal: str | None = None
+
+    @model_validator(mode="after")
+    def _warmup_needs_cross_entropy(self) -> TrainConfig:
+        if self.head_warmup is not None and self.loss != "cross_entropy":
+            raise ValueError("train.head_warmup trains a classifier head with cross-entropy; remove it for loss: mse")
+        return self
 
     @field_validator("stop_signal")
     @classmethod
