@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from tiny_runs import config_file, finished_run, synthetic_slides
 
-from wsitrain.config import TrainConfig
+from wsitrain.config import TrainConfig, WsiTrainConfig
+from wsitrain.errors import WsiTrainError
 from wsitrain.models import build
 from wsitrain.train.head_warmup import head_modules, warm_up_head
+from wsitrain.train.recipe import _check_head_warmup
 
 
 def toy_slides(n: int = 4) -> tuple[list[torch.Tensor], list[int]]:
@@ -73,3 +76,18 @@ def test_fit_warms_the_head_up_on_a_new_run(tmp_path: Path) -> None:
     warm = rows[kinds.index("head_warmup")]
     assert warm["steps"] == 12 and warm["slides"] == 2, warm
     assert all(r.get("kind") != "train" for r in rows[: kinds.index("head_warmup")]), "it runs before the training"
+
+
+def test_the_checks_fit_makes_before_the_run_folder_exists() -> None:
+    """A patch under the model's stride, streamed reads, a regression task: each a clear input error."""
+    def cfg(**kw: object) -> WsiTrainConfig:
+        data = {"synthetic": {"n": 4}, "stream_tiles": kw.pop("stream", False)}
+        return WsiTrainConfig.model_validate({"data": data, "train": {"head_warmup": kw}})
+
+    _check_head_warmup(cfg(steps=5, patch=16), None, 16)  # one map cell per patch: fine
+    with pytest.raises(WsiTrainError, match=r"patch is 8 px, smaller than the model's stride \(16 px\)"):
+        _check_head_warmup(cfg(steps=5, patch=8), None, 16)
+    with pytest.raises(WsiTrainError, match="data.stream_tiles is on"):
+        _check_head_warmup(cfg(steps=5, stream=True), None, 16)
+    with pytest.raises(WsiTrainError, match="but the task is survival"):
+        _check_head_warmup(cfg(steps=5), SimpleNamespace(kind="survival"), 16)  # type: ignore[arg-type]

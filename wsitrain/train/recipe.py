@@ -65,6 +65,21 @@ from wsitrain.train.state import FitState
 Item = tuple[torch.Tensor, int, SlideRecord, ReadResult]  # (image (3, H, W) uint8, label, record, how it was read)
 
 
+def _check_head_warmup(cfg: WsiTrainConfig, objective: Objective | None, stride: int) -> None:
+    """``train.head_warmup`` needs a classifier, whole reads and patches at least one map cell wide."""
+    w = cfg.train.head_warmup
+    assert w is not None
+    if objective is not None:
+        raise WsiTrainError(f"train.head_warmup trains a classifier head, but the task is {objective.kind}",
+                            hint="remove train.head_warmup for this task")  # fmt: skip
+    if cfg.data.stream_tiles:
+        raise WsiTrainError("train.head_warmup reads each training slide whole once, but data.stream_tiles is on",
+                            hint="remove train.head_warmup, or set data.stream_tiles: false")  # fmt: skip
+    if w.patch < stride:
+        raise WsiTrainError(f"train.head_warmup.patch is {w.patch} px, smaller than the model's stride ({stride} px)",
+                            hint=f"set train.head_warmup.patch to {stride} or more (a multiple of it)")  # fmt: skip
+
+
 class FitCallback(Protocol):
     """Called after every optimizer step, once that step's checkpoint (if any) is written."""
 
@@ -158,11 +173,8 @@ class FitRecipe:
                 f"{self.objective.kind}",
                 hint="remove train.class_balance (or set it to none) for this task",
             )
-        if self.objective is not None and t.head_warmup is not None:
-            raise WsiTrainError(
-                f"train.head_warmup trains a classifier head, but the task is {self.objective.kind}",
-                hint="remove train.head_warmup for this task",
-            )
+        if t.head_warmup is not None:
+            _check_head_warmup(cfg, self.objective, self.model.stride)
         self.class_w = class_weights([r.label for r in self.data.train]) if self.objective is None else {}
         groups = parameter_groups(self.model, t.lr, t.backbone_lr_scale)
         optimizer = build_optimizer(groups, t.optimizer, t.lr, t.momentum, t.weight_decay)
@@ -351,8 +363,12 @@ class FitRecipe:
         if self.dist.is_main:
             ds = SlideDataset(self.data.train, read_kwargs(self.cfg, self.model.stride), None, self.cfg.seed)
             images = (as_batch(ds[i][0]) for i in range(len(ds)))
-            res = warm_up_head(self.model, images, [int(r.label) for r in self.data.train], steps=w.steps,
-                               patch=w.patch, lr=w.lr or t.lr, seed=self.cfg.seed)  # fmt: skip
+            try:
+                res = warm_up_head(self.model, images, [int(r.label) for r in self.data.train], steps=w.steps,
+                                   patch=w.patch, lr=w.lr or t.lr, seed=self.cfg.seed)  # fmt: skip
+            except ValueError as e:  # a read smaller than one patch (frozen_mil.patch_grid)
+                hint = "set train.head_warmup.patch below the smallest read's edge"
+                raise WsiTrainError(f"train.head_warmup: {e}", hint=hint) from e
             self.say.print(res.summary(), markup=False)
             self.recorder.metrics.write({"kind": "head_warmup", "steps": res.steps, "slides": res.slides,
                                          "first_loss": res.first_loss, "last_loss": res.last_loss,
