@@ -137,15 +137,13 @@ def warm_up_head(model: nn.Module, images: list[torch.Tensor], ys: list[int], tr
 def warm_up_head_on_patches(model: nn.Module, images: list[torch.Tensor], ys: list[int], train: list[int], lr: float,
                             seed: int, steps: int = WARMUP_STEPS, patch: int = 64) -> dict[str, float]:  # fmt: skip
     """The same, on bags of ``patch`` px patch vectors (the frozen-feature baseline's features: each patch through the
-    initial trunk alone, its map averaged), as ``wsitrain.train.frozen_mil`` computes them."""
-    from wsitrain.train.frozen_mil import patch_features, train_head
+    initial trunk alone, its map averaged): ``train.head_warmup`` itself (wsitrain.train.head_warmup)."""
+    from wsitrain.train.head_warmup import warm_up_head as fit_warm_up
 
-    t0 = time.perf_counter()
-    bags = [patch_features(model, images[i].float() / 255, patch) for i in train]  # (N, C) each
-    fit = train_head(model, bags, [ys[i] for i in train], epochs=steps // len(train), lr=lr, seed=seed)
-    model.train()
-    return {"warmup_steps": fit.epochs * len(train), "warmup_last_epoch_loss": round(fit.train_loss[-1], 4),
-            "warmup_wall_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
+    res = fit_warm_up(model, [images[i] for i in train], [ys[i] for i in train], steps=steps, patch=patch, lr=lr,
+                      seed=seed)  # fmt: skip
+    return {"warmup_steps": res.steps, "warmup_last_epoch_loss": round(res.last_loss, 4),
+            "warmup_wall_s": round(res.wall_s, 1)}  # fmt: skip
 
 
 def forward_with_instances(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
