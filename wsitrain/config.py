@@ -262,7 +262,8 @@ class ModelConfig(Section):
 
     @model_validator(mode="after")
     def _topk_needs_topk_pool(self) -> ModelConfig:
-        if "topk" in self.model_fields_set and self.pool != TOPK:
+        # not "was it set": config_to_dict writes every key, and its round trip must load (as model.attention's)
+        if self.topk != DEFAULT_TOPK and self.pool != TOPK:
             raise ValueError(f"model.topk applies to pool: {TOPK}, but model.pool is {self.pool!r}")
         return self
 
