@@ -142,7 +142,7 @@ def warm_up_head_on_patches(model: nn.Module, images: list[torch.Tensor], ys: li
 
     res = fit_warm_up(model, [images[i] for i in train], [ys[i] for i in train], steps=steps, patch=patch, lr=lr,
                       seed=seed)  # fmt: skip
-    return {"warmup_steps": res.steps, "warmup_last_epoch_loss": round(res.last_loss, 4),
+    return {"warmup_steps": res.steps, "warmup_last_epoch_loss": round(res.last_loss, 4), "warmup_kept": res.kept,
             "warmup_wall_s": round(res.wall_s, 1)}  # fmt: skip
 
 

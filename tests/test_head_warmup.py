@@ -7,6 +7,7 @@ run in ``fit`` on a new run: the run folder's metrics record it and the saved he
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -47,9 +48,25 @@ def test_warmup_trains_the_head_only_and_learns(pool: str) -> None:
     for k, v in model.features.state_dict().items():
         assert torch.equal(v, trunk[k]), f"the trunk's {k} changed"
     after = {k: v for m in head_modules(model) for k, v in m.state_dict().items()}
-    assert any(not torch.equal(after[k], head[k]) for k in head), "the head did not change"
-    if pool == "attention":  # measured here: 0.75 -> 0.62 (max and top-k heads see no square in these patches)
+    if res.kept:
+        assert any(not torch.equal(after[k], head[k]) for k in head), "the head did not change"
+    else:  # it did not learn (max and top-k heads see no square in these patches): the head is back as it was
+        assert all(torch.equal(after[k], head[k]) for k in head)
+    if pool == "attention":  # measured here: 0.75 -> 0.62
         assert res.last_loss < res.first_loss - 0.08, res.losses
+        assert res.kept and abs(res.prior_loss - math.log(2)) < 1e-12
+
+
+def test_a_warmup_that_learns_nothing_is_not_kept() -> None:
+    """Two copies of each image, one per label: nothing to learn, so the head is put back bitwise."""
+    torch.manual_seed(0)
+    model = build("tiny", 2, pool="attention")
+    head = {k: v.clone() for m in head_modules(model) for k, v in m.state_dict().items()}
+    images, _ = toy_slides(2)
+    res = warm_up_head(model, images * 2, [0, 1, 1, 0], steps=40, patch=16, lr=3e-2, seed=0)
+    assert not res.kept and "not kept" in res.summary()
+    after = {k: v for m in head_modules(model) for k, v in m.state_dict().items()}
+    assert all(torch.equal(after[k], head[k]) for k in head)
     assert all(p.grad is None for p in model.parameters()), "the warm-up left gradients behind"
     assert model.training, "the model's mode is restored"
 

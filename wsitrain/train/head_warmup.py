@@ -13,6 +13,11 @@ goes through the model's own ``normalize`` + ``features`` without autograd (``fr
 one bag per step, laid out as a (1, C, N, 1) map, so it is the very module end-to-end training runs on the trunk's
 map; the trunk is untouched and the end-to-end optimizer starts afresh afterwards. Cost: one forward of the trunk per
 training slide plus the head's steps on small bags (seconds). The bags hold N x C floats per slide, in host memory.
+
+Kept only when it learnt: its last epoch's mean loss must be ``MIN_GAIN`` below the loss of a constant output at the
+training set's class prior, else the head is put back as it was. Why (*measured*, docs/plateau.md section 6): on
+seed 1 the warm-up's loss stayed at chance (0.6925 against 0.6931) while its classifier weights grew 5x fitting noise,
+and end to end that head drove the trunk's ReLUs off (active features 35% -> 16% in 20 steps): a flat run.
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ from torch import nn
 from wsitrain.train.frozen_mil import patch_features
 
 TRUNK = "features"  # the trunk's name in every wsitrain model (wsitrain.models.zoo); the head is what follows it
+# nats below the prior's loss the warm-up's last epoch must reach to be kept: the warm-ups that shortened the plateau
+# ended 0.013-0.091 below ln 2, the one that flattened its run 0.0006 below (measured, docs/plateau.md section 6)
+MIN_GAIN = 0.01
 
 
 @dataclass
@@ -41,10 +49,19 @@ class WarmupResult:
     last_loss: float = float("nan")
     wall_s: float = 0.0
     losses: list[float] = field(default_factory=list)
+    prior_loss: float = float("nan")  # a constant output at the training set's class prior
+    kept: bool = False  # False: it did not learn (MIN_GAIN), and the head was put back as it was
 
     def summary(self) -> str:
+        what = "kept" if self.kept else f"not kept: not {MIN_GAIN} below the prior's loss {self.prior_loss:.3f}"
         return (f"head warm-up: {self.steps} head-only steps on {self.slides} slides' patch features, "
-                f"loss {self.first_loss:.3f} -> {self.last_loss:.3f}, {self.wall_s:.1f} s")  # fmt: skip
+                f"loss {self.first_loss:.3f} -> {self.last_loss:.3f}, {self.wall_s:.1f} s; {what}")  # fmt: skip
+
+
+def prior_loss(labels: list[int]) -> float:
+    """Cross-entropy of the best constant output: the entropy of the labels' class frequencies."""
+    p = np.bincount(labels) / len(labels)
+    return float(-(p[p > 0] * np.log(p[p > 0])).sum())
 
 
 def head_modules(model: nn.Sequential) -> list[nn.Module]:
@@ -77,6 +94,7 @@ def warm_up_head(model: nn.Sequential, images: Iterable[torch.Tensor], labels: l
         x = x.float() / 255 if x.dtype == torch.uint8 else x.float()
         bags.append(patch_features(model, x, patch))  # (N, C)
     head = head_modules(model)
+    before = [{k: v.clone() for k, v in m.state_dict().items()} for m in head]
     params = [p for m in head for p in m.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr)
     rng = np.random.default_rng(seed)
@@ -100,5 +118,10 @@ def warm_up_head(model: nn.Sequential, images: Iterable[torch.Tensor], labels: l
         p.grad = None
     model.train(was_training)
     result.first_loss, result.last_loss = result.losses[0], result.losses[-1]
+    result.prior_loss = prior_loss(labels)
+    result.kept = result.last_loss < result.prior_loss - MIN_GAIN
+    if not result.kept:
+        for m, state in zip(head, before, strict=True):
+            m.load_state_dict(state)
     result.wall_s = time.perf_counter() - t0
     return result

@@ -371,7 +371,7 @@ class FitRecipe:
                 raise WsiTrainError(f"train.head_warmup: {e}", hint=hint) from e
             self.say.print(res.summary(), markup=False)
             self.recorder.metrics.write({"kind": "head_warmup", "steps": res.steps, "slides": res.slides,
-                                         "first_loss": res.first_loss, "last_loss": res.last_loss,
+                                         "first_loss": res.first_loss, "last_loss": res.last_loss, "kept": res.kept,
                                          "wall_s": round(res.wall_s, 2)})  # fmt: skip
             state = {k: v.cpu() for k, v in head.state_dict().items()}
         if self.dist.enabled:
