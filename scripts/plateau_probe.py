@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from wsitrain.models import zoo
+from wsitrain.sft.ops.topk_pool import MaskedTopKMean
 from wsitrain.slides.synth import write_synthetic_dataset
 from wsitrain.slides.synth.lesions import read_sidecar
 
@@ -43,7 +44,18 @@ VARIANTS = (
     "accumulate2",
     "accumulate4",
     "head_lr10x",
+    "topk4",
+    "topk16",
+    "topk64",
+    "inst_aux",
+    "head_warmup",
+    "head_warmup_patch",
 )
+# inst_aux: CLAM's bag / instance weighting (bag loss 0.7, instance loss 0.3) and the instance positions per slide
+INST_WEIGHT, INST_K = 0.3, 8
+# head_warmup: head-only AdamW steps on the frozen initial trunk's maps before end-to-end training (the frozen-feature
+# baseline's head made 5,816 in its budget, docs/plateau.md section 5)
+WARMUP_STEPS = 2000
 
 
 def load_cohort(cohort: Path, n: int, size: int, crop: int | None = None
@@ -93,7 +105,68 @@ def make_model(pool: str, variant: str, seed: int) -> nn.Module:
     if variant in ("zero_head", "he_zero_head"):
         nn.init.zeros_(model.classifier.weight)
         nn.init.zeros_(model.classifier.bias)
+    if variant.startswith("topk"):  # the global pool replaced by the top-k mean (model.pool: topk, model.topk)
+        if pool in zoo.ATTENTION_POOLS:
+            raise SystemExit(f"--variants {variant} replaces a max or avg pool, not {pool}")
+        model.pool = MaskedTopKMean(int(variant[len("topk") :]))
     return model
+
+
+def warm_up_head(model: nn.Module, images: list[torch.Tensor], ys: list[int], train: list[int], lr: float,
+                 rng: np.random.Generator, steps: int = WARMUP_STEPS) -> dict[str, float]:  # fmt: skip
+    """Train only the head (everything after ``features``) on the initial trunk's maps of the training slides, one
+    slide and a random quarter turn per step; the trunk is untouched. Returns its loss and wall time."""
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        maps = [model[:2](images[i].float() / 255) for i in train]  # (1, C, h, w) each
+    head = model[2:]
+    opt = torch.optim.AdamW(head.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        j = int(rng.integers(len(train)))
+        logits = head(torch.rot90(maps[j], int(rng.integers(4)), (2, 3)))
+        loss = F.cross_entropy(logits, torch.tensor([ys[train[j]]]))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return {"warmup_steps": steps, "warmup_last100_loss": round(float(np.mean(losses[-100:])), 4),
+            "warmup_wall_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
+
+
+def warm_up_head_on_patches(model: nn.Module, images: list[torch.Tensor], ys: list[int], train: list[int], lr: float,
+                            seed: int, steps: int = WARMUP_STEPS, patch: int = 64) -> dict[str, float]:  # fmt: skip
+    """The same, on bags of ``patch`` px patch vectors (the frozen-feature baseline's features: each patch through the
+    initial trunk alone, its map averaged): ``train.head_warmup`` itself (wsitrain.train.head_warmup)."""
+    from wsitrain.train.head_warmup import warm_up_head as fit_warm_up
+
+    res = fit_warm_up(model, [images[i] for i in train], [ys[i] for i in train], steps=steps, patch=patch, lr=lr,
+                      seed=seed)  # fmt: skip
+    return {"warmup_steps": res.steps, "warmup_last_epoch_loss": round(res.last_loss, 4), "warmup_kept": res.kept,
+            "warmup_wall_s": round(res.wall_s, 1)}  # fmt: skip
+
+
+def forward_with_instances(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slide's logits (1, 2) and its per-position logit map (1, 2, h, w): the classifier on each position's
+    features (attention: the attended features ``h``), as the CAM path computes it."""
+    trunk_end = 3 if "attention" in model._modules else 2
+    f = model[:trunk_end](x)  # (1, C [+ K], h, w)
+    h = f[:, : -model.pool.branches] if trunk_end == 3 else f
+    w, b = model.classifier.weight, model.classifier.bias
+    cam = torch.einsum("kc,bchw->bkhw", w, h) + b[None, :, None, None]  # (1, 2, h, w)
+    return model[trunk_end:](f), cam
+
+
+def instance_loss(cam: torch.Tensor, y: int, k: int = INST_K) -> torch.Tensor:
+    """CLAM-style instance loss on the per-position logit map: a positive slide's k highest positions (by the positive
+    class's margin) pushed to positive and its k lowest to negative; a negative slide's k highest to negative."""
+    margin = (cam[0, 1] - cam[0, 0]).flatten()  # (h * w,)
+    top = margin.topk(k).values
+    if not y:
+        return F.binary_cross_entropy_with_logits(top, torch.zeros_like(top))
+    bottom = (-margin).topk(k).values.neg()
+    z = torch.cat([top, bottom])
+    return F.binary_cross_entropy_with_logits(z, torch.cat([torch.ones_like(top), torch.zeros_like(bottom)]))
 
 
 def auc(y: list[int], p: list[float]) -> float:
@@ -143,6 +216,12 @@ def run(variant: str, pool: str, seed: int, args: argparse.Namespace, data: tupl
     held = [i for i in range(len(ys)) if i not in train]
     model = make_model(pool, variant, seed)
     stats = trunk_stats(model, images[train[0]])
+    if variant == "head_warmup":
+        stats.update(warm_up_head(model, images, ys, train, args.lr, rng))
+    if variant == "head_warmup_patch":  # as train.head_warmup does it: wsitrain.train.frozen_mil's bags of patches
+        stats.update(warm_up_head_on_patches(model, images, ys, train, args.lr, seed))
+    if variant.startswith("head_warmup"):
+        print(variant, pool, seed, json.dumps(stats), flush=True)
     lr = 3e-3 if variant == "lr3e-3" else args.lr
     if variant == "head_lr10x":  # train.backbone_lr_scale 0.1 at lr 10x: the head 10x faster, the trunk as before
         from wsitrain.train.optim import parameter_groups
@@ -164,9 +243,16 @@ def run(variant: str, pool: str, seed: int, args: argparse.Namespace, data: tupl
         accumulate = int(variant[len("accumulate") :]) if variant.startswith("accumulate") else 1
         for k, i in enumerate(order):
             x = torch.rot90(images[i].float() / 255, int(rng.integers(4)), (2, 3))
-            logits = model(x)
-            loss = F.cross_entropy(logits, torch.tensor([ys[i]]))
-            (loss / accumulate).backward()  # as train.accumulate: the mean gradient of ``accumulate`` slides a step
+            if variant == "inst_aux":
+                logits, cam = forward_with_instances(model, x)
+                loss = F.cross_entropy(logits, torch.tensor([ys[i]]))
+                aux = instance_loss(cam, ys[i])
+                ((1 - INST_WEIGHT) * loss + INST_WEIGHT * aux).backward()  # the logged loss stays the bag's
+            else:
+                logits = model(x)
+                loss = F.cross_entropy(logits, torch.tensor([ys[i]]))
+            if variant != "inst_aux":
+                (loss / accumulate).backward()  # as train.accumulate: the mean gradient of ``accumulate`` slides a step
             if (k + 1) % accumulate == 0 or k + 1 == len(order):
                 opt.step()
                 opt.zero_grad()

@@ -284,7 +284,7 @@ def plan(
         None, "--tissue", min=0.0, max=1.0, help="Also predict the step time when this share of the tiles holds "
         "tissue (masked background computed once), e.g. 0.4.",
     ),
-    pool: str = typer.Option("avg", "--pool", help="The head's pooling: avg, max, attention or gated_attention."),
+    pool: str = typer.Option("avg", "--pool", help="The head's pooling: avg, max, attention, gated_attention or topk."),
     freeze: str | None = typer.Option(
         None, "--freeze", help="Plan fine-tuning with layers frozen (model.freeze): up to a module (layer2) or a list "
         "(conv1,layer1); shows the saving against nothing frozen.",

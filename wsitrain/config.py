@@ -35,7 +35,7 @@ from pydantic import (
 
 from wsitrain.errors import ConfigError, WsiTrainError
 from wsitrain.models.freeze import FreezeSpec
-from wsitrain.models.heads import ATTENTION_POOLS, POOLS, AttentionSpec
+from wsitrain.models.heads import ATTENTION_POOLS, DEFAULT_TOPK, POOLS, TOPK, AttentionSpec
 from wsitrain.models.registry import ModelNameError, is_imagenet, resolve_model_name
 from wsitrain.precision import Precision
 from wsitrain.slides.tissue.result import DEFAULT_MIN_FRAGMENT_MM2, TissueSettings
@@ -234,6 +234,8 @@ class ModelConfig(Section):
     weights: UserPath | None = None  # a state dict, a wsitrain run checkpoint (best.pt), or `imagenet`
     pool: str = "avg"  # one of wsitrain.models.heads.POOLS
     attention: AttentionConfig = AttentionConfig()
+    # pool: topk's k: each channel pools the mean of its k strongest tissue positions (wsitrain.sft.ops.topk_pool)
+    topk: int = Field(DEFAULT_TOPK, ge=1, strict=True)
     freeze_bn: bool = True
     freeze: FreezeConfig | None = None  # fine-tuning: layers kept fixed (forward-only in the engine)
 
@@ -256,6 +258,13 @@ class ModelConfig(Section):
             raise ValueError(
                 f"model.attention applies to pool: {' or '.join(ATTENTION_POOLS)}, but model.pool is {self.pool!r}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _topk_needs_topk_pool(self) -> ModelConfig:
+        # not "was it set": config_to_dict writes every key, and its round trip must load (as model.attention's)
+        if self.topk != DEFAULT_TOPK and self.pool != TOPK:
+            raise ValueError(f"model.topk applies to pool: {TOPK}, but model.pool is {self.pool!r}")
         return self
 
     @field_validator("name")
@@ -290,6 +299,22 @@ class EngineConfig(Section):
         return None if self.memory_budget is None else parse_bytes(self.memory_budget, what="engine.memory_budget")
 
 
+class HeadWarmupConfig(Section):
+    """``train.head_warmup``: head-only steps on the initial trunk's patch features before end-to-end training
+    (wsitrain.train.head_warmup). ``head_warmup: 2000`` is short for ``{steps: 2000}``."""
+
+    steps: int = Field(2000, ge=1, strict=True)  # head-only AdamW steps, one training slide's bag each
+    patch: int = Field(64, ge=8, strict=True)  # patch edge in px at the read's resolution: one vector per patch
+    lr: float | None = Field(None, gt=0)  # none: train.lr
+
+    @model_validator(mode="before")
+    @classmethod
+    def _short_form(cls, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return {"steps": value}
+        return value
+
+
 class TrainConfig(Section):
     epochs: int = Field(10, ge=1)
     optimizer: Literal["sgd", "adam", "adamw"] = "adamw"
@@ -308,6 +333,9 @@ class TrainConfig(Section):
     # Imbalanced classes: "weights" weighs each slide's loss by n / (classes * n_class) of the training set,
     # "sampling" draws each epoch's slides with those weights (with replacement, as many as there are); none: as is.
     class_balance: Literal["none", "weights", "sampling"] = "none"
+    # Before the first epoch of a new run, the head alone learns on the initial trunk's patch features (the attention
+    # head then no longer starts uniform: docs/plateau.md section 6). None: end to end from the first step.
+    head_warmup: HeadWarmupConfig | None = None
     val_every: int = Field(1, ge=1)
     # Also write last.pt every N optimizer steps (not only at each epoch's end), so a killed run loses little.
     checkpoint_every: int | None = Field(None, ge=1)
@@ -315,6 +343,12 @@ class TrainConfig(Section):
     checkpoint_minutes: float | None = Field(None, gt=0)
     # A signal that stops the run cleanly besides SIGTERM and SIGINT, e.g. USR1 for `sbatch --signal=B:USR1@120`.
     stop_signal: str | None = None
+
+    @model_validator(mode="after")
+    def _warmup_needs_cross_entropy(self) -> TrainConfig:
+        if self.head_warmup is not None and self.loss != "cross_entropy":
+            raise ValueError("train.head_warmup trains a classifier head with cross-entropy; remove it for loss: mse")
+        return self
 
     @field_validator("stop_signal")
     @classmethod

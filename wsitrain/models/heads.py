@@ -8,8 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-AVG, MAX, ATTENTION, GATED_ATTENTION = "avg", "max", "attention", "gated_attention"
-POOLS = (AVG, MAX, ATTENTION, GATED_ATTENTION)
+AVG, MAX, ATTENTION, GATED_ATTENTION, TOPK = "avg", "max", "attention", "gated_attention", "topk"
+POOLS = (AVG, MAX, ATTENTION, GATED_ATTENTION, TOPK)
+# ``pool: topk``: each channel's mean of its k largest positions (wsitrain.sft.ops.topk_pool). k = 16 is a lesion of
+# ~64 x 64 px at a stride of 16 (the synthetic small-lesion cohort's boxes are 80 px): measured in docs/plateau.md.
+DEFAULT_TOPK = 16
 # Attention-MIL pooling: ABMIL (``w^T tanh(V h)``) and CLAM's gated form (``w^T (tanh(V h) * sigmoid(U h))``).
 ATTENTION_POOLS = (ATTENTION, GATED_ATTENTION)
 

@@ -20,11 +20,12 @@ from wsitrain.models.attention import AttentionPool, AttentionScores, BranchClas
 from wsitrain.models.darknet import darknet19_features
 from wsitrain.models.freeze import FreezeSpec, apply_freeze
 from wsitrain.models.frozen_bn import freeze_batchnorm
-from wsitrain.models.heads import ATTENTION_POOLS, AVG, GATED_ATTENTION, POOLS, AttentionSpec
+from wsitrain.models.heads import ATTENTION_POOLS, AVG, DEFAULT_TOPK, GATED_ATTENTION, POOLS, TOPK, AttentionSpec
 from wsitrain.models.normalize import IMAGENET_MEAN, IMAGENET_STD, InputNormalization
 from wsitrain.models.registry import BUILTIN_NAMES, ModelSpec, is_imagenet, resolve_model_name
 from wsitrain.models.weights import load_weights
 from wsitrain.sft.ops.masked_pool import MaskedAvgPool2d, MaskedMaxPool2d
+from wsitrain.sft.ops.topk_pool import MaskedTopKMean
 
 MODEL_NAMES = BUILTIN_NAMES  # the built-in names; any torchvision/<name> or timm/<name> is valid as well
 
@@ -121,11 +122,13 @@ def _library_parts(spec: ModelSpec, num_classes: int, imagenet: bool) -> Parts:
 
 
 def _pool_layers(pool: str, attention: AttentionSpec, channels: int, classifier: nn.Module, num_classes: int,
-                 mask_pool: bool = True) -> dict[str, nn.Module]:  # fmt: skip
+                 mask_pool: bool = True, topk: int = DEFAULT_TOPK) -> dict[str, nn.Module]:  # fmt: skip
     """The layers from the trunk's output to the logits (after ``features``), by ``pool``."""
     if pool not in ATTENTION_POOLS:
         glob: nn.Module
-        if mask_pool:  # the torch pools, reading only tissue while a mask is set (``with model.pool.masked(mask)``)
+        if pool == TOPK:  # no torch counterpart: without a mask set it reads the whole map
+            glob = MaskedTopKMean(topk)
+        elif mask_pool:  # the torch pools, reading only tissue while a mask is set (``with model.pool.masked(mask)``)
             glob = MaskedAvgPool2d() if pool == AVG else MaskedMaxPool2d()
         else:
             glob = nn.AdaptiveAvgPool2d(1) if pool == AVG else nn.AdaptiveMaxPool2d(1)
@@ -150,6 +153,7 @@ def build(
     attention: AttentionSpec | None = None,
     freeze: FreezeSpec | None = None,
     mask_pool: bool = True,
+    topk: int = DEFAULT_TOPK,
 ) -> nn.Sequential:
     """Build model ``name`` (a built-in, ``torchvision/<name>`` or ``timm/<name>``) with a ``num_classes``-way head.
 
@@ -162,6 +166,7 @@ def build(
     ``model.frozen`` says what was frozen, None when nothing).
     ``mask_pool``: an "avg" or "max" pool that reduces over the positions of a mask set with ``model.pool.masked(mask)``
     only (wsitrain.sft.ops.masked_pool; fit and predict set the slide's tissue); False: torch's own pools.
+    ``topk``: the k of ``pool="topk"`` (each channel's mean of its k largest positions, wsitrain.sft.ops.topk_pool).
     """
     spec = resolve_model_name(name)
     if pool not in POOLS:
@@ -173,7 +178,7 @@ def build(
     imagenet = is_imagenet(weights)
     parts = _builtin_parts if spec.is_builtin else _library_parts
     features, classifier, channels, stride, (mean, std) = parts(spec, num_classes, imagenet)
-    head = _pool_layers(pool, attention or AttentionSpec(), channels, classifier, num_classes, mask_pool)
+    head = _pool_layers(pool, attention or AttentionSpec(), channels, classifier, num_classes, mask_pool, topk)
     model = nn.Sequential(OrderedDict(normalize=InputNormalization(mean, std), features=features, **head))
     model.name = spec.name
     model.stride = stride

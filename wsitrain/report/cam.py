@@ -16,13 +16,16 @@ from torch import nn
 
 from wsitrain.errors import WsiTrainError
 from wsitrain.models.attention import BranchClassifier
-from wsitrain.models.heads import ATTENTION, AVG, MAX
+from wsitrain.models.heads import ATTENTION, AVG, MAX, TOPK
 from wsitrain.sft.ops.attention_pool import AttentionPool
 from wsitrain.sft.ops.pool_mask import MaskedPool
+from wsitrain.sft.ops.topk_pool import MaskedTopKMean
 
 # Global poolings a CAM can be read through; each maps (B, C, h, w) -> (B, C, 1, 1) (attention: (B, K, C), each
 # branch's attention-weighted mean, so the logit is the CAM's attention-weighted sum).
-_POOLS: dict[type[nn.Module], str] = {nn.AdaptiveAvgPool2d: AVG, nn.AdaptiveMaxPool2d: MAX, AttentionPool: ATTENTION}
+_POOLS: dict[type[nn.Module], str] = {
+    nn.AdaptiveAvgPool2d: AVG, nn.AdaptiveMaxPool2d: MAX, AttentionPool: ATTENTION, MaskedTopKMean: TOPK,
+}
 # Modules between the pooling and the classifier that do not change a feature vector at inference.
 _PASS_THROUGH = (nn.Flatten, nn.Dropout, nn.Identity)
 
@@ -97,7 +100,7 @@ def _inner_linear(m: nn.Module) -> nn.Module:
 
 
 def _output_is_one(m: nn.Module) -> bool:
-    if isinstance(m, AttentionPool):
+    if isinstance(m, (AttentionPool, MaskedTopKMean)):
         return True
     size = m.output_size  # type: ignore[attr-defined]
     return size == 1 or tuple(size) == (1, 1)

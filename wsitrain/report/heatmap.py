@@ -17,6 +17,7 @@ from torch import nn
 
 from wsitrain.report.cam import BlockSumAccumulator, CamAccumulator, ClassifierHead, find_head
 from wsitrain.sft.ops.masked_pool import AMAX, AVG, masked_global_pool
+from wsitrain.sft.ops.topk_pool import MaskedTopKMean, topk_mean
 
 
 @dataclass
@@ -106,6 +107,8 @@ def _plain_head(head: ClassifierHead, f: torch.Tensor) -> torch.Tensor:
         v = head.attention(f).to(w.dtype)  # (B, branches, C)
         return v[:, 0] @ w.T + b if v.shape[1] == 1 else (v * w).sum(-1) + b  # one branch per class: its own
     mask = head.masked.mask_at(f.shape[-2], f.shape[-1]) if head.masked is not None else None
+    if isinstance(head.masked, MaskedTopKMean):
+        return topk_mean(f, head.masked.k, mask).to(w.dtype) @ w.T + b
     v = masked_global_pool(AMAX if head.pool == "max" else AVG, f, mask)  # (B, C), over the tissue when masked
     return v.to(w.dtype) @ w.T + b
 

@@ -45,7 +45,7 @@ def build_model(m: ModelConfig, num_classes: int) -> nn.Module:
     return build(
         m.name, num_classes, weights=m.weights, pool=m.pool, freeze_bn=m.freeze_bn, attention=m.attention.spec(),
         freeze=m.freeze_spec(),
-        mask_pool=m.mask_pool,
+        mask_pool=m.mask_pool, topk=m.topk,
     )
 
 

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from rich.console import Console
 from rich.markup import escape
+from torch import nn
 
 from wsitrain.config import WsiTrainConfig, check_run_name, config_to_dict
 from wsitrain.errors import PlanError, WsiTrainError
@@ -42,7 +43,8 @@ from wsitrain.train.class_balance import class_weights, loss_weight, sampled_sli
 from wsitrain.train.class_balance import describe as describe_balance
 from wsitrain.train.data import FitData, augment_settings, load_fit_data, masking_note, read_kwargs
 from wsitrain.train.engine import batchnorm_note, build_model, resolve_device, seed_everything, wrap_engine
-from wsitrain.train.loop import Trainer
+from wsitrain.train.head_warmup import head_modules, warm_up_head
+from wsitrain.train.loop import Trainer, as_batch
 from wsitrain.train.metrics import classification_metrics
 from wsitrain.train.oom import OomRetry
 from wsitrain.train.optim import build_optimizer, build_scheduler, parameter_groups
@@ -61,6 +63,21 @@ from wsitrain.train.runfolder import (
 from wsitrain.train.state import FitState
 
 Item = tuple[torch.Tensor, int, SlideRecord, ReadResult]  # (image (3, H, W) uint8, label, record, how it was read)
+
+
+def _check_head_warmup(cfg: WsiTrainConfig, objective: Objective | None, stride: int) -> None:
+    """``train.head_warmup`` needs a classifier, whole reads and patches at least one map cell wide."""
+    w = cfg.train.head_warmup
+    assert w is not None
+    if objective is not None:
+        raise WsiTrainError(f"train.head_warmup trains a classifier head, but the task is {objective.kind}",
+                            hint="remove train.head_warmup for this task")  # fmt: skip
+    if cfg.data.stream_tiles:
+        raise WsiTrainError("train.head_warmup reads each training slide whole once, but data.stream_tiles is on",
+                            hint="remove train.head_warmup, or set data.stream_tiles: false")  # fmt: skip
+    if w.patch < stride:
+        raise WsiTrainError(f"train.head_warmup.patch is {w.patch} px, smaller than the model's stride ({stride} px)",
+                            hint=f"set train.head_warmup.patch to {stride} or more (a multiple of it)")  # fmt: skip
 
 
 class FitCallback(Protocol):
@@ -156,6 +173,8 @@ class FitRecipe:
                 f"{self.objective.kind}",
                 hint="remove train.class_balance (or set it to none) for this task",
             )
+        if t.head_warmup is not None:
+            _check_head_warmup(cfg, self.objective, self.model.stride)
         self.class_w = class_weights([r.label for r in self.data.train]) if self.objective is None else {}
         groups = parameter_groups(self.model, t.lr, t.backbone_lr_scale)
         optimizer = build_optimizer(groups, t.optimizer, t.lr, t.momentum, t.weight_decay)
@@ -318,6 +337,8 @@ class FitRecipe:
         try:
             progress_display = FitProgress(self.say, self.quiet, self.cfg.train.epochs, self.engine, self.brief)
             with self.signals, progress_display as progress:
+                if self.cfg.train.head_warmup is not None and self.state == FitState():  # a new run, not a resume
+                    self._warm_up_head()
                 self.safe.saved()  # the time-based checkpoint clock starts with the training
                 for epoch in range(self.state.epoch, self.cfg.train.epochs):
                     self._epoch(epoch, progress)
@@ -331,6 +352,32 @@ class FitRecipe:
             raise
         finally:
             self.recorder.close()
+
+    def _warm_up_head(self) -> None:
+        """``train.head_warmup``: rank 0 trains the head on every training slide's patch features, every rank takes
+        its weights (the end-to-end optimizer has not stepped yet, so its state is untouched)."""
+        w, t = self.cfg.train.head_warmup, self.cfg.train
+        assert w is not None
+        head = nn.ModuleList(head_modules(self.model))
+        state = None
+        if self.dist.is_main:
+            ds = SlideDataset(self.data.train, read_kwargs(self.cfg, self.model.stride), None, self.cfg.seed)
+            images = (as_batch(ds[i][0]) for i in range(len(ds)))
+            try:
+                res = warm_up_head(self.model, images, [int(r.label) for r in self.data.train], steps=w.steps,
+                                   patch=w.patch, lr=w.lr or t.lr, seed=self.cfg.seed)  # fmt: skip
+            except ValueError as e:  # a read smaller than one patch (frozen_mil.patch_grid)
+                hint = "set train.head_warmup.patch below the smallest read's edge"
+                raise WsiTrainError(f"train.head_warmup: {e}", hint=hint) from e
+            self.say.print(res.summary(), markup=False)
+            self.recorder.metrics.write({"kind": "head_warmup", "steps": res.steps, "slides": res.slides,
+                                         "first_loss": res.first_loss, "last_loss": res.last_loss, "kept": res.kept,
+                                         "wall_s": round(res.wall_s, 2)})  # fmt: skip
+            state = {k: v.cpu() for k, v in head.state_dict().items()}
+        if self.dist.enabled:
+            state = D.broadcast_object(state, self.dist)
+            assert state is not None
+            head.load_state_dict(state)
 
     def _epoch(self, epoch: int, progress: FitProgress) -> None:
         cfg, t, st, trainer = self.cfg, self.cfg.train, self.state, self.trainer

@@ -8,7 +8,8 @@ share of the pooled gradient, the same values plain PyTorch would give:
 - max (adaptive max pool): all of ``g`` to the one position plain PyTorch picks, the first maximum in
   row-major order (compared by global flat index across tiles, since tile order is not row-major);
 - amax: ``g / count`` at every position equal to the maximum, ``count`` over all tiles (ties split);
-- attention (``AttentionPool``): an online softmax over the tiles (attention_pool.py).
+- attention (``AttentionPool``): an online softmax over the tiles (attention_pool.py);
+- topk (``MaskedTopKMean``): a running top k per channel, ``g / k`` to each kept position (topk_pool.py).
 
 With a tissue mask set on the pool (``masked_pool.MaskedAvgPool2d`` / ``MaskedMaxPool2d`` / ``MaskedAmax``, as
 ``with model.pool.masked(mask)``), each tile reads only its masked positions: avg divides by the masked count and
@@ -28,6 +29,7 @@ from torch._subclasses.fake_tensor import is_fake
 from wsitrain.sft.ops.attention_pool import AttentionAccumulator, AttentionPool
 from wsitrain.sft.ops.masked_pool import AMAX, AVG, MAX, MaskedAmax
 from wsitrain.sft.ops.pool_mask import MaskedPool
+from wsitrain.sft.ops.topk_pool import TOPK, MaskedTopKMean, TopKAccumulator
 
 ATTENTION = AttentionAccumulator.kind
 _SPATIAL_DIMS = ({2, 3}, {-2, -1})
@@ -38,7 +40,7 @@ class PoolFusion:
     """The global pooling node that ends the trunk, and how it reduces."""
 
     node: int  # index of the pooling node (its only input is the trunk's last node)
-    kind: str  # AVG | MAX | AMAX | ATTENTION
+    kind: str  # AVG | MAX | AMAX | ATTENTION | TOPK
     out_shape: tuple[int, ...]  # its output: (B, C, 1, 1) or (B, C); attention: (B, K, C)
 
 
@@ -55,10 +57,13 @@ def _dims(v: object) -> set[int] | None:
 
 
 def pool_kind(node: fx.Node, module: nn.Module | None) -> str | None:
-    """AVG / MAX / AMAX / ATTENTION when ``node`` reduces a (B, C, H, W) input over H and W completely; else None."""
+    """AVG / MAX / AMAX / ATTENTION / TOPK when ``node`` reduces a (B, C, H, W) input over H and W completely; else
+    None."""
     if node.op == "call_module":
         if isinstance(module, AttentionPool):
             return ATTENTION
+        if isinstance(module, MaskedTopKMean):
+            return TOPK
         if isinstance(module, MaskedAmax):
             return AMAX
         if isinstance(module, nn.AdaptiveAvgPool2d) and _is_one(module.output_size):
@@ -212,7 +217,7 @@ class PoolAccumulator:
         return out.view_as(y)
 
 
-Accumulator = PoolAccumulator | AttentionAccumulator
+Accumulator = PoolAccumulator | AttentionAccumulator | TopKAccumulator
 
 
 def new_accumulator(fusion: PoolFusion, pool: nn.Module | None, height: int, width: int) -> Accumulator:
@@ -221,5 +226,8 @@ def new_accumulator(fusion: PoolFusion, pool: nn.Module | None, height: int, wid
     if fusion.kind == ATTENTION:
         assert isinstance(pool, AttentionPool)
         return AttentionAccumulator(pool.branches, height, width, pool.mask_at(height, width))
+    if fusion.kind == TOPK:
+        assert isinstance(pool, MaskedTopKMean)
+        return TopKAccumulator(pool.k, height, width, pool.mask_at(height, width))
     mask = pool.mask_at(height, width) if isinstance(pool, MaskedPool) else None
     return PoolAccumulator(fusion.kind, height, width, mask)

@@ -24,6 +24,7 @@ from wsitrain.sft.ops.norm_act import (
 )
 from wsitrain.sft.ops.pad import is_pad_module, pad_module_spec
 from wsitrain.sft.ops.resample import is_resample_module, resample_module_spec
+from wsitrain.sft.ops.topk_pool import MaskedTopKMean
 from wsitrain.sft.ops.types import (
     CAT,
     CONCAT,
@@ -117,7 +118,7 @@ def _pool_windows(m: nn.MaxPool2d | nn.AvgPool2d) -> tuple[Window, Window]:
 
 _HEAD_MODULES = (
     nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d, nn.Flatten, nn.Linear, nn.Softmax, nn.LogSoftmax, AttentionPool,
-    MaskedAmax,
+    MaskedAmax, MaskedTopKMean,
 )
 # Per-sample drop modules (stochastic depth): their mask is drawn once per step and replayed (ops_drop.py).
 SAMPLE_DROP_NAMES = ("StochasticDepth", "DropPath")

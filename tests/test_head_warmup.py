@@ -1,0 +1,110 @@
+"""``train.head_warmup`` (wsitrain/train/head_warmup.py): head-only steps on the initial trunk's patch features.
+
+The warm-up must change the head only (the trunk bitwise as built), learn (its loss falls on a separable toy set), and
+run in ``fit`` on a new run: the run folder's metrics record it and the saved head differs from a run without it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from tiny_runs import config_file, finished_run, synthetic_slides
+
+from wsitrain.config import TrainConfig, WsiTrainConfig
+from wsitrain.errors import WsiTrainError
+from wsitrain.models import build
+from wsitrain.train.head_warmup import head_modules, warm_up_head
+from wsitrain.train.recipe import _check_head_warmup
+
+
+def toy_slides(n: int = 4) -> tuple[list[torch.Tensor], list[int]]:
+    """64 px uint8 images: positives hold one bright 16 px square (at a different place each), negatives none."""
+    g = torch.Generator().manual_seed(0)
+    images, labels = [], []
+    for i in range(n):
+        x = (torch.rand(1, 3, 64, 64, generator=g) * 60 + 60).to(torch.uint8)
+        if i % 2:
+            r, c = 16 * (i % 3), 16 * ((i + 1) % 4)
+            x[:, :, r : r + 16, c : c + 16] = 250
+        images.append(x)
+        labels.append(i % 2)
+    return images, labels
+
+
+@pytest.mark.parametrize("pool", ["attention", "max", "topk"])
+def test_warmup_trains_the_head_only_and_learns(pool: str) -> None:
+    torch.manual_seed(0)
+    model = build("tiny", 2, pool=pool, topk=2)
+    trunk = {k: v.clone() for k, v in model.features.state_dict().items()}
+    head = {k: v.clone() for m in head_modules(model) for k, v in m.state_dict().items()}
+    images, labels = toy_slides()
+    res = warm_up_head(model, images, labels, steps=120, patch=16, lr=3e-2, seed=0)
+    assert res.steps == 120 and res.slides == 4 and len(res.losses) == 30
+    for k, v in model.features.state_dict().items():
+        assert torch.equal(v, trunk[k]), f"the trunk's {k} changed"
+    after = {k: v for m in head_modules(model) for k, v in m.state_dict().items()}
+    if res.kept:
+        assert any(not torch.equal(after[k], head[k]) for k in head), "the head did not change"
+    else:  # it did not learn (max and top-k heads see no square in these patches): the head is back as it was
+        assert all(torch.equal(after[k], head[k]) for k in head)
+    if pool == "attention":  # measured here: 0.75 -> 0.62
+        assert res.last_loss < res.first_loss - 0.08, res.losses
+        assert res.kept and abs(res.prior_loss - math.log(2)) < 1e-12
+
+
+def test_a_warmup_that_learns_nothing_is_not_kept() -> None:
+    """Two copies of each image, one per label: nothing to learn, so the head is put back bitwise."""
+    torch.manual_seed(0)
+    model = build("tiny", 2, pool="attention")
+    head = {k: v.clone() for m in head_modules(model) for k, v in m.state_dict().items()}
+    images, _ = toy_slides(2)
+    res = warm_up_head(model, images * 2, [0, 1, 1, 0], steps=40, patch=16, lr=3e-2, seed=0)
+    assert not res.kept and "not kept" in res.summary()
+    after = {k: v for m in head_modules(model) for k, v in m.state_dict().items()}
+    assert all(torch.equal(after[k], head[k]) for k in head)
+    assert all(p.grad is None for p in model.parameters()), "the warm-up left gradients behind"
+    assert model.training, "the model's mode is restored"
+
+
+def test_config_short_form_and_checks() -> None:
+    t = TrainConfig(head_warmup=500)
+    assert t.head_warmup is not None and (t.head_warmup.steps, t.head_warmup.patch, t.head_warmup.lr) == (500, 64, None)
+    assert TrainConfig(head_warmup={"steps": 10, "patch": 32, "lr": 0.01}).head_warmup.patch == 32  # type: ignore
+    assert TrainConfig().head_warmup is None
+    with pytest.raises(ValueError, match="greater than or equal to 1"):
+        TrainConfig(head_warmup=0)
+    with pytest.raises(ValueError, match="loss: mse"):
+        TrainConfig(head_warmup=10, loss="mse")
+
+
+def test_fit_warms_the_head_up_on_a_new_run(tmp_path: Path) -> None:
+    """One tiny fit with the warm-up: it ran once, before the first epoch, on the two training slides."""
+    cfg = config_file(tmp_path, synthetic_slides(tmp_path / "synth"))
+    cfg.write_text(cfg.read_text().replace("lr: 0.003", "lr: 0.003, head_warmup: {steps: 12, patch: 32}"))
+    run = finished_run(cfg)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    kinds = [r.get("kind") for r in rows]
+    assert kinds.count("head_warmup") == 1, kinds
+    warm = rows[kinds.index("head_warmup")]
+    assert warm["steps"] == 12 and warm["slides"] == 2, warm
+    assert all(r.get("kind") != "train" for r in rows[: kinds.index("head_warmup")]), "it runs before the training"
+
+
+def test_the_checks_fit_makes_before_the_run_folder_exists() -> None:
+    """A patch under the model's stride, streamed reads, a regression task: each a clear input error."""
+    def cfg(**kw: object) -> WsiTrainConfig:
+        data = {"synthetic": {"n": 4}, "stream_tiles": kw.pop("stream", False)}
+        return WsiTrainConfig.model_validate({"data": data, "train": {"head_warmup": kw}})
+
+    _check_head_warmup(cfg(steps=5, patch=16), None, 16)  # one map cell per patch: fine
+    with pytest.raises(WsiTrainError, match=r"patch is 8 px, smaller than the model's stride \(16 px\)"):
+        _check_head_warmup(cfg(steps=5, patch=8), None, 16)
+    with pytest.raises(WsiTrainError, match="data.stream_tiles is on"):
+        _check_head_warmup(cfg(steps=5, stream=True), None, 16)
+    with pytest.raises(WsiTrainError, match="but the task is survival"):
+        _check_head_warmup(cfg(steps=5), SimpleNamespace(kind="survival"), 16)  # type: ignore[arg-type]
