@@ -157,6 +157,7 @@ def simulate_step(
 
     sft._hooks.on_tile = at_tile
     sft._hooks.visit = None if every_tile else representative_tiles
+    sft._hooks.on_sync = clock.sync if clock is not None else None  # fake tensors: the executor says where it reads
     params = [p for p in model.parameters() if p.requires_grad]
     t0 = time.perf_counter()
     timed = clock if clock is not None else contextlib.nullcontext()
@@ -194,6 +195,7 @@ def simulate_step(
         p.grad = None
     sft._hooks.on_tile = None
     sft._hooks.visit = None
+    sft._hooks.on_sync = None
     return SimulatedStep(
         plan=plan,
         device_peak=memory.peaks[DEVICE_TYPE],
