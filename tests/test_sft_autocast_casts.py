@@ -100,3 +100,23 @@ def test_a_weight_two_layers_share_keeps_per_tile_casts() -> None:
     got, _ = _step(sft, torch.randn(1, 3, 48, 40))
     assert [s.cast_once for s in _tiled(sft)] == [False]
     assert all(g is not None for g in got)
+
+
+def test_the_plan_counts_the_held_casts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under bf16 autocast a tiled segment's sweep holds a bf16 copy of its weights: the plan's peak counts them
+    (float32 plans hold none)."""
+    from wsitrain.sft.planning import tile_memory
+
+    def peak(dtype: torch.dtype) -> tuple[int, int]:
+        sft = SFT(_net(), memory_budget="1GiB", tile_size=16)
+        plan = sft.plan_for((1, 3, 70, 58), dtype=dtype)
+        assert any(s.mode == "tiled" for s in plan.segments)
+        return plan.estimated_peak_bytes, max(s.peak_bytes for s in plan.segments if s.mode == "tiled")
+
+    with_casts = peak(torch.bfloat16)
+    fp32 = peak(torch.float32)
+    monkeypatch.setattr(tile_memory, "cast_bytes", lambda f, nodes: 0)
+    without = peak(torch.bfloat16)
+    assert peak(torch.float32) == fp32
+    assert with_casts[1] > without[1]
+    assert with_casts[1] - without[1] <= 2 * sum(p.numel() for p in _net().parameters())

@@ -82,6 +82,22 @@ def test_a_synchronization_ends_its_window() -> None:
     assert 0 < len(after) <= len(tiled) < sum(s.n_tiles for s in tiled)
 
 
+def test_a_tiled_sweep_casts_each_weight_once() -> None:
+    """bf16: a tiled segment's forward and recompute cast each weight once per sweep (execution/autocast.py), so the
+    casts do not grow with the tiles, and representative tiles count them as every tile does."""
+    net = _tiny()
+    every, sim, clock = clock_sft_step(net, (1, 3, 160, 160), "1GiB", H100, "bf16", tile_size=32, every_tile=True)
+    some, _, _ = clock_sft_step(net, (1, 3, 160, 160), "1GiB", H100, "bf16", tile_size=32, every_tile=False)
+    assert any(s.n_tiles > 9 for s in sim.plan.segments)  # representative tiles skip some
+    once = [o for o in clock._once.ops if o.kind == "weight casts (autocast)"]
+    assert once and some.kernels == every.kernels
+    assert some.by_kind["weight casts (autocast)"] == pytest.approx(every.by_kind["weight casts (autocast)"])
+    # per tile only the weight gradients' casts back remain: fewer than one cast per convolution per tile
+    convs = sum(1 for w in clock.windows if w.tile for o in w.ops if o.op == "convolution")
+    tile_casts = sum(1 for w in clock.windows if w.tile for o in w.ops if o.kind == "weight casts (autocast)")
+    assert 0 < tile_casts < convs
+
+
 def test_bf16_moves_half_the_bytes_and_runs_on_tensor_cores() -> None:
     net = _meta_net()
     fp32, _ = clock_plain_step(net, (1, 3, 256, 256), H100, "fp32")

@@ -21,8 +21,8 @@ Fake tensors answer ``.device`` through a dispatched ``prim.device`` query that 
 (no dispatch): the clock does not count those (12,562 per capped ResNet-50 step at 8192 px; counted as views
 before, they were 25 ms of simulated host time no GPU step spends). In bf16 (``low_precision``) floating-point tensors
 of forward and backward move two bytes per element (autocast's activations), convolutions run on tensor cores,
-and each convolution casts its float32 weight (tiles never use autocast's weight cache) and each weight gradient
-back; the optimizer step stays in float32.
+and each convolution casts its float32 weight (a tiled sweep once per weight, ``execution/autocast.py``; a plain
+segment once per use) and each weight gradient back (per tile); the optimizer step stays in float32.
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ class Window:
     host_bytes: float = 0.0  # bytes host-side operators write (image crops into staging buffers)
     link_bytes: float = 0.0  # bytes copied over the host link
     syncs: int = 0  # synchronizations that end this window (the host waits for the GPU's queue to drain)
+    sweep: str | None = None  # the sweep of tiles it is part of, when that sweep casts each weight once
 
 
 @dataclass(frozen=True)
@@ -128,16 +129,19 @@ class OpClock(TorchDispatchMode):
         self.low_precision = low_precision
         self.windows: list[Window] = [Window("start")]
         self.optimizer_phase = False  # float32 optimizer step: no bf16 scaling
+        self._once = Window("weight casts, once per sweep")  # see ``mark``'s ``sweep``
+        self._cast: set[tuple[str, int]] = set()
 
-    def mark(self, label: str, weight: int = 1, tile: bool = False) -> None:
-        self.windows.append(Window(label, weight, tile))
+    def mark(self, label: str, weight: int = 1, tile: bool = False, sweep: str | None = None) -> None:
+        """Open a window; ``sweep``: the sweep of tiles it belongs to, when that sweep casts each weight once."""
+        self.windows.append(Window(label, weight, tile, sweep=sweep))
 
     def sync(self, what: str) -> None:
         """The host reads device content (``what``): the queue drains, so the window ends here and a new one
         (same tile visit) begins."""
         w = self.windows[-1]
         w.syncs += 1
-        self.windows.append(Window(f"{w.label}, after {what}", w.weight, w.tile))
+        self.windows.append(Window(f"{w.label}, after {what}", w.weight, w.tile, sweep=w.sweep))
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -186,9 +190,16 @@ class OpClock(TorchDispatchMode):
             if low:  # autocast's weight cast (and the weight gradient's, back): element-wise kernels
                 weight = args[1] if packet is aten.convolution else args[2]
                 wgrad = packet is aten.convolution_backward and bool(_output_mask(args, kwargs)[1])
-                casts = 1 if packet is aten.convolution or wgrad else 0
-                if casts:
-                    w.ops.append(OpRecord("weight casts (autocast)", 0.0, 6.0 * weight.numel(), 1, 0.0, low))
+                cast = OpRecord("weight casts (autocast)", 0.0, 6.0 * weight.numel(), 1, 0.0, low)
+                if packet is aten.convolution and w.sweep is not None:
+                    # a sweep that casts each weight once (execution/autocast.py): its first use casts, in a window
+                    # of its own that counts once whatever tiles the window it happens in stands for
+                    if (w.sweep, id(weight)) not in self._cast:
+                        self._cast.add((w.sweep, id(weight)))
+                        self._once.ops.append(cast)
+                        self._once.host_ops += 1
+                elif packet is aten.convolution or wgrad:  # each gradient goes back through its own cast per tile
+                    w.ops.append(cast)
                     w.host_ops += 1
         else:
             kind = ("optimizer" if self.optimizer_phase else
@@ -212,7 +223,7 @@ class OpClock(TorchDispatchMode):
         total = gpu_all = host_all = link_all = waits = 0.0
         flops = moved = kernels = ops = link_bytes = syncs = 0.0
         kinds: dict[str, float] = {}
-        for w in self.windows:
+        for w in [*self.windows, self._once]:
             gpu = 0.0
             for o in w.ops:
                 if o.conv_px:
@@ -239,7 +250,8 @@ class OpClock(TorchDispatchMode):
             syncs += w.weight * w.syncs
         return ClockReading(
             s.name, precision, total, gpu_all, host_all, link_all, waits, flops, moved, kernels, ops, link_bytes,
-            sum(w.weight for w in self.windows), syncs, dict(sorted(kinds.items(), key=lambda kv: -kv[1])), s.source,
+            sum(w.weight for w in self.windows) + 1, syncs, dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+            s.source,
         )  # fmt: skip
 
 
