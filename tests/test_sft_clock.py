@@ -75,6 +75,7 @@ def test_a_synchronization_ends_its_window() -> None:
     """A content check drains the GPU's queue: the GPU's and the host's work before it do not overlap what follows."""
     reading, sim, clock = clock_sft_step(_tiny(), (1, 3, 256, 256), "1GiB", H100, tile_size=64, every_tile=True)
     assert reading.syncs > 0
+    assert 0 < reading.host_copy_seconds < reading.host_seconds  # the image's tiles packed on the host; dispatch
     tiled = [s for s in sim.plan.segments if s.mode == "tiled" and s.fused_pool is None]
     assert any(s.n_tiles > 1 for s in tiled)
     # one zero-gradient read per tiled segment's backward, not one per tile

@@ -20,7 +20,7 @@ from torchvision.models.resnet import BasicBlock
 
 from wsitrain.models.normalize import InputNormalization
 from wsitrain.sft import SFT
-from wsitrain.sft.execution.reuse import ReuseCache, is_flat, zero_tiles
+from wsitrain.sft.execution.reuse import ReuseCache, all_zero, is_flat, zero_tiles
 from wsitrain.sft.planning.tissue_share import tissue_tile_share
 
 F64 = {"rtol": 1e-10, "atol": 1e-11}
@@ -267,6 +267,9 @@ def test_content_checks_report_their_synchronizations() -> None:
     assert reads == ["a flatness check"]
     host = torch.full((1, 2, 5, 5), 0.5)
     assert cache.wants(("k",), host) and reads == ["a flatness check"], "a host tile: no synchronization"
+    assert all_zero(torch.zeros(2, 3), reads.append) and not all_zero(host, reads.append)
+    assert not all_zero(torch.zeros(2, 3, device="meta"), reads.append), "no content: computed"
+    assert reads == ["a flatness check", "a zero-gradient check"]
 
 
 def test_a_budget_the_entry_does_not_fit_plans_without_it() -> None:

@@ -23,7 +23,8 @@ ever matches it, so every later tile computes while the entry is held, the worst
 Synchronizations: every content check reads a device value on the host, which on a GPU waits for the queue to drain
 (the GPU then idles while the host issues the next work). Each one is reported to ``on_sync`` (the simulated clock
 prices it; fake tensors report where a GPU would wait). The zero-gradient checks of a segment's backward are read
-together, before its first tile (``zero_tiles``: one synchronization per segment instead of one per tile).
+together, before its first tile, when its output gradient is on the device (``zero_tiles``: one synchronization per
+segment instead of one per tile); tiles of a gradient in host memory are checked as they are staged (``all_zero``).
 """
 
 from __future__ import annotations
@@ -114,6 +115,14 @@ class TileKeys:
 def has_content(t: torch.Tensor) -> bool:
     """Can the host read ``t``'s values? Not those of the simulated device (fake tensors, the meta device)."""
     return not is_fake(t) and t.device.type != "meta"
+
+
+def all_zero(t: torch.Tensor, on_sync: Sync | None = None) -> bool:
+    """Is every element of ``t`` zero? A synchronization where ``t`` is on a device; never where ``t`` has no
+    content (``has_content``: the simulated device computes every tile)."""
+    if t.device.type != "cpu" and on_sync is not None:
+        on_sync("a zero-gradient check")
+    return has_content(t) and not bool(t.any())
 
 
 def zero_tiles(

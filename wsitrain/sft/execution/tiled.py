@@ -25,6 +25,7 @@ from wsitrain.sft.execution.reuse import (
     Key,
     ReuseCache,
     TileKeys,
+    all_zero,
     backward_hit,
     keep_backward,
     through,
@@ -243,18 +244,25 @@ class TiledSegment(TileIO):
         # entry value: (the tile's output, kept only when its gradient share depends on it; autograd's results)
         cache: ReuseCache[BackwardValue] = self.reuse_cache()
         computed = 0
-        # tiles with an all-zero output gradient, read once for the whole sweep (one synchronization, not one a tile)
-        zero = (zero_tiles(grad_out, self.tiles(), reg.rows_out, reg.cols_out, self.hooks.on_sync)
-                if self.skip_zero and acc is None else set())  # fmt: skip
+        # tiles with an all-zero output gradient: read once for the whole sweep where the gradient is on the device
+        # (one synchronization, not one a tile); a gradient in host memory is checked per staged tile (scanning it
+        # on the host before the first tile would leave the GPU idle longer than the per-tile reads do)
+        staged_grad = self.out_on_host or grad_out.device != self.device
+        together = self.skip_zero and acc is None and not staged_grad
+        zero = zero_tiles(grad_out, self.tiles(), reg.rows_out, reg.cols_out, self.hooks.on_sync) if together else set()
         for r, c in self.tiles():
             t0 = self._tick(r, c, "backward")
             rt, ct = reg.rows[r], reg.cols[c]
             (r0, r1), (c0, c1) = reg.rows_out[r], reg.cols_out[c]
-            if self.skip_zero and ((acc is not None and not acc.holds_gradient((r0, r1), (c0, c1))) or (r, c) in zero):
+            g: torch.Tensor | None = None if acc is not None else self.grad_tile(grad_out, r, c)  # staged from host
+            if self.skip_zero and (
+                (acc is not None and not acc.holds_gradient((r0, r1), (c0, c1)))
+                or (r, c) in zero
+                or (g is not None and staged_grad and all_zero(g, self.hooks.on_sync))
+            ):
                 self.count("skipped_backward")  # a zero output gradient: nothing flows back (max pooling's losers)
                 self._tock(t0, r, c, "backward")
                 continue
-            g: torch.Tensor | None = None if acc is not None else self.grad_tile(grad_out, r, c)  # staged from host
             region = self.input_region(x, rt, ct).detach()
             key = self.tile_key(r, c)
             if self.add_cached(cache, key, region, g, acc, pooled_grad, r, c, need_x, sink, grad_x, grads):

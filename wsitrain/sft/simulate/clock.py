@@ -102,6 +102,7 @@ class ClockReading:
     link_bytes: float
     windows: int
     syncs: float  # synchronizations per step (each drains the GPU's queue)
+    host_copy_seconds: float  # of ``host_seconds``: host memcpys (the image's tiles packed for upload), not dispatch
     by_kind: dict[str, float]  # GPU seconds per kind of operator
     constants: str
 
@@ -112,7 +113,9 @@ class ClockReading:
         kinds = ", ".join(f"{k} {v:.3f} s" for k, v in self.by_kind.items() if v >= 5e-4)
         return "\n".join([
             f"simulated step time on the {self.preset} preset ({self.precision}): {self.seconds:.3f} s",
-            f"    GPU {self.gpu_seconds:.3f} s ({kinds}); host {self.host_seconds:.3f} s, of which the GPU waits "
+            f"    GPU {self.gpu_seconds:.3f} s ({kinds}); host {self.host_seconds:.3f} s (dispatch "
+            f"{self.host_seconds - self.host_copy_seconds:.3f} s, staging memcpy {self.host_copy_seconds:.3f} s), "
+            f"of which the GPU waits "
             f"{self.host_bound_seconds:.3f} s; host link {self.link_seconds:.3f} s ({self.link_bytes / 1e9:.2f} GB)",
             f"    {self.flops / 1e12:.1f} TFLOP, {self.bytes / 1e9:.0f} GB moved, {self.kernels:.0f} kernel launches, "
             f"{self.operators:.0f} operators, {self.syncs:.0f} synchronizations, {self.windows} windows "
@@ -221,7 +224,7 @@ class OpClock(TorchDispatchMode):
         """The recorded step priced with ``speed``'s constants."""
         s = speed
         total = gpu_all = host_all = link_all = waits = 0.0
-        flops = moved = kernels = ops = link_bytes = syncs = 0.0
+        flops = moved = kernels = ops = link_bytes = syncs = copy_all = 0.0
         kinds: dict[str, float] = {}
         for w in [*self.windows, self._once]:
             gpu = 0.0
@@ -238,7 +241,9 @@ class OpClock(TorchDispatchMode):
                 moved += w.weight * o.bytes
                 kernels += w.weight * o.kernels
             host = 1e-6 * (w.host_ops * s.host_op_us + w.views * s.view_host_us + (s.tile_host_us if w.tile else 0.0))
-            host += w.host_bytes / (1e9 * s.host_copy_gb_s)
+            copy = w.host_bytes / (1e9 * s.host_copy_gb_s)
+            host += copy
+            copy_all += w.weight * copy
             link = w.link_bytes / (1e9 * s.link_gb_s)
             total += w.weight * max(gpu, host, link)
             gpu_all += w.weight * gpu
@@ -250,8 +255,8 @@ class OpClock(TorchDispatchMode):
             syncs += w.weight * w.syncs
         return ClockReading(
             s.name, precision, total, gpu_all, host_all, link_all, waits, flops, moved, kernels, ops, link_bytes,
-            sum(w.weight for w in self.windows) + 1, syncs, dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
-            s.source,
+            sum(w.weight for w in self.windows) + 1, syncs, copy_all,
+            dict(sorted(kinds.items(), key=lambda kv: -kv[1])), s.source,
         )  # fmt: skip
 
 
