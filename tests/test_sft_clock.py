@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from wsitrain.gpu_speed import GPU_SPEEDS, gpu_speed
@@ -47,6 +48,55 @@ def test_flops_are_those_of_a_real_step() -> None:
         nn.functional.cross_entropy(net(x), torch.zeros(1, dtype=torch.long)).backward()
     reading, _ = clock_plain_step(_meta_net(), (1, 3, 40, 48), H100, "fp32")
     assert reading.flops == counter.get_total_flops() > 0
+
+
+def test_operators_are_those_a_real_step_dispatches() -> None:
+    """The clock counts the operators a real CPU step dispatches, not the fake tensors' own ``prim.device`` queries
+    (a real tensor answers ``.device`` from a field)."""
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    net = _net()
+    x = torch.rand(1, 3, 40, 48)
+    with Count() as count:
+        nn.functional.cross_entropy(net(x), torch.zeros(1, dtype=torch.long)).backward()
+    _, clock = clock_plain_step(_meta_net(), (1, 3, 40, 48), H100, "fp32")
+    forward_and_backward = clock.windows[1:3]  # the optimizer step (window 3) is not in the real step above
+    assert sum(w.host_ops + w.views for w in forward_and_backward) == count.n > 0
+
+
+def test_a_synchronization_ends_its_window() -> None:
+    """A content check drains the GPU's queue: the GPU's and the host's work before it do not overlap what follows."""
+    reading, sim, clock = clock_sft_step(_tiny(), (1, 3, 256, 256), "1GiB", H100, tile_size=64, every_tile=True)
+    assert reading.syncs > 0
+    assert 0 < reading.host_copy_seconds < reading.host_seconds  # the image's tiles packed on the host; dispatch
+    tiled = [s for s in sim.plan.segments if s.mode == "tiled" and s.fused_pool is None]
+    assert any(s.n_tiles > 1 for s in tiled)
+    # one zero-gradient read per tiled segment's backward, not one per tile
+    after = [w for w in clock.windows if "after the zero-gradient check" in w.label]
+    assert 0 < len(after) <= len(tiled) < sum(s.n_tiles for s in tiled)
+
+
+def test_a_tiled_sweep_casts_each_weight_once() -> None:
+    """bf16: a tiled segment's forward and recompute cast each weight once per sweep (execution/autocast.py), so the
+    casts do not grow with the tiles, and representative tiles count them as every tile does."""
+    net = _tiny()
+    every, sim, clock = clock_sft_step(net, (1, 3, 160, 160), "1GiB", H100, "bf16", tile_size=32, every_tile=True)
+    some, _, _ = clock_sft_step(net, (1, 3, 160, 160), "1GiB", H100, "bf16", tile_size=32, every_tile=False)
+    assert any(s.n_tiles > 9 for s in sim.plan.segments)  # representative tiles skip some
+    once = [o for o in clock._once.ops if o.kind == "weight casts (autocast)"]
+    assert once and some.kernels == every.kernels
+    assert some.by_kind["weight casts (autocast)"] == pytest.approx(every.by_kind["weight casts (autocast)"])
+    # per tile only the weight gradients' casts back remain: fewer than one cast per convolution per tile
+    convs = sum(1 for w in clock.windows if w.tile for o in w.ops if o.op == "convolution")
+    tile_casts = sum(1 for w in clock.windows if w.tile for o in w.ops if o.kind == "weight casts (autocast)")
+    assert 0 < tile_casts < convs
 
 
 def test_bf16_moves_half_the_bytes_and_runs_on_tensor_cores() -> None:

@@ -20,7 +20,7 @@ from torchvision.models.resnet import BasicBlock
 
 from wsitrain.models.normalize import InputNormalization
 from wsitrain.sft import SFT
-from wsitrain.sft.execution.reuse import ReuseCache, is_flat
+from wsitrain.sft.execution.reuse import ReuseCache, all_zero, is_flat, zero_tiles
 from wsitrain.sft.planning.tissue_share import tissue_tile_share
 
 F64 = {"rtol": 1e-10, "atol": 1e-11}
@@ -238,6 +238,38 @@ def test_cache_holds_one_entry_and_compares_content() -> None:
     assert cache.find(("j",), flat) is None, "another geometry never matches"
     assert not ReuseCache(True, (2, 3)).wants(("k",), other), "a textured tile never fills the entry"
     assert not ReuseCache(False, (2, 3)).wants(("k",), flat), "off: nothing cached"
+
+
+def test_zero_gradient_tiles_are_read_together() -> None:
+    """The zero-gradient check of a sweep: the tiles whose share is all zero, exactly those a per-tile check finds,
+    read with one synchronization for every tile on a device (none on the host)."""
+    g = torch.randn(2, 3, 10, 12)
+    rows, cols = [(0, 4), (4, 8), (8, 10)], [(0, 5), (5, 12)]
+    g[:, :, 4:8, 0:5] = 0.0
+    g[:, :, 8:10, :] = 0.0
+    g[1, 2, 9, 11] = -0.0  # a negative zero is zero
+    tiles = [(r, c) for r in range(3) for c in range(2)]
+    reads: list[str] = []
+    zero = zero_tiles(g, tiles, rows, cols, reads.append)
+    want = {(r, c) for r, c in tiles if not g[:, :, rows[r][0] : rows[r][1], cols[c][0] : cols[c][1]].any()}
+    assert zero == want == {(1, 0), (2, 0), (2, 1)}
+    assert reads == [], "a host tensor is read without a synchronization"
+    on_device = zero_tiles(g.to("meta"), tiles, rows, cols, reads.append)
+    assert on_device == set() and reads == ["the zero-gradient check"], "one read for the sweep; meta: none zero"
+
+
+def test_content_checks_report_their_synchronizations() -> None:
+    """Each check that reads a device tile tells ``on_sync`` (the simulated clock prices it), fake tiles too."""
+    reads: list[str] = []
+    cache: ReuseCache[int] = ReuseCache(True, (2, 3), reads.append)
+    meta = torch.empty(1, 2, 5, 5, device="meta")
+    assert not cache.wants(("k",), meta), "meta: no content, no tile flat (the host-time measurement's slide)"
+    assert reads == ["a flatness check"]
+    host = torch.full((1, 2, 5, 5), 0.5)
+    assert cache.wants(("k",), host) and reads == ["a flatness check"], "a host tile: no synchronization"
+    assert all_zero(torch.zeros(2, 3), reads.append) and not all_zero(host, reads.append)
+    assert not all_zero(torch.zeros(2, 3, device="meta"), reads.append), "no content: computed"
+    assert reads == ["a flatness check", "a zero-gradient check"]
 
 
 def test_a_budget_the_entry_does_not_fit_plans_without_it() -> None:

@@ -26,3 +26,6 @@ class ExecHooks:
     # fn(regions) -> the tiles to visit, in order; None visits every tile. Only the simulated device sets it (its
     # representative tiles, simulate/representative.py): a real step that skipped tiles would be wrong.
     visit: Callable[[SegmentRegions], list[tuple[int, int]]] | None = None
+    # fn(what) each time the executor reads device content on the host (a synchronization on a GPU, which drains
+    # its queue), also where fake tensors have no content to read: the simulated clock prices them
+    on_sync: Callable[[str], None] | None = None

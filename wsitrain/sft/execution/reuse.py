@@ -19,11 +19,17 @@ for the next tile). Where the entry is what does not fit, the planner plans with
 
 Fake tensors (the simulated device) have no content: there the first tile with a key fills the entry and no tile
 ever matches it, so every later tile computes while the entry is held, the worst case for memory.
+
+Synchronizations: every content check reads a device value on the host, which on a GPU waits for the queue to drain
+(the GPU then idles while the host issues the next work). Each one is reported to ``on_sync`` (the simulated clock
+prices it; fake tensors report where a GPU would wait). The zero-gradient checks of a segment's backward are read
+together, before its first tile, when its output gradient is on the device (``zero_tiles``: one synchronization per
+segment instead of one per tile); tiles of a gradient in host memory are checked as they are staged (``all_zero``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -36,6 +42,8 @@ from wsitrain.sft.regions import AxisTile, SegmentRegions
 
 Key = tuple[object, ...]
 T = TypeVar("T")
+Sync = Callable[[str], None]  # told what the host reads of device content (ExecHooks.on_sync)
+Interval = tuple[int, int]
 # a backward entry's value: the tile's output (kept only when amax's gradient share reads it), autograd's results
 BackwardValue = tuple[torch.Tensor | None, tuple[torch.Tensor | None, ...]]
 
@@ -104,9 +112,40 @@ class TileKeys:
         return None if k is None else (*k, *extra)
 
 
-def all_zero(t: torch.Tensor) -> bool:
-    """Is every element of ``t`` zero? Never for fake tensors (no content): the simulated device computes them."""
-    return not is_fake(t) and not bool(t.any())
+def has_content(t: torch.Tensor) -> bool:
+    """Can the host read ``t``'s values? Not those of the simulated device (fake tensors, the meta device)."""
+    return not is_fake(t) and t.device.type != "meta"
+
+
+def all_zero(t: torch.Tensor, on_sync: Sync | None = None) -> bool:
+    """Is every element of ``t`` zero? A synchronization where ``t`` is on a device; never where ``t`` has no
+    content (``has_content``: the simulated device computes every tile)."""
+    if t.device.type != "cpu" and on_sync is not None:
+        on_sync("a zero-gradient check")
+    return has_content(t) and not bool(t.any())
+
+
+def zero_tiles(
+    grad_out: torch.Tensor,
+    tiles: Iterable[tuple[int, int]],
+    rows_out: Sequence[Interval],
+    cols_out: Sequence[Interval],
+    on_sync: Sync | None = None,
+) -> set[tuple[int, int]]:
+    """The tiles whose share of ``grad_out`` (B, C, Ho, Wo) is all zero, read for all tiles at once: one
+    synchronization on a device (none for a host tensor) instead of one per tile. Fake tensors have no content:
+    none is zero (the simulated device computes them), and the read is reported where a GPU would wait."""
+    tiles = list(tiles)
+    if not tiles:
+        return set()
+    # (N,) one flag per tile, computed on grad_out's device (the simulated one launches them too)
+    flags = torch.stack([grad_out[:, :, rows_out[r][0] : rows_out[r][1], cols_out[c][0] : cols_out[c][1]].any()
+                         for r, c in tiles])  # fmt: skip
+    if grad_out.device.type != "cpu" and on_sync is not None:
+        on_sync("the zero-gradient check")
+    if not has_content(grad_out):
+        return set()
+    return {t for t, held in zip(tiles, flags.tolist(), strict=True) if not held}  # the one read
 
 
 def is_flat(region: torch.Tensor, dims: tuple[int, int]) -> bool:
@@ -126,23 +165,36 @@ class Entry(Generic[T]):
 class ReuseCache(Generic[T]):
     """One sweep's cached background tile (see the module doc); ``value``: what the sweep adds per tile."""
 
-    def __init__(self, enabled: bool, dims: tuple[int, int] | None) -> None:
+    def __init__(self, enabled: bool, dims: tuple[int, int] | None, on_sync: Sync | None = None) -> None:
         self.enabled = enabled and dims is not None  # a segment input without image axes has nothing to compare
         self.dims = dims or (2, 3)
         self.entry: Entry[T] | None = None
+        self.on_sync = on_sync
+
+    def _reads(self, t: torch.Tensor, what: str) -> bool:
+        """Report a content read of ``t`` (a synchronization where ``t`` is on a device); False where ``t`` has
+        nothing to read (``has_content``)."""
+        if t.device.type != "cpu" and self.on_sync is not None:
+            self.on_sync(what)
+        return has_content(t)
 
     def find(self, key: Key | None, region: torch.Tensor) -> Entry[T] | None:
         """The entry this tile may reuse: same key and an equal input region (its gradient is compared apart)."""
         e = self.entry
-        if e is None or key is None or key != e.key or e.region.shape != region.shape or is_fake(region):
+        if e is None or key is None or key != e.key or e.region.shape != region.shape:
+            return None
+        if not self._reads(region, "a reuse comparison"):
             return None
         return e if torch.equal(region, e.region) else None
 
     def wants(self, key: Key | None, region: torch.Tensor) -> bool:
-        """Should this computed tile fill the entry? Only the first flat tile with a key (fake: the first keyed)."""
+        """Should this computed tile fill the entry? Only the first flat tile with a key (fake: the first keyed, the
+        most memory; the meta device of the host-time measurement: none, a slide all tissue)."""
         if not self.enabled or self.entry is not None or key is None:
             return False
-        return is_fake(region) or is_flat(region, self.dims)
+        if not self._reads(region, "a flatness check"):
+            return is_fake(region)
+        return is_flat(region, self.dims)
 
     def keep(self, key: Key, region: torch.Tensor, grad: torch.Tensor | None, value: T, staged: bool) -> None:
         """Fill the entry; a staged region is copied (its staging buffer carries the next tile)."""
@@ -151,7 +203,9 @@ class ReuseCache(Generic[T]):
     def same_grad(self, e: Entry[T], grad: torch.Tensor | None) -> bool:
         if e.grad is None or grad is None:
             return e.grad is None and grad is None
-        return e.grad.shape == grad.shape and bool(torch.equal(grad, e.grad))
+        if e.grad.shape != grad.shape or not self._reads(grad, "a gradient comparison"):
+            return False
+        return bool(torch.equal(grad, e.grad))
 
     def clear(self) -> None:
         self.entry = None

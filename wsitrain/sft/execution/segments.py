@@ -53,7 +53,7 @@ class TiledFunction(torch.autograd.Function):
         ctx.autocast = AutocastState.capture(seg.device.type)
         _save_input(ctx, x)
         ctx.masks = seg.runner.masks.current  # the recompute replays this step's drop masks
-        with torch.no_grad(), ctx.autocast.context(), abandon_on_error(seg):
+        with torch.no_grad(), ctx.autocast.forward_sweep(seg.cast_once), abandon_on_error(seg):
             out, ctx.pool = seg.forward_all(x)
         return out
 
@@ -69,7 +69,7 @@ def run_segment(seg: TiledSegment, x: torch.Tensor) -> torch.Tensor:
     """Forward one tiled segment, through autograd when gradients are wanted."""
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in seg.params)):
         return TiledFunction.apply(seg, x, *seg.params)
-    with torch.no_grad(), AutocastState.capture(seg.device.type).context(), abandon_on_error(seg):
+    with torch.no_grad(), AutocastState.capture(seg.device.type).forward_sweep(seg.cast_once), abandon_on_error(seg):
         return seg.forward_all(x)[0]
 
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
-from wsitrain.sft.execution.autocast import AutocastState
+from wsitrain.sft.execution.autocast import AutocastState, TileContext
 from wsitrain.sft.execution.hooks import ExecHooks, TileObserver
 from wsitrain.sft.execution.reuse import (
     BackwardValue,
@@ -29,6 +29,7 @@ from wsitrain.sft.execution.reuse import (
     backward_hit,
     keep_backward,
     through,
+    zero_tiles,
 )
 from wsitrain.sft.execution.runner import NodeRunner
 from wsitrain.sft.execution.staging import HostStager
@@ -74,10 +75,14 @@ class TiledSegment(TileIO):
         self.in_place = frozenset(seg.in_place)
         self.names = {i: facts.nodes[i].name for i in self.nodes}
         params: dict[int, nn.Parameter] = {}
+        uses = 0
         for i in self.nodes:
             for p in runner.graph.trainable_params(i):
                 params.setdefault(id(p), p)
+                uses += 1
         self.params = list(params.values())
+        # under autocast a sweep casts each weight once (autocast.py), unless two layers share one
+        self.cast_once = uses == len(self.params)
         self.last_user = {
             i: max((u for u in facts.nodes[i].users if u <= seg.end), default=i) for i in [seg.start, *self.nodes]
         }
@@ -112,7 +117,7 @@ class TiledSegment(TileIO):
 
     def reuse_cache(self) -> ReuseCache[Any]:
         """A sweep's background-tile cache (off when this segment does not reuse)."""
-        return ReuseCache(self.reuse, self.specs[self.start].spatial_dims)
+        return ReuseCache(self.reuse, self.specs[self.start].spatial_dims, self.hooks.on_sync)
 
     def count(self, what: str) -> None:
         """One more tile reused or skipped in this step's stats ("reused_forward", "reused_backward", ...)."""
@@ -233,6 +238,20 @@ class TiledSegment(TileIO):
 
         ``grad_out`` is the gradient of the joined output, or of the pooled value when ``acc`` (fused) is given.
         """
+        with autocast.backward_sweep(self.cast_once) as tile_autocast:
+            grad_x, grads = self._backward_tiles(x, grad_out, need_x, tile_autocast, acc)
+        self.stager.drain()  # every input-gradient tile is added into a host grad_x before it is returned
+        return grad_x, grads
+
+    def _backward_tiles(
+        self,
+        x: torch.Tensor,
+        grad_out: torch.Tensor,
+        need_x: bool,
+        tile_autocast: TileContext,
+        acc: Accumulator | None,
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+        """``backward_all``'s sweep; ``tile_autocast()``: the context of a tile's recompute."""
         reg = self.regions
         pooled_grad = acc.grad_view(grad_out) if acc is not None else None  # (B, C); attention (B, K, C)
         sink = self.hooks.input_grad_sink if self.start == 0 else None
@@ -241,13 +260,21 @@ class TiledSegment(TileIO):
         # entry value: (the tile's output, kept only when its gradient share depends on it; autograd's results)
         cache: ReuseCache[BackwardValue] = self.reuse_cache()
         computed = 0
+        # tiles with an all-zero output gradient: read once for the whole sweep where the gradient is on the device
+        # (one synchronization, not one a tile); a gradient in host memory is checked per staged tile (scanning it
+        # on the host before the first tile would leave the GPU idle longer than the per-tile reads do)
+        staged_grad = self.out_on_host or grad_out.device != self.device
+        together = self.skip_zero and acc is None and not staged_grad
+        zero = zero_tiles(grad_out, self.tiles(), reg.rows_out, reg.cols_out, self.hooks.on_sync) if together else set()
         for r, c in self.tiles():
             t0 = self._tick(r, c, "backward")
             rt, ct = reg.rows[r], reg.cols[c]
             (r0, r1), (c0, c1) = reg.rows_out[r], reg.cols_out[c]
             g: torch.Tensor | None = None if acc is not None else self.grad_tile(grad_out, r, c)  # staged from host
             if self.skip_zero and (
-                (acc is not None and not acc.holds_gradient((r0, r1), (c0, c1))) or (g is not None and all_zero(g))
+                (acc is not None and not acc.holds_gradient((r0, r1), (c0, c1)))
+                or (r, c) in zero
+                or (g is not None and staged_grad and all_zero(g, self.hooks.on_sync))
             ):
                 self.count("skipped_backward")  # a zero output gradient: nothing flows back (max pooling's losers)
                 self._tock(t0, r, c, "backward")
@@ -258,7 +285,7 @@ class TiledSegment(TileIO):
                 self._tock(t0, r, c, "backward")
                 continue
             region.requires_grad_(need_x)
-            with torch.enable_grad(), autocast.context(), record_function(RECOMPUTE):
+            with torch.enable_grad(), tile_autocast(), record_function(RECOMPUTE):
                 y = self.run_tile(region, rt, ct)
             if acc is not None:
                 assert pooled_grad is not None
@@ -279,7 +306,6 @@ class TiledSegment(TileIO):
             if self.hooks.stats is not None:
                 self.hooks.stats.stats.recomputed_tiles += 1
         cache.clear()
-        self.stager.drain()  # every input-gradient tile is added into a host grad_x before it is returned
         if computed == 0:  # every tile skipped: plain autograd's gradients would be zeros, not missing
             grads = [torch.zeros_like(p) if p.requires_grad else None for p in self.params]
         return grad_x, grads

@@ -166,6 +166,8 @@ def tile_choice(sess: PlanSession, start: int, end: int, edge: int, staged: bool
     if sess.reuse_tiles and min(geo.grid) >= 3:  # only a tile touching no border is ever kept
         kept_fwd, kept_bwd = reuse_bytes(sess, start, end, tb, crop)
         fwd, bwd = fwd + kept_fwd, bwd + kept_bwd
+    casts = cast_bytes(f, nodes)  # held through every tile of a sweep
+    fwd, bwd = fwd + casts, bwd + casts
     work = Work()
     sums = {i: (sum(_extent(t, i) * m for t, m in rows), sum(_extent(t, i) * m for t, m in cols)) for i in tb}
 
@@ -180,6 +182,14 @@ def tile_choice(sess: PlanSession, start: int, end: int, edge: int, staged: bool
     choice = TileChoice(edge, fwd, bwd, work.flops, work.time, (mx_h[start], mx_w[start]), geo.halo, geo.core, tb[end])
     sess._tiles[key] = choice
     return choice
+
+
+def cast_bytes(f: GraphFacts, nodes: list[int]) -> int:
+    """The low-precision copies of a segment's weights that a sweep of its tiles holds under autocast (float32 weights,
+    bf16/fp16 activations): each weight cast once, at its first tile, kept to the sweep's end (execution/autocast.py).
+    Counted for every tiled segment, also those that cast per tile (a shared weight, multi-pass segments)."""
+    act = f.act_dtype.itemsize
+    return 0 if act >= 4 else sum(f.nodes[i].param_bytes for i in nodes) * act // 4
 
 
 def reuse_bytes(sess: PlanSession, start: int, end: int, tb: dict[int, int], crop: int) -> tuple[int, int]:

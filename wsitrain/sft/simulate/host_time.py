@@ -7,11 +7,12 @@ below autograd times what happens inside every operator and excludes it. What is
 per step: the executor's Python, autograd's bookkeeping, each operator's call, and the real host work of
 staging (the image's tiles packed into page-locked buffers, gradient tiles added on the host). Each operator
 that reads or writes device memory is one launch; a copy between host and device is one copy; a read of a
-device value by the host (``bool(tensor)``, ``.item()``, ``torch.equal``) is one synchronization. Content checks
-answer as on a slide all tissue: no tile is flat, every output-gradient tile holds a nonzero value. The mode's own
-cost per operator (the call into Python and back, ``mode_overhead``, measured on a cheap operator in the same
-process) is subtracted. CPU time (``time.process_time``), not wall time: other processes on a shared machine do
-not inflate it, though they still slow it through shared caches.
+device value by the host (``bool(tensor)``, ``.item()``, ``torch.equal``) is one synchronization, and so is each
+content check the executor reports (``ExecHooks.on_sync``: background reuse's, which it skips on the meta device).
+Content checks answer as on a slide all tissue: no tile is flat, every output-gradient tile holds a nonzero value.
+The mode's own cost per operator (the call into Python and back, ``mode_overhead``, measured on a cheap operator
+in the same process) is subtracted. CPU time (``time.process_time``), not wall time: other processes on a shared
+machine do not inflate it, though they still slow it through shared caches.
 
 What a real GPU adds on top: CUDA's own cost per launch (a few microseconds; the simulated clock multiplies
 ``launches`` by its per-preset constant). Figures are *measured on this CPU* (``seconds``) and *simulated*
@@ -153,6 +154,10 @@ class _OpClock(TorchDispatchMode):
             self.host_op_seconds += spent
         return out
 
+    def executor_sync(self, what: str) -> None:
+        """A content read the executor reports instead of making (the meta device has no content)."""
+        self.syncs += self.counting
+
     def _count(self, func: Any, devices: set[str], outs: list[torch.Tensor], sync: bool) -> None:
         self.ops += 1
         self.syncs += sync
@@ -224,8 +229,9 @@ def measure_host_time(
         visits[0] += phase in ("forward", "backward")
 
     sft._hooks.on_tile = at_tile
-    params = [p for p in model.parameters() if p.requires_grad]
     clock = _OpClock()
+    sft._hooks.on_sync = clock.executor_sync  # content checks the executor skips on the meta device (reuse.py)
+    params = [p for p in model.parameters() if p.requires_grad]
     image = torch.zeros(shape, dtype=input_dtype)  # (B, C, H, W) in host memory
     target_t = torch.zeros(shape[0], dtype=torch.long, device=DEVICE_TYPE)
     try:
@@ -239,6 +245,7 @@ def measure_host_time(
             wall = time.process_time() - t0
     finally:
         sft._hooks.on_tile = None
+        sft._hooks.on_sync = None
         for p in params:
             p.grad = None
     overhead = mode_overhead()

@@ -21,7 +21,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from wsitrain.errors import PlanError
 from wsitrain.sft.api import SFT
+from wsitrain.sft.execution.multipass import MultiPassSegment
 from wsitrain.sft.execution.staging import HostStager
+from wsitrain.sft.execution.tiled import TiledSegment
 from wsitrain.sft.execution.transfers import Copies
 from wsitrain.sft.plan_types import Plan
 from wsitrain.sft.planning.costs import TimeModel
@@ -150,13 +152,14 @@ def simulate_step(
         if clock is not None:
             regions = plan.segments[seg].regions
             weight = 1 if every_tile or regions is None else tile_weight(regions, r, c)
-            clock.mark(memory.where, weight, regions is not None)
+            clock.mark(memory.where, weight, regions is not None, sweep=_cast_sweep(sft, seg, phase))
         done[0] += 1
         if progress is not None:
             progress(min(done[0], total), total)
 
     sft._hooks.on_tile = at_tile
     sft._hooks.visit = None if every_tile else representative_tiles
+    sft._hooks.on_sync = clock.sync if clock is not None else None  # fake tensors: the executor says where it reads
     params = [p for p in model.parameters() if p.requires_grad]
     t0 = time.perf_counter()
     timed = clock if clock is not None else contextlib.nullcontext()
@@ -194,6 +197,7 @@ def simulate_step(
         p.grad = None
     sft._hooks.on_tile = None
     sft._hooks.visit = None
+    sft._hooks.on_sync = None
     return SimulatedStep(
         plan=plan,
         device_peak=memory.peaks[DEVICE_TYPE],
@@ -204,6 +208,16 @@ def simulate_step(
         tiles_visited=visits,
         tiles_in_step=_tiles_in_step(plan, True),
     )
+
+
+def _cast_sweep(sft: SFT, seg: int, phase: str) -> str | None:
+    """The sweep a tile visit belongs to when that sweep casts each weight once (a tiled segment's forward or
+    recompute: ``TiledSegment.cast_once``; multi-pass segments cast per tile), else None."""
+    if phase not in ("forward", "backward"):
+        return None
+    segment = next(reversed(sft._cache.values())).segments[seg]  # the plan this step runs (the newest)
+    once = isinstance(segment, TiledSegment) and not isinstance(segment, MultiPassSegment) and segment.cast_once
+    return f"segment {seg} {phase}" if once else None
 
 
 def _mark(clock: OpClock | None, label: str, optimizer: bool = False) -> None:
