@@ -3,6 +3,7 @@ device with the real plan's grid; ``plan --simulate`` and ``bench`` report them.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from wsitrain.gpus import resolve_budget
@@ -44,3 +45,15 @@ def test_content_checks_count_as_synchronizations() -> None:
     h = _measure("tiny", 2048, "1GiB", tile=256)
     assert h.plan.reuse_tiles
     assert h.syncs > 0
+
+
+def test_host_time_refuses_an_image_larger_than_half_the_free_ram(monkeypatch: pytest.MonkeyPatch) -> None:
+    """plan --simulate at 100,000 px allocated a real 28 GiB host image to time its staging; it now says why not."""
+    from wsitrain.sft.simulate import host_time
+
+    monkeypatch.setattr(host_time, "available_host_bytes", lambda: 2 * 2**30)
+    assert host_time.host_image_refusal((1, 3, 512, 512)) is None
+    reason = host_time.host_image_refusal((1, 3, 100_000, 100_000))
+    assert reason is not None and "27.94 GiB image" in reason and "2.00 GiB available" in reason
+    assert host_time.host_image_refusal((1, 3, 1024, 1024), torch.float32) is None
+    assert host_time.host_image_refusal((1, 3, 20_000, 20_000), torch.float32) is not None

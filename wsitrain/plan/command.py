@@ -33,7 +33,7 @@ from wsitrain.sft.planning.calibration import CLOCK_SOURCE, clock_speed, clock_t
 from wsitrain.sft.planning.costs import DEFAULT_TIME_MODEL, TimeModel
 from wsitrain.sft.simulate import SimulatedStep, simulate_step, simulation_dict, simulation_text
 from wsitrain.sft.simulate.clock import ClockReading, OpClock
-from wsitrain.sft.simulate.host_time import HostTime, measure_host_time
+from wsitrain.sft.simulate.host_time import HostTime, host_image_refusal, measure_host_time
 from wsitrain.sft.simulate.step import Progress
 from wsitrain.sft.simulate.timing import LOW_PRECISION, clock_plain_step
 from wsitrain.slides.tile_source import READ_AHEAD
@@ -57,6 +57,7 @@ class PlanReport:
     clock_plain: ClockReading | None = None  # plain PyTorch's step on the same card, simulated
     flop_rate: float | None = None  # FLOP/s of the time model when it is the clock's (its time in seconds)
     host: HostTime | None = None  # the host's share of that step: time and launches (``--simulate``)
+    host_skipped: str | None = None  # why ``host`` was not measured (the image would not fit this machine's RAM)
     frozen: Frozen | None = None  # what ``--freeze`` froze
     unfrozen: PlanReport | None = None  # the same plan with nothing frozen, to show what freezing saves
 
@@ -133,6 +134,8 @@ class PlanReport:
             }
         if self.host is not None:
             d["host"] = self.host.to_dict()
+        if self.host_skipped is not None:
+            d["host_skipped"] = self.host_skipped
         return d
 
     def __str__(self) -> str:
@@ -157,6 +160,8 @@ class PlanReport:
             )
         if self.host is not None:
             lines.append(self.host.text())
+        if self.host_skipped is not None:
+            lines.append(self.host_skipped)
         saving = self.saving_text()
         if saving is not None:
             lines.append(saving)
@@ -389,8 +394,11 @@ def _simulated(
             net, shape, budget.bytes, optimizer=optimizer, tile_size=tile, progress=progress, target=budget.target,
             every_tile=every_tile, clock=clock, act_dtype=LOW_PRECISION.get(prec), time_model=tm,
         )  # fmt: skip
-        host = measure_host_time(net, shape, budget.bytes, dtype=LOW_PRECISION.get(prec, torch.float32),
-                                 optimizer=optimizer, target=budget.target, tile_size=tile)  # fmt: skip
+        skipped = host_image_refusal(shape)
+        host = None if skipped else measure_host_time(
+            net, shape, budget.bytes, dtype=LOW_PRECISION.get(prec, torch.float32), optimizer=optimizer,
+            target=budget.target, tile_size=tile,
+        )  # fmt: skip
     except PlanError as e:  # does not fit: show the plan as the plain command would
         raise WsiTrainError(str(e), hint=e.hint) from e
     reading = plain = None
@@ -398,7 +406,10 @@ def _simulated(
         reading = clock.reading(speed, prec)
         plain = clock_plain_step(net, shape, speed, prec, optimizer=optimizer)[1].reading(speed, prec)
     rate = _flop_rate(tm, speed, prec)
-    return PlanReport(sim.plan, budget, prec, None, tm.source, None if low else sim, reading, plain, rate, host=host)
+    return PlanReport(
+        sim.plan, budget, prec, None, tm.source, None if low else sim, reading, plain, rate, host=host,
+        host_skipped=skipped,
+    )
 
 
 def run_plan(

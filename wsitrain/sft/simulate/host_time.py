@@ -23,9 +23,11 @@ The simulated clock consumes ``HostTime``; ``plan --simulate`` and ``bench`` pri
 
 from __future__ import annotations
 
+import math
 import platform
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from wsitrain.errors import PlanError
+from wsitrain.memory import available_host_bytes
 from wsitrain.sft.api import SFT
 from wsitrain.sft.plan_types import Plan
 from wsitrain.sft.simulate.runtime import DEVICE_TYPE, SimRuntime
@@ -190,6 +193,20 @@ def _down(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Ten
         return args[0]  # (B, C, th, tw) staging buffer or host checkpoint: its bytes are not simulated
     src = args[0]
     return torch.empty(src.shape, dtype=kwargs.get("dtype") or src.dtype, pin_memory=False)
+
+
+def host_image_refusal(input_shape: Sequence[int], input_dtype: torch.dtype = torch.uint8) -> str | None:
+    """Why ``measure_host_time`` should not run here, or None: it stages a real host image (the staging memcpys are
+    part of the host time), and an image larger than half of this machine's available RAM would exhaust it
+    (a 100,000 px slide is 28 GiB as uint8)."""
+    need = math.prod(input_shape) * torch.empty((), dtype=input_dtype).element_size()
+    free = available_host_bytes()
+    if need <= free // 2:
+        return None
+    return (
+        f"host side per step: not measured (the {need / 2**30:.2f} GiB image it stages in host memory is more than "
+        f"half of this machine's {free / 2**30:.2f} GiB available RAM); measure it at a smaller --size"
+    )
 
 
 def measure_host_time(
