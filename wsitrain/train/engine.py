@@ -11,9 +11,11 @@ from torch import nn
 
 from wsitrain.config import EngineConfig, ModelConfig
 from wsitrain.errors import ConfigError
+from wsitrain.host_need import ranks_per_node
 from wsitrain.models import build
 from wsitrain.sft import SFT
 from wsitrain.sft.planning.calibration import cpu_name, time_model_for
+from wsitrain.spill_dir import default_host_memory, spill_folder
 from wsitrain.train.distributed import DistInfo
 
 
@@ -80,4 +82,12 @@ def wrap_engine(
         checkpoints=engine.checkpoints,
         optimizer=optimizer,
         time_model=time_model_for(device.type, name),
+        host_memory=host_memory_per_rank(engine),
+        spill_dir=str(spill_folder(engine.spill_dir)),
     )
+
+
+def host_memory_per_rank(engine: EngineConfig) -> int:
+    """engine.host_memory, or the node's RAM divided among its ranks (torchrun's LOCAL_WORLD_SIZE)."""
+    b = engine.host_memory_bytes
+    return b if b is not None else default_host_memory(ranks_per_node())
