@@ -136,3 +136,81 @@ def test_placement_refuses_a_budget_below_the_staging_buffers() -> None:
     p = _vgg_plan()
     placed = place_host(p, p.staging_bytes - 1)
     assert not placed.fits and any("host budget" in n and "engine.host_memory" in n for n in placed.notes)
+
+
+# ---- the simulated device: host RAM and disk against the plan -------------------------------------------------
+def _simulated(host_memory: int | None):
+    from wsitrain.sft.simulate import simulate_step
+
+    with torch.device("meta"):
+        m = MODELS["vgg_chain"]()
+    return simulate_step(m, (2, 3, 150, 222), "1GiB", input_dtype=torch.float32, tile_size=48,
+                         host_checkpoints="always", host_memory=host_memory)  # fmt: skip
+
+
+def test_simulated_host_peak_within_the_plan_with_checkpoints_on_disk() -> None:
+    in_ram = _simulated(None)
+    assert in_ram.disk_peak.bytes == 0 and in_ram.host_within_plan
+    spilled = _simulated(in_ram.plan.staging_bytes + 1)  # room for the staging buffers only
+    p = spilled.plan
+    assert p.spill_bytes > 0 and p.host_bytes == p.staging_bytes
+    # the step's live host RAM is the staging buffers (and the optimizer's step counters), within the plan
+    assert spilled.host_within_plan and spilled.host_peak.bytes < in_ram.host_peak.bytes
+    assert 0 < spilled.disk_peak.bytes <= p.spill_bytes and spilled.disk_within_plan
+    # what left RAM is on disk: the image and every checkpoint with its gradient buffer, live at once at the peak
+    assert spilled.disk_peak.bytes == p.spill_bytes
+
+
+# ---- engine.spill_dir and engine.host_memory: checked before anything is written ------------------------------
+def test_spill_dir_config_errors_name_the_key_and_path(write_yaml, tmp_path: Path, monkeypatch) -> None:
+    from typer.testing import CliRunner
+
+    from wsitrain.cli import app
+    from wsitrain.config import load_config
+    from wsitrain.errors import ConfigError
+
+    missing = tmp_path / "nowhere"
+    res = CliRunner().invoke(app, ["validate", str(write_yaml(f"engine: {{spill_dir: {missing}}}\n"))])
+    assert res.exit_code == 2, res.output
+    assert "engine.spill_dir" in res.output and "does not exist" in res.output and str(missing) in res.output
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(ConfigError) as info:
+        load_config(write_yaml(f"engine: {{spill_dir: {a_file}}}\n"), [])
+    assert any("engine.spill_dir" in p and "is not a folder" in p for p in info.value.problems)
+    monkeypatch.setattr("wsitrain.spill_dir.os.access", lambda *a: False)  # root may write anywhere: pretend not
+    with pytest.raises(ConfigError) as info:
+        load_config(write_yaml(f"engine: {{spill_dir: {tmp_path}}}\n"), [])
+    assert any("engine.spill_dir" in p and f"{tmp_path} is not writable" in p for p in info.value.problems)
+    monkeypatch.undo()
+    with pytest.raises(ConfigError) as info:
+        load_config(write_yaml("engine: {host_memory: lots}\n"), [])
+    assert any("engine.host_memory" in p for p in info.value.problems)
+    cfg = load_config(write_yaml(f"engine: {{spill_dir: {tmp_path}, host_memory: 16GiB}}\n"), [])
+    assert cfg.engine.host_memory_bytes == 16 * 2**30 and cfg.engine.spill_dir == str(tmp_path)
+
+
+def test_too_little_free_space_is_refused_before_anything_is_written(tmp_path: Path, monkeypatch) -> None:
+    import shutil
+
+    from wsitrain.config import EngineConfig
+    from wsitrain.errors import WsiTrainError
+    from wsitrain.train.engine import check_spill_room
+
+    p = _vgg_plan()
+    spills = place_host(p, p.staging_bytes + 1).spill_bytes  # the image and one checkpoint: 4.75 GiB
+    engine = EngineConfig(spill_dir=str(tmp_path), host_memory=p.staging_bytes + 1)
+    usage = shutil._ntuple_diskusage
+    monkeypatch.setattr("wsitrain.spill_dir.shutil.disk_usage", lambda _: usage(1 << 40, 0, spills - 1))
+    with pytest.raises(WsiTrainError) as info:
+        check_spill_room(engine, [p])
+    msg = str(info.value)
+    assert "engine.spill_dir" in msg and str(tmp_path) in msg and "free" in msg and "per rank" in msg
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two ranks share the disk: room for one is not enough
+    monkeypatch.setattr("wsitrain.spill_dir.shutil.disk_usage", lambda _: usage(1 << 40, 0, spills))
+    with pytest.raises(WsiTrainError, match="x 2 ranks on this node"):
+        check_spill_room(engine, [p])
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    check_spill_room(engine, [p])  # room for one rank's spill
+    check_spill_room(EngineConfig(spill_dir=str(tmp_path), host_memory=p.host_bytes), [p])  # nothing spills

@@ -14,8 +14,10 @@ from wsitrain.errors import ConfigError
 from wsitrain.host_need import ranks_per_node
 from wsitrain.models import build
 from wsitrain.sft import SFT
+from wsitrain.sft.plan_types import Plan
 from wsitrain.sft.planning.calibration import cpu_name, time_model_for
-from wsitrain.spill_dir import default_host_memory, spill_folder
+from wsitrain.sft.planning.placement import place_host
+from wsitrain.spill_dir import check_spill_dir, default_host_memory, spill_folder
 from wsitrain.train.distributed import DistInfo
 
 
@@ -85,6 +87,14 @@ def wrap_engine(
         host_memory=host_memory_per_rank(engine),
         spill_dir=str(spill_folder(engine.spill_dir)),
     )
+
+
+def check_spill_room(engine: EngineConfig, plans: list[Plan]) -> None:
+    """Before anything is written: engine.spill_dir can take what the run's largest plan spills past
+    engine.host_memory, for every rank on this node (exit 2 naming the key and folder otherwise)."""
+    host = host_memory_per_rank(engine)
+    spill = max((place_host(p, host).spill_bytes for p in plans), default=0)
+    check_spill_dir(engine.spill_dir, spill, ranks_per_node())
 
 
 def host_memory_per_rank(engine: EngineConfig) -> int:
