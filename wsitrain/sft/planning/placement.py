@@ -61,7 +61,7 @@ def place_host(plan: Plan, host_budget: int | None) -> Plan:
     return dataclasses.replace(
         plan,
         segments=segments,
-        host_bytes=plan.host_bytes - spill,
+        host_bytes=used,  # the staging buffers and what stays in RAM (placing a placed plan again changes nothing)
         spill_bytes=spill,
         host_budget_bytes=int(host_budget),
         fits=fits,
