@@ -219,3 +219,13 @@ def test_too_little_free_space_is_refused_before_anything_is_written(tmp_path: P
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     check_spill_room(engine, [p])  # room for one rank's spill
     check_spill_room(EngineConfig(spill_dir=str(tmp_path), host_memory=p.host_bytes), [p])  # nothing spills
+
+
+def test_host_need_counts_spilled_checkpoints_on_disk_not_in_ram() -> None:
+    from wsitrain.host_need import host_need
+
+    p = _vgg_plan()
+    later = sum(v for k, v in host_items(p).items() if k)  # checkpoints after the image, with gradient buffers
+    ram = host_need(p, 0, 0, "cuda")
+    spilled = host_need(place_host(p, p.staging_bytes + 1), 0, 0, "cuda")
+    assert ram.plan == later > 0 and spilled.plan == 0 and spilled.staging == ram.staging
