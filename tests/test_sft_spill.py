@@ -200,10 +200,12 @@ def test_too_little_free_space_is_refused_before_anything_is_written(tmp_path: P
 
     from wsitrain.config import EngineConfig
     from wsitrain.errors import WsiTrainError
-    from wsitrain.train.engine import check_spill_room
+    from wsitrain.train.engine import check_spill_room, executor_spill
 
     p = _vgg_plan()
-    spills = place_host(p, p.staging_bytes + 1).spill_bytes  # the image and one checkpoint: 4.75 GiB
+    placed = place_host(p, p.staging_bytes + 1)  # the image and one checkpoint on disk: 4.75 GiB
+    spills = executor_spill(placed)  # what the engine writes there: the checkpoint and its gradient, 4 GiB
+    assert 0 < spills == placed.spill_bytes - host_items(p)[0]
     engine = EngineConfig(spill_dir=str(tmp_path), host_memory=p.staging_bytes + 1)
     usage = shutil._ntuple_diskusage
     monkeypatch.setattr("wsitrain.spill_dir.shutil.disk_usage", lambda _: usage(1 << 40, 0, spills - 1))

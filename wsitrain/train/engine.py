@@ -93,8 +93,14 @@ def check_spill_room(engine: EngineConfig, plans: list[Plan]) -> None:
     """Before anything is written: engine.spill_dir can take what the run's largest plan spills past
     engine.host_memory, for every rank on this node (exit 2 naming the key and folder otherwise)."""
     host = host_memory_per_rank(engine)
-    spill = max((place_host(p, host).spill_bytes for p in plans), default=0)
+    spill = max((executor_spill(place_host(p, host)) for p in plans), default=0)
     check_spill_dir(engine.spill_dir, spill, ranks_per_node())
+
+
+def executor_spill(plan: Plan) -> int:
+    """Bytes the engine writes to engine.spill_dir in a step of ``plan``: spilled checkpoints after the image, with
+    their gradient buffers (the loader holds a whole slide in RAM, or streams it, even where the plan spills it)."""
+    return sum(2 * s.checkpoint_bytes for s in plan.segments if s.start and s.spilled)
 
 
 def host_memory_per_rank(engine: EngineConfig) -> int:
