@@ -289,6 +289,10 @@ def plan(
         None, "--freeze", help="Plan fine-tuning with layers frozen (model.freeze): up to a module (layer2) or a list "
         "(conv1,layer1); shows the saving against nothing frozen.",
     ),
+    host_memory: str | None = typer.Option(
+        None, "--host-memory", help="Host RAM per rank for host checkpoints and the image (engine.host_memory), e.g. "
+        "16GiB; what it does not hold spills to disk. Default: this node's RAM over its ranks.",
+    ),
 ) -> None:
     """Show how the SFT engine would tile a model for an image size and memory budget (allocates nothing).
 
@@ -307,6 +311,8 @@ def plan(
       wsitrain plan --model resnet50 --size 100000 --gpu 2080ti --pool gated_attention
 
       wsitrain plan --model resnet50 --size 8192 --gpu 2080ti --freeze layer2
+
+      wsitrain plan --model resnet50 --size 200000 --gpu rtx3090 --host-memory 16GiB
     """
     run_plan = _entry("wsitrain.plan.command", "run_plan", "plan")
     code = run_plan(
@@ -324,6 +330,7 @@ def plan(
         tissue=tissue,
         pool=pool,
         freeze=freeze,
+        host_memory=host_memory,
     )
     if code:
         raise typer.Exit(int(code))

@@ -39,6 +39,7 @@ from wsitrain.models.heads import ATTENTION_POOLS, DEFAULT_TOPK, POOLS, TOPK, At
 from wsitrain.models.registry import ModelNameError, is_imagenet, resolve_model_name
 from wsitrain.precision import Precision
 from wsitrain.slides.tissue.result import DEFAULT_MIN_FRAGMENT_MM2, TissueSettings
+from wsitrain.spill_dir import folder_problem
 from wsitrain.tasks.kinds import RegressionLoss, TaskKind
 from wsitrain.units import format_bytes, parse_bytes
 
@@ -282,6 +283,35 @@ class EngineConfig(Section):
     tile_size: int | None = Field(None, gt=0)
     checkpoints: list[str] | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # host RAM per rank for host checkpoints (and the image on the host); what it does not hold spills to
+    # spill_dir. None: the node's RAM divided among its ranks (wsitrain/spill_dir.py)
+    host_memory: int | str | None = None
+    spill_dir: str | None = None  # memory-mapped spill files; None: the system temp folder
+
+    @field_validator("host_memory")
+    @classmethod
+    def _check_host_memory(cls, value: int | str | None) -> int | str | None:
+        if value is not None:
+            try:
+                parse_bytes(value, what="host_memory")
+            except WsiTrainError as err:
+                raise ValueError(f"cannot read {value!r} as a size; write e.g. 16GiB or 64GB") from err
+        return value
+
+    @field_validator("spill_dir")
+    @classmethod
+    def _check_spill_dir(cls, value: str | None) -> str | None:
+        if value is not None:
+            problem = folder_problem(value)
+            if problem is not None:
+                raise ValueError(f"{problem}; give a writable folder on a local disk, or remove the key (the system "
+                                 "temp folder)")  # fmt: skip
+        return value
+
+    @property
+    def host_memory_bytes(self) -> int | None:
+        """The host RAM budget per rank in bytes, or None for the default (the node's RAM over its ranks)."""
+        return None if self.host_memory is None else parse_bytes(self.host_memory, what="engine.host_memory")
 
     @field_validator("memory_budget")
     @classmethod

@@ -106,6 +106,11 @@ class HostNeed:
         return f"{format_bytes(self.total)} ({what}{ranks})"
 
 
+def _host_checkpoints(plan: Plan) -> int:
+    """Host RAM of the plan's host checkpoints with their gradient buffers; spilled ones live on disk instead."""
+    return sum(2 * s.checkpoint_bytes for s in plan.segments if s.start and s.checkpoint_home == "host")
+
+
 def streamed_bytes(plan: Plan, ahead: int) -> int:
     """Host bytes of a slide read tile by tile (``data.stream_tiles``) into ``plan``'s tiled first segment: the
     region in use, the ``ahead`` regions decoded ahead and the decode box of one (uint8 input regions, halo in);
@@ -127,7 +132,7 @@ def host_need(
         if device != "cuda":
             return HostNeed(streamed, plan.estimated_peak_bytes, 0, 0, ranks, streamed=True)
         bufs = staging_buffers(plan)
-        host_ck = sum(2 * s.checkpoint_bytes for s in plan.segments if s.start and s.checkpoint_location == "host")
+        host_ck = _host_checkpoints(plan)
         rounding = sum(pinned_size(n) for n in bufs) - sum(bufs)
         return HostNeed(streamed, host_ck, sum(bufs), rounding, ranks, streamed=True)
     if plan is None:
@@ -135,7 +140,7 @@ def host_need(
     if device != "cuda":
         # the plan's peak includes the one image being trained (it is read per tile from host memory)
         return HostNeed((images - 1) * image_bytes, plan.estimated_peak_bytes, 0, 0, ranks)
-    host_ck = sum(2 * s.checkpoint_bytes for s in plan.segments if s.start and s.checkpoint_location == "host")
+    host_ck = _host_checkpoints(plan)
     bufs = staging_buffers(plan)
     staging = sum(bufs)
     rounding = sum(pinned_size(n) for n in bufs) - staging

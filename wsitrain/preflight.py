@@ -35,9 +35,10 @@ from wsitrain.host_need import HostNeed, host_need, ranks_per_node, streamed_byt
 from wsitrain.memory import available_host_bytes
 from wsitrain.precision import activation_dtype, check_device_precision
 from wsitrain.sft.plan_types import Plan
+from wsitrain.sft.planning.placement import place_host
 from wsitrain.slides.buckets import bucket_shape
 from wsitrain.slides.tile_source import READ_AHEAD
-from wsitrain.train.engine import resolve_device
+from wsitrain.train.engine import host_memory_per_rank, resolve_device
 from wsitrain.units import format_bytes
 
 # Autocast dtypes of train.precision (fp32 runs in the parameters' dtype).
@@ -362,11 +363,12 @@ def _plan_bucket(cfg: WsiTrainConfig, model: nn.Module, bucket: tuple[int, int],
     e = cfg.engine
 
     def planned(on_host: bool) -> Plan:
-        return plan(
+        p = plan(
             model, (1, 3, *bucket), budget, activation_dtype(cfg.train.precision), tile_size=e.tile_size,
             checkpoints=e.checkpoints, optimizer=cfg.train.optimizer, input_dtype=torch.uint8,
             input_on_host=on_host, device=dev,
         )  # fmt: skip
+        return place_host(p, host_memory_per_rank(e))  # host checkpoints past engine.host_memory go to disk
 
     if dev == "cuda" or not cfg.data.stream_tiles:
         return planned(dev == "cuda")

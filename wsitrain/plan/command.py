@@ -20,7 +20,7 @@ from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
 from wsitrain.errors import PlanError, WsiTrainError
 from wsitrain.gpu_speed import GpuSpeed
 from wsitrain.gpus import Budget, gpu_preset, resolve_budget
-from wsitrain.host_need import host_need, streamed_bytes
+from wsitrain.host_need import host_need, ranks_per_node, streamed_bytes
 from wsitrain.models import build
 from wsitrain.models.freeze import FreezeSpec, Frozen
 from wsitrain.models.heads import AVG, POOLS
@@ -31,13 +31,15 @@ from wsitrain.sft import plan as plan_model
 from wsitrain.sft.plan_api import MAX_SQUARE_LIMIT
 from wsitrain.sft.planning.calibration import CLOCK_SOURCE, clock_speed, clock_time_model, cpu_name, time_model_for
 from wsitrain.sft.planning.costs import DEFAULT_TIME_MODEL, TimeModel
+from wsitrain.sft.planning.placement import place_host
 from wsitrain.sft.simulate import SimulatedStep, simulate_step, simulation_dict, simulation_text
 from wsitrain.sft.simulate.clock import ClockReading, OpClock
 from wsitrain.sft.simulate.host_time import HostTime, host_image_refusal, measure_host_time
 from wsitrain.sft.simulate.step import Progress
 from wsitrain.sft.simulate.timing import LOW_PRECISION, clock_plain_step
 from wsitrain.slides.tile_source import READ_AHEAD
-from wsitrain.units import format_bytes
+from wsitrain.spill_dir import default_host_memory
+from wsitrain.units import format_bytes, parse_bytes
 
 PLAN_NUM_CLASSES = 2  # the head is tiny next to the trunk; any class count plans the same
 DEFAULT_OPTIMIZER = "adamw"  # what ``wsitrain fit`` trains with unless train.optimizer says otherwise
@@ -194,9 +196,13 @@ def host_line(plan: Plan) -> str:
     """Host RAM per rank (planned): whole uint8 slides (the trained one and the one read ahead) against the slide
     read tile by tile (data.stream_tiles: the regions read ahead, slides/tile_source.py)."""
     b, c, h, w = plan.input_shape
-    whole = host_need(plan, b * c * h * w, 2, "cuda")
+    image = b * c * h * w
     streamed = streamed_bytes(plan, READ_AHEAD)
+    whole = host_need(plan, image, 2, "cuda")
     text = f"host RAM per rank (planned): {whole.describe()} with whole slides and data.prefetch"
+    if plan.segments and plan.segments[0].spilled:  # past engine.host_memory: the plan puts the image on disk
+        text += (f" (the plan places the image on disk; the loader does not spill decoded slides yet: "
+                 f"{host_need(plan, 0, 0, 'cuda').describe()} once it does, {format_bytes(2 * image)} on disk)")
     if not streamed:
         return text + "; data.stream_tiles would read the whole image too (the first segment is not tiled)"
     return text + f"; {host_need(plan, 0, 0, 'cuda', 1, streamed).describe()} with data.stream_tiles"
@@ -242,6 +248,7 @@ def make_plan(
     every_tile: bool = False,
     pool: str = AVG,
     freeze: str | None = None,
+    host_memory: str | int | None = None,
 ) -> PlanReport:
     """Validate the inputs, plan on the meta device, and return the plan with the command's envelope.
 
@@ -251,6 +258,8 @@ def make_plan(
     simulated device has no autocast). ``every_tile``: simulate every tile, not only the representative ones.
     ``pool``: the head's pooling (wsitrain.models.heads.POOLS; attention with its default settings).
     ``freeze``: ``--freeze`` (``parse_freeze``): plan with those layers frozen, and the same plan unfrozen beside it.
+    ``host_memory``: ``--host-memory``, host RAM per rank (default: this node's RAM over its ranks); the host
+    checkpoints it does not hold are placed on disk (``wsitrain.sft.planning.placement``).
     """
     _check_model(model)
     if pool not in POOLS:
@@ -268,12 +277,15 @@ def make_plan(
     if tile is not None and tile <= 0:
         raise WsiTrainError(f"--tile: {tile!r} must be positive", hint="give a tile edge in pixels, or omit --tile")
     spec = parse_freeze(freeze)
+    host_budget = (default_host_memory(ranks_per_node()) if host_memory is None
+                   else parse_bytes(host_memory, what="--host-memory"))  # fmt: skip
     with torch.device("meta"):  # shapes only: no parameter or activation is ever allocated
         net = build(model, PLAN_NUM_CLASSES, pool=pool, freeze=spec)
     h, w = parse_size(size, net.stride, model)
     shape = (batch, 3, h, w)
     plan_it = functools.partial(_plan_net, shape=shape, budget=budget, prec=prec, optimizer=optimizer, tile=tile,
-                                simulate=simulate, progress=progress, every_tile=every_tile)  # fmt: skip
+                                simulate=simulate, progress=progress, every_tile=every_tile,
+                                host_budget=host_budget)  # fmt: skip
     report = plan_it(net, with_max_size=with_max_size)
     if spec is None:
         return report
@@ -306,6 +318,7 @@ def _plan_net(
     progress: Progress | None,
     every_tile: bool,
     with_max_size: bool,
+    host_budget: int | None = None,
 ) -> PlanReport:
     """Plan (or simulate) ``net`` built on the meta device for ``shape`` within ``budget``."""
     batch = shape[0]
@@ -313,11 +326,12 @@ def _plan_net(
     tm, speed = _time_model(budget, prec)
     if simulate:
         opt = optimizer or DEFAULT_OPTIMIZER
-        return _simulated(net, shape, budget, prec, opt, tile, progress, every_tile, speed, tm)
+        return _simulated(net, shape, budget, prec, opt, tile, progress, every_tile, speed, tm, host_budget)
     p = plan_model(
         net, input_shape=shape, memory_budget=budget.bytes, dtype=dtype, tile_size=tile,
         optimizer=optimizer, device=budget.device, target=budget.target, time_model=tm,
     )  # fmt: skip
+    p = place_host(p, host_budget)  # host checkpoints in RAM or on disk, as SFT places them
     max_size = None
     if with_max_size:
         max_size = int(
@@ -375,6 +389,7 @@ def _simulated(
     every_tile: bool,
     speed: GpuSpeed | None,
     tm: TimeModel,
+    host_budget: int | None = None,
 ) -> PlanReport:
     if budget.device != "cuda":
         raise WsiTrainError(
@@ -393,6 +408,7 @@ def _simulated(
         sim = simulate_step(
             net, shape, budget.bytes, optimizer=optimizer, tile_size=tile, progress=progress, target=budget.target,
             every_tile=every_tile, clock=clock, act_dtype=LOW_PRECISION.get(prec), time_model=tm,
+            host_memory=host_budget,
         )  # fmt: skip
         skipped = host_image_refusal(shape)
         host = None if skipped else measure_host_time(
@@ -429,6 +445,7 @@ def run_plan(
     tissue: float | None = None,
     pool: str = AVG,
     freeze: str | None = None,
+    host_memory: str | None = None,
 ) -> int:
     """``wsitrain plan``: print the plan (readable, or one JSON object); exit code 0 when it fits, 1 when not.
 
@@ -437,7 +454,7 @@ def run_plan(
     report = make_plan(
         model=model, size=size, gpu=gpu, memory=memory, batch=batch, precision=precision, tile=tile,
         optimizer=optimizer, simulate=simulate, progress=_progress_bar(console) if simulate and not as_json else None,
-        every_tile=every_tile, pool=pool, freeze=freeze,
+        every_tile=every_tile, pool=pool, freeze=freeze, host_memory=host_memory,
     )  # fmt: skip
     if as_json:
         d = report.to_dict()
@@ -458,7 +475,8 @@ def run_plan(
                 highlight=False,
                 soft_wrap=True,
             )
-    if report.simulated is not None and not (report.simulated.within_budget and report.simulated.host_within_plan):
+    sim = report.simulated
+    if sim is not None and not (sim.within_budget and sim.host_within_plan and sim.disk_within_plan):
         return 1
     return 0 if report.plan.fits else 1
 

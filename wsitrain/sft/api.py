@@ -19,6 +19,7 @@ from wsitrain.sft.execution.host_register import upload_whole
 from wsitrain.sft.execution.runner import NodeRunner
 from wsitrain.sft.execution.runtime import DeviceRuntime, runtime_for
 from wsitrain.sft.execution.segments import run_tiled, tiled_segment
+from wsitrain.sft.execution.spill import SpillFiles
 from wsitrain.sft.execution.staging import HostStager
 from wsitrain.sft.execution.stats import StatsRecorder, StepStats
 from wsitrain.sft.execution.tiled import TiledSegment
@@ -26,6 +27,7 @@ from wsitrain.sft.facts import GraphFacts
 from wsitrain.sft.plan_api import model_graph, node_namer
 from wsitrain.sft.plan_types import Plan
 from wsitrain.sft.planning.costs import TimeModel
+from wsitrain.sft.planning.placement import place_host
 from wsitrain.sft.planning.planner import build_plan
 from wsitrain.sft.source import is_source
 from wsitrain.sft.target import TargetDevice, detection_device, target_for
@@ -66,6 +68,9 @@ class SFT(nn.Module):
     sweep and skip tiles whose output gradient is zero; the step is bitwise the same either way. ``runtime``
     replaces the device's streams, events and page-locked buffers
     (``wsitrain.sft.simulate`` passes its simulated CUDA runtime; by default the model's device decides).
+    ``host_memory``: host RAM per rank for the host checkpoints (bytes or "16GiB"); the ones it does not hold spill
+    to memory-mapped files in ``spill_dir`` (default the system temp folder), bitwise the same step
+    (``planning/placement.py``, ``execution/spill.py``). None: every host checkpoint stays in RAM.
     """
 
     def __init__(
@@ -83,6 +88,8 @@ class SFT(nn.Module):
         time_model: TimeModel | None = None,
         target: TargetDevice | None = None,
         reuse_tiles: bool = True,
+        host_memory: int | str | None = None,
+        spill_dir: str | None = None,
     ) -> None:
         super().__init__()
         self.model = model
@@ -105,7 +112,8 @@ class SFT(nn.Module):
             self._runner = NodeRunner(self._graph)
         self._cache: OrderedDict[tuple[Any, ...], _Compiled] = OrderedDict()
         self._runtime = runtime
-        self._stager = HostStager(runtime=runtime)
+        self.host_memory = None if host_memory is None else parse_bytes(host_memory, "host_memory")
+        self._stager = HostStager(runtime=runtime, spill=SpillFiles(spill_dir))
         self._hooks = ExecHooks()
         self.last_stats = StepStats()
 
@@ -193,6 +201,7 @@ class SFT(nn.Module):
                 host_checkpoints=self.host_checkpoints, time_model=self.time_model, reuse_tiles=self.reuse_tiles,
                 target=self.target or target_for(detection_device(device, self._plan_device(device))),
             )  # fmt: skip
+            p = place_host(p, self.host_memory)  # which host checkpoints stay in RAM, which spill to disk
             if not p.fits:
                 why = "; ".join(p.notes) or f"the best plan needs {format_bytes(p.estimated_peak_bytes)}"
                 least = f" to at least {format_bytes(p.min_budget_bytes)}" if p.min_budget_bytes else ""

@@ -30,6 +30,10 @@ class SegmentPlan:
     flops: float  # forward + recompute + backward FLOPs of this segment
     fused_pool: str | None = None  # "avg" / "max" / "amax": the global pool folds this segment's tiles
     output_location: str = "device"  # "host" when the next segment's checkpoint lives in host memory
+    # the checkpoint (and its gradient buffer) is a host tensor backed by a file in engine.spill_dir, not RAM: the
+    # host's RAM budget did not hold it (planning/placement.py); the image when it is segment 0's input
+    spilled: bool = False
+    output_spilled: bool = False  # the next segment's checkpoint is spilled: this segment writes its output there
     start: int = field(default=0, repr=False)  # node index of the segment input (a cut)
     end: int = field(default=0, repr=False)  # node index of the segment output (a cut)
     # the activations its tiles run in place, overwriting their input (wsitrain/sft/in_place.py): node indices
@@ -41,9 +45,17 @@ class SegmentPlan:
     def n_tiles(self) -> int:
         return self.tile_grid[0] * self.tile_grid[1]
 
+    @property
+    def checkpoint_home(self) -> str:
+        """Where the segment's input lives: "device", "host" (RAM) or "disk" (a mapped file in engine.spill_dir)."""
+        if self.checkpoint_location == "host" and self.spilled:
+            return "disk"
+        return self.checkpoint_location
+
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "regions"}
         d["n_tiles"] = self.n_tiles
+        d["checkpoint_home"] = self.checkpoint_home
         for k in ("tile_grid", "tile_shape", "halo", "input_shape", "output_shape", "layers"):
             d[k] = list(d[k])
         return d
@@ -76,7 +88,9 @@ class Plan:
     # when it does not fit: the least budget at which this model and shape plan as fitting, rounded up to the figure
     # printed (a budget of exactly that fits); None when it fits, or when no budget tried did
     min_budget_bytes: int | None = None
-    host_bytes: int = 0  # host memory the step needs beside the process: the image (and host checkpoints)
+    host_bytes: int = 0  # host RAM the step needs beside the process: the image (and host checkpoints), not spilled
+    spill_bytes: int = 0  # host checkpoints (and the image) placed on local disk, engine.spill_dir (placement.py)
+    host_budget_bytes: int | None = None  # the host RAM budget per rank placement decided by; None: not placed
     transfer_bytes: int = 0  # bytes staged host -> device per step (tiles with halo, in forward and recompute)
     staging_bytes: int = 0  # the stager's page-locked host buffers (in host_bytes)
     replayed_peak_bytes: int = 0  # the replay's peak of tensor bytes (no runtime allowance, no slack): what a
@@ -145,6 +159,8 @@ class Plan:
             "limiting_part": self.limiting_part,
             "min_budget_bytes": self.min_budget_bytes,
             "host_bytes": self.host_bytes,
+            "spill_bytes": self.spill_bytes,
+            "host_budget_bytes": self.host_budget_bytes,
             "tiling": list(self.tiling),
             "transfer_bytes": self.transfer_bytes,
             "staging_bytes": self.staging_bytes,
@@ -177,7 +193,7 @@ class Plan:
             if s.mode == "tiled":
                 desc = (
                     f"tiled {s.tile_grid[0]}x{s.tile_grid[1]}, tile {s.tile_shape[0]}x{s.tile_shape[1]} px with halo "
-                    f"{s.halo[0]}/{s.halo[1]}, checkpoint {format_bytes(s.checkpoint_bytes)} on {s.checkpoint_location}"
+                    f"{s.halo[0]}/{s.halo[1]}, checkpoint {format_bytes(s.checkpoint_bytes)} on {s.checkpoint_home}"
                 )
                 if s.fused_pool:
                     desc += f"; global {s.fused_pool} pool fused (the last feature map never exists whole)"
@@ -186,20 +202,39 @@ class Plan:
             lines.append(
                 f"  segment {s.index}: {len(s.layers)} layers [{span}] {desc}; peak {format_bytes(s.peak_bytes)}"
             )
-        host_ck = [s for s in self.segments if s.start and s.checkpoint_location == "host"]
-        if self.input_on_host or host_ck:
-            parts = (["the image"] if self.input_on_host else []) + (
-                [f"{len(host_ck)} checkpoint(s) and their gradient buffers"] if host_ck else []
-            )
-            if self.staging_bytes:
-                parts.append(f"page-locked staging buffers {format_bytes(self.staging_bytes)}")
-            lines.append(
-                f"  host memory: {format_bytes(self.host_bytes)} ({', '.join(parts)}); "
-                f"{format_bytes(self.transfer_bytes)} moved between host and device per step"
-            )
+        lines.extend(self._host_lines())
         lines.extend(f"  tiling: {t}" for t in self.tiling)
         lines.extend(f"  {t}" for t in self.target.lines())
         parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.breakdown.items() if v)
         lines.append(f"  memory parts: {parts}")
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
+
+    def _host_lines(self) -> list[str]:
+        """Host RAM and disk spill per rank, and what lives where (the image, host checkpoints, staging buffers)."""
+        host_ck = [s for s in self.segments if s.start and s.checkpoint_location == "host"]
+        if not (self.input_on_host or host_ck):
+            return []
+        first = self.segments[0] if self.segments else None
+        image_home = "disk" if first is not None and first.spilled else "host"
+        in_ram = [s for s in host_ck if not s.spilled]
+        parts = (["the image"] if self.input_on_host and image_home == "host" else []) + (
+            [f"{len(in_ram)} checkpoint(s) and their gradient buffers"] if in_ram else []
+        )
+        if self.staging_bytes:
+            parts.append(f"page-locked staging buffers {format_bytes(self.staging_bytes)}")
+        budget = f" of {format_bytes(self.host_budget_bytes)}" if self.host_budget_bytes is not None else ""
+        lines = [
+            f"  host memory per rank: {format_bytes(self.host_bytes)}{budget} RAM ({', '.join(parts) or 'nothing'}); "
+            f"{format_bytes(self.transfer_bytes)} moved between host and device per step"
+        ]
+        if self.spill_bytes:
+            spilled = (["the image"] if self.input_on_host and image_home == "disk" else []) + (
+                [f"{len(host_ck) - len(in_ram)} checkpoint(s) and their gradient buffers"] if len(in_ram) < len(host_ck)
+                else []
+            )
+            lines.append(
+                f"  disk spill per rank: {format_bytes(self.spill_bytes)} ({', '.join(spilled)}) in memory-mapped "
+                "files in engine.spill_dir: past the host RAM budget (engine.host_memory, plan --host-memory)"
+            )
+        return lines

@@ -11,9 +11,13 @@ from torch import nn
 
 from wsitrain.config import EngineConfig, ModelConfig
 from wsitrain.errors import ConfigError
+from wsitrain.host_need import ranks_per_node
 from wsitrain.models import build
 from wsitrain.sft import SFT
+from wsitrain.sft.plan_types import Plan
 from wsitrain.sft.planning.calibration import cpu_name, time_model_for
+from wsitrain.sft.planning.placement import place_host
+from wsitrain.spill_dir import check_spill_dir, default_host_memory, spill_folder
 from wsitrain.train.distributed import DistInfo
 
 
@@ -80,4 +84,26 @@ def wrap_engine(
         checkpoints=engine.checkpoints,
         optimizer=optimizer,
         time_model=time_model_for(device.type, name),
+        host_memory=host_memory_per_rank(engine),
+        spill_dir=str(spill_folder(engine.spill_dir)),
     )
+
+
+def check_spill_room(engine: EngineConfig, plans: list[Plan]) -> None:
+    """Before anything is written: engine.spill_dir can take what the run's largest plan spills past
+    engine.host_memory, for every rank on this node (exit 2 naming the key and folder otherwise)."""
+    host = host_memory_per_rank(engine)
+    spill = max((executor_spill(place_host(p, host)) for p in plans), default=0)
+    check_spill_dir(engine.spill_dir, spill, ranks_per_node())
+
+
+def executor_spill(plan: Plan) -> int:
+    """Bytes the engine writes to engine.spill_dir in a step of ``plan``: spilled checkpoints after the image, with
+    their gradient buffers (the loader holds a whole slide in RAM, or streams it, even where the plan spills it)."""
+    return sum(2 * s.checkpoint_bytes for s in plan.segments if s.start and s.spilled)
+
+
+def host_memory_per_rank(engine: EngineConfig) -> int:
+    """engine.host_memory, or the node's RAM divided among its ranks (torchrun's LOCAL_WORLD_SIZE)."""
+    b = engine.host_memory_bytes
+    return b if b is not None else default_host_memory(ranks_per_node())

@@ -42,7 +42,14 @@ from wsitrain.train.checkpoint import load_checkpoint, rng_states, save_checkpoi
 from wsitrain.train.class_balance import class_weights, loss_weight, sampled_slides
 from wsitrain.train.class_balance import describe as describe_balance
 from wsitrain.train.data import FitData, augment_settings, load_fit_data, masking_note, read_kwargs
-from wsitrain.train.engine import batchnorm_note, build_model, resolve_device, seed_everything, wrap_engine
+from wsitrain.train.engine import (
+    batchnorm_note,
+    build_model,
+    check_spill_room,
+    resolve_device,
+    seed_everything,
+    wrap_engine,
+)
 from wsitrain.train.head_warmup import head_modules, warm_up_head
 from wsitrain.train.loop import Trainer, as_batch
 from wsitrain.train.metrics import classification_metrics
@@ -151,6 +158,8 @@ class FitRecipe:
         # every slide and shape bucket planned within the budget, all problems at once, before any folder exists
         report = check_run(cfg, self.device, shapes_only=self.shapes_only, console=self.out,
                            budget_bytes=self.budget.bytes)  # fmt: skip
+        if report is not None:  # host checkpoints past engine.host_memory need room in engine.spill_dir
+            check_spill_room(cfg.engine, [b.plan for b in report.buckets if b.plan is not None])
         self.data: FitData = load_fit_data(cfg)
         self.cfg_dict = config_to_dict(cfg)
         ckpt, resume_dir = None, None

@@ -221,7 +221,7 @@ class MultiPassSegment(MultiPassTiles):
     ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
         reg = self.regions
         sink = self.hooks.input_grad_sink if self.start == 0 else None
-        grad_x = torch.zeros_like(x) if need_x and sink is None else None
+        grad_x = self.new_input_grad(x) if need_x and sink is None else None
         grads: list[torch.Tensor | None] = [None] * len(self.params)
         sources = {b.source for b in self.barriers}
         cache: ReuseCache[BackwardValue] = self.reuse_cache()

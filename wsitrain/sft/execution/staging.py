@@ -29,6 +29,7 @@ from typing import Literal
 import torch
 
 from wsitrain.sft.execution.runtime import DeviceRuntime
+from wsitrain.sft.execution.spill import HostAllocator, SpillFiles
 from wsitrain.sft.execution.transfers import Copies, CopyEvent, SyncCopies, copies_for
 
 Interval = tuple[int, int]
@@ -93,10 +94,14 @@ class HostStager:
 
     ``copies``: how copies are issued; by default chosen per device from ``runtime`` (side streams where the
     runtime is asynchronous: CUDA, the simulated device; synchronous copies on CPU). Tests inject a deferred
-    implementation to check every read waits for its copy.
+    implementation to check every read waits for its copy. ``spill``: where host checkpoints the plan placed on disk
+    are allocated (``spill.SpillFiles`` in the system temp folder by default; the simulated device counts them).
     """
 
-    def __init__(self, copies: Copies | None = None, runtime: DeviceRuntime | None = None) -> None:
+    def __init__(
+        self, copies: Copies | None = None, runtime: DeviceRuntime | None = None, spill: HostAllocator | None = None
+    ) -> None:
+        self.spill: HostAllocator = spill if spill is not None else SpillFiles()
         self._fixed = copies
         self._runtime = runtime
         self._copies: dict[torch.device, Copies] = {}

@@ -92,9 +92,17 @@ class TileIO:
         """
         reg = self.regions
         shape = (y.shape[0], y.shape[1], reg.rows_out[-1][1], reg.cols_out[-1][1])
+        if self.out_on_host and self.seg.output_spilled:  # a file on local disk (spill.py), staged the same way
+            return self.stager.spill.empty(shape, y.dtype, f"checkpoint after segment {self.seg.index}")
         if self.out_on_host:
             return torch.empty(shape, dtype=y.dtype)
         return y.new_empty(shape)
+
+    def new_input_grad(self, x: torch.Tensor) -> torch.Tensor:
+        """The zeroed input-gradient buffer, like ``x``: on disk beside a spilled checkpoint, else where ``x`` is."""
+        if self.seg.spilled and self.in_on_host and x.device.type == "cpu":
+            return self.stager.spill.zeros(tuple(x.shape), x.dtype, f"gradient of segment {self.seg.index}'s input")
+        return torch.zeros_like(x)
 
     def store_tile(self, out: torch.Tensor, y: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> None:
         """``out[:, :, rows, cols] = y``; into host memory through the stager (complete after ``stager.drain()``)."""

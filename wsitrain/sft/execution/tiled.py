@@ -255,7 +255,7 @@ class TiledSegment(TileIO):
         reg = self.regions
         pooled_grad = acc.grad_view(grad_out) if acc is not None else None  # (B, C); attention (B, K, C)
         sink = self.hooks.input_grad_sink if self.start == 0 else None
-        grad_x = torch.zeros_like(x) if need_x and sink is None else None
+        grad_x = self.new_input_grad(x) if need_x and sink is None else None
         grads: list[torch.Tensor | None] = [None] * len(self.params)
         # entry value: (the tile's output, kept only when its gradient share depends on it; autograd's results)
         cache: ReuseCache[BackwardValue] = self.reuse_cache()

@@ -34,6 +34,9 @@ def simulation_dict(s: SimulatedStep) -> dict[str, Any]:
         "over_replay": s.over_replay,
         "within_budget": s.within_budget,
         "host_within_plan": s.host_within_plan,
+        "disk_peak": _peak_dict(s.disk_peak),
+        "spill_bytes_planned": s.plan.spill_bytes,
+        "disk_within_plan": s.disk_within_plan,
         "stream_order": "checked",
         "accesses_checked": s.accesses_checked,
         "operators": s.operators,
@@ -57,6 +60,11 @@ def simulation_text(s: SimulatedStep) -> str:
         + "; ".join(f"{format_bytes(t.nbytes)} {t.made_by} (from {t.where})" for t in dev.largest[:4]),
         f"  host peak, simulated: {format_bytes(host.bytes)} at {host.where}; plan's host memory "
         f"{format_bytes(p.host_bytes)}: " + ("within" if s.host_within_plan else "OVER the plan"),
+        *(
+            [f"  disk spill peak, simulated: {format_bytes(s.disk_peak.bytes)} at {s.disk_peak.where}; plan's disk "
+             f"spill {format_bytes(p.spill_bytes)}: " + ("within" if s.disk_within_plan else "OVER the plan")]
+            if p.spill_bytes or s.disk_peak.bytes else []
+        ),
         f"  stream ordering: {s.accesses_checked} data accesses checked, no violation "
         f"({s.operators} operators, {s.seconds:.1f} s to simulate)",
         f"  tiles: {s.tiles_visited} of the step's {s.tiles_in_step} forward and recompute visits simulated"

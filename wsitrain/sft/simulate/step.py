@@ -31,7 +31,7 @@ from wsitrain.sft.simulate.clock import OpClock
 from wsitrain.sft.simulate.fast_ops import FAST_OPS
 from wsitrain.sft.simulate.representative import representative_tiles, tile_weight
 from wsitrain.sft.simulate.runtime import DEVICE_TYPE, SimRuntime
-from wsitrain.sft.simulate.tracker import LiveMemory, Peak
+from wsitrain.sft.simulate.tracker import LiveMemory, Peak, SimSpill
 from wsitrain.sft.target import TargetDevice
 
 # Host bytes outside the plan's host memory a step may hold: the optimizer's per-parameter step counters
@@ -55,12 +55,13 @@ class SimulatedStep:
 
     plan: Plan
     device_peak: Peak  # live tensor bytes on the simulated device, at their peak
-    host_peak: Peak  # live host bytes (the image, host checkpoints, staging buffers), at their peak
+    host_peak: Peak  # live host RAM bytes (the image, host checkpoints, staging buffers), at their peak
     seconds: float  # wall time of the simulation (not of a GPU step)
     operators: int  # operators the executor ran
     accesses_checked: int  # data accesses the stream-ordering checker verified
     tiles_visited: int  # forward and recompute visits simulated
     tiles_in_step: int  # ... of those a real step makes (equal when every tile was simulated)
+    disk_peak: Peak = Peak(0, "start", ())  # live bytes spilled to engine.spill_dir's files, at their peak
 
     @property
     def over_replay(self) -> float:
@@ -78,6 +79,10 @@ class SimulatedStep:
         # Adam keeps each parameter's step count as a 4-byte CPU tensor (as on CUDA without capturable/fused):
         # a few KiB the plan does not name
         return self.host_peak.bytes <= self.plan.host_bytes + HOST_BOOKKEEPING
+
+    @property
+    def disk_within_plan(self) -> bool:
+        return self.disk_peak.bytes <= self.plan.spill_bytes
 
 
 def _tiles_in_step(plan: Plan, every_tile: bool) -> int:
@@ -107,6 +112,7 @@ def simulate_step(
     clock: OpClock | None = None,
     act_dtype: torch.dtype | None = None,
     time_model: TimeModel | None = None,
+    host_memory: int | str | None = None,
 ) -> SimulatedStep:
     """Run one training step of ``SFT(model)`` on the simulated CUDA device (see the module doc).
 
@@ -121,7 +127,8 @@ def simulate_step(
     (``clock.py``; representative tiles count for the tiles they stand for). ``act_dtype``: plan and run the
     executor for autocast's activation dtype (bf16) while the fake tensors stay float32 (the simulated device has
     no autocast): only the clock's figures mean anything then (it counts two bytes per element), not the peaks.
-    ``time_model``: the planner's (None: the device's defaults).
+    ``time_model``: the planner's (None: the device's defaults). ``host_memory``: the host RAM budget per rank
+    (``SFT``'s): host checkpoints past it, and the image when the plan spills it, are counted as disk.
     """
     if any(t.device.type != DEVICE_TYPE for t in [*model.parameters(), *model.buffers()]):
         raise PlanError(
@@ -134,16 +141,17 @@ def simulate_step(
     sft = SFT(
         model, memory_budget=memory_budget, tile_size=tile_size, checkpoints=checkpoints, optimizer=optimizer,
         collect_stats=False, host_checkpoints=host_checkpoints, runtime=rt, target=target, time_model=time_model,
+        host_memory=host_memory,
     )  # fmt: skip
-    if copies is not None:
-        sft._stager = HostStager(copies(rt))  # before the first plan: segments take the stager when compiled
+    memory = LiveMemory(observer=rt.observe, fast=FAST_OPS if fast_ops else None)
+    spill = SimSpill(memory)
+    sft._stager = HostStager(copies(rt) if copies is not None else None, runtime=rt, spill=spill)  # before any plan
     shape = tuple(input_shape)
     plan = sft.plan_for(shape, dtype=act_dtype, input_dtype=input_dtype, input_on_host=True)  # raises: no fit
     if act_dtype is not None:  # forward finds the plan made for autocast's dtype (see the doc above)
         sft._act_dtype = lambda device: act_dtype  # type: ignore[method-assign]
     visits = _tiles_in_step(plan, every_tile)
     total = max(1, visits)
-    memory = LiveMemory(observer=rt.observe, fast=FAST_OPS if fast_ops else None)
     memory.on_free = rt.on_free
     done = [0]
 
@@ -175,7 +183,8 @@ def simulate_step(
         opt.step()
         for p in params:
             p.grad = None
-        image = torch.empty(shape, dtype=input_dtype)  # (B, C, H, W) on the host, as the loader streams it
+        # (B, C, H, W) on the host, as the loader streams it; in a spill file where the plan puts the image on disk
+        image = (spill.empty if plan.segments[0].spilled else torch.empty)(shape, dtype=input_dtype)
         target = torch.zeros(shape[0], dtype=torch.long, device=DEVICE_TYPE)
         with timed:
             _mark(clock, "forward")
@@ -202,6 +211,7 @@ def simulate_step(
         plan=plan,
         device_peak=memory.peaks[DEVICE_TYPE],
         host_peak=memory.peaks["cpu"],
+        disk_peak=memory.peaks.get("disk", Peak(0, "start", ())),
         seconds=time.perf_counter() - t0,
         operators=memory.ops,
         accesses_checked=rt.checked,

@@ -45,6 +45,28 @@ class Peak:
     largest: tuple[LiveTensor, ...]
 
 
+class SimSpill:
+    """The simulated step's spill files: host tensors counted as "disk", not host RAM (execution/spill.py's
+    ``SpillFiles`` maps real files; under fake tensors there is nothing to map)."""
+
+    def __init__(self, memory: LiveMemory) -> None:
+        self.memory = memory
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype, what: str = "spilled checkpoint") -> torch.Tensor:
+        old, self.memory.relabel = self.memory.relabel, "disk"
+        try:
+            return torch.empty(shape, dtype=dtype)
+        finally:
+            self.memory.relabel = old
+
+    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype, what: str = "spilled gradient") -> torch.Tensor:
+        old, self.memory.relabel = self.memory.relabel, "disk"
+        try:
+            return torch.zeros(shape, dtype=dtype)
+        finally:
+            self.memory.relabel = old
+
+
 def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
@@ -61,7 +83,8 @@ def tensors_in(obj: Any) -> list[torch.Tensor]:
 
 
 class LiveMemory(TorchDispatchMode):
-    """Counts live storages per device type (``"meta"`` is the simulated device, ``"cpu"`` the host)."""
+    """Counts live storages per device type (``"meta"`` is the simulated device, ``"cpu"`` the host, ``"disk"``
+    host tensors spilled to files, ``SimSpill``)."""
 
     def __init__(
         self,
@@ -78,6 +101,8 @@ class LiveMemory(TorchDispatchMode):
         self._info: dict[int, LiveTensor] = {}
         self.ops = 0  # operators seen (the simulation's own progress measure)
         self.on_free: Callable[[int], None] | None = None  # the runtime's check at each free (record_stream)
+        # counts the storages allocated meanwhile under this name instead of their device's (``SimSpill``: "disk")
+        self.relabel: str | None = None
 
     def adopt(self, tensors: list[torch.Tensor], what: str) -> None:
         """Count tensors made before the mode was entered (parameters, buffers, the image) as live."""
@@ -106,7 +131,7 @@ class LiveMemory(TorchDispatchMode):
         k = s._cdata
         if k in self._info:
             return
-        dev = t.device.type
+        dev = self.relabel or t.device.type
         n = s.nbytes()
         self._info[k] = LiveTensor(n, dev, made_by, self.where)
         new.add(k)
