@@ -15,10 +15,13 @@ backward recompute asks again in the same order and the regions are decoded agai
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,7 +38,7 @@ from wsitrain.slides.augment import (
 )
 from wsitrain.slides.pixels import ReadThreads, fill_box_masked, fill_region_masked
 from wsitrain.slides.readers import Background, SlideReader, open_slide
-from wsitrain.slides.stream import ReadLayout, ReadResult, _check_read_args, layout_read
+from wsitrain.slides.stream import ReadLayout, ReadResult, _check_read_args, layout_read, read_slide_region
 
 # Regions decoded ahead of the one being computed. Two: the stager itself asks for tile t + 1 as soon as tile t is
 # handed out (its own upload prefetch), so a second keeps a decode running while tile t computes.
@@ -100,6 +103,11 @@ class SlideTileSource:
         self._pending: dict[tuple[Interval, Interval], Future[torch.Tensor]] = {}
         self.regions_read = 0  # regions decoded (read-ahead included): the re-reads of the backward recompute count
         self.bytes_read = 0  # their bytes (uint8)
+
+    def __deepcopy__(self, memo: dict[int, object]) -> SlideTileSource:
+        # The image never changes, so a copy is this source: a model deep-copied while its pool holds the slide's
+        # tissue mask (a ReadResult method, hence this source) shares it rather than copying an open slide.
+        return self
 
     # ---- the tensor it stands in for -------------------------------------------------------------
     def dim(self) -> int:
@@ -222,3 +230,15 @@ def open_tile_source(
     res = lay.result(src, reader, time.perf_counter() - t0)  # type: ignore[arg-type]  # the open; decoding comes later
     res.geometry = geo
     return res
+
+
+@contextlib.contextmanager
+def slide_read(path: str | Path, stream: bool, **read: Any) -> Iterator[ReadResult]:
+    """One slide read for inference (predict, heatmaps, run maps): whole (``read_slide_region``), or with ``stream``
+    (``data.stream_tiles``) a ``SlideTileSource`` read region by region when the engine asks; closed on exit."""
+    res = open_tile_source(path, **read) if stream else read_slide_region(path, **read)
+    try:
+        yield res
+    finally:
+        if isinstance(res.image, SlideTileSource):
+            res.image.close()
