@@ -226,3 +226,61 @@ def test_planned_host_ram_per_rank_streamed_is_a_few_tiles() -> None:
     assert whole.per_rank - lean.per_rank == 2 * 3 * 20000 * 20000 - streamed  # the same staging and checkpoints
     line = host_line(p)
     assert whole.describe() in line and lean.describe() in line and "streamed tiles" in line
+
+
+def test_cache_keeps_the_first_regions_within_its_bound(slide: Path) -> None:
+    """data.stream_cache: the first regions asked for stay (within the bound) and the second pass in the same order
+    (the backward recompute) takes them from memory; the rest are decoded again; the pixels are the same."""
+    image, src = whole_and_source(slide, AUGMENTS["hsv"], 2, pad_multiple=16)
+    src.close()
+    H, W = image.shape[-2:]
+    order = [((r, min(H, r + 96)), (c, min(W, c + 96))) for r in range(0, H, 96) for c in range(0, W, 96)]
+    sizes = [3 * (r1 - r0) * (c1 - c0) for (r0, r1), (c0, c1) in order]
+    bound = sum(sizes[:3]) + sizes[3] // 2  # room for three regions and half of the fourth
+    src = SlideTileSource(src.reader, src.layout, src.geometry, src.jitter, 2, cache_bytes=bound, own_reader=False)
+    try:
+        src.expect(order)
+        for _ in range(2):
+            for rows, cols in order:
+                got = src[:, :, rows[0] : rows[1], cols[0] : cols[1]]
+                assert torch.equal(got, image[:, :, rows[0] : rows[1], cols[0] : cols[1]])
+        kept = []  # the policy: each region in order while it still fits (a smaller edge region may, later)
+        for n in sizes:
+            if sum(kept) + n <= bound:
+                kept.append(n)
+        assert len(kept) > 3 and src.cached_bytes == sum(kept) <= bound
+        assert src.regions_from_cache == len(kept) and src.regions_read == 2 * len(order) - len(kept)
+    finally:
+        src.reader.close()
+        src.close()
+
+
+@pytest.mark.slow
+def test_cached_recompute_gives_the_same_gradients(tmp_path: Path) -> None:
+    """A training step whose recompute takes its regions from the cache: logits and every parameter gradient
+    bitwise those of the step that decodes them again; each region the recompute takes from the cache is one
+    decode fewer."""
+    small = write_synthetic_slide(tmp_path / "small.svs", size=(203, 141), seed=6)  # odd, a ragged grid
+    results = []
+    for cache in (0, 2**30):
+        src = open_tile_source(small, background=BG, read_threads=2, pad_multiple=16, cache_bytes=cache).image
+        assert isinstance(src, SlideTileSource)
+        try:
+            torch.manual_seed(0)
+            # the first segment through two convolutions (left to itself the planner cuts after the normalisation
+            # at this size, and a segment without parameters has no backward to recompute)
+            sft = SFT(build("tiny", 3, weights=None), memory_budget="1GiB", tile_size=64,
+                      checkpoints=["features.pool2"])  # fmt: skip
+            first = sft.plan_of(src).segments[0]  # type: ignore[arg-type]
+            assert first.mode == "tiled" and first.end > 2 and first.regions is not None
+            tiles = first.regions.grid[0] * first.regions.grid[1]
+            assert tiles > 1
+            logits = sft(src)  # type: ignore[arg-type]
+            logits.float().square().sum().backward()
+            results.append((logits.detach(), [p.grad.clone() for p in sft.parameters()], src))
+        finally:
+            src.close()
+    (la, ga, plain), (lb, gb, cached) = results
+    assert torch.equal(la, lb) and all(torch.equal(a, b) for a, b in zip(ga, gb, strict=True))
+    assert plain.regions_from_cache == 0 and plain.regions_read == 2 * tiles  # forward, then the recompute
+    assert cached.regions_from_cache == tiles and cached.regions_read == tiles

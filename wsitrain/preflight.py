@@ -476,6 +476,8 @@ def _host_need(cfg: WsiTrainConfig, bucket: BucketPlan, dev: str, ranks: int) ->
     images = 1 + int(cfg.data.prefetch) + int(cfg.data.augment.rot90 and h != w)
     # data.stream_tiles into a tiled first segment: no whole image, only the regions read ahead (slides/tile_source)
     streamed = streamed_bytes(bucket.plan, READ_AHEAD) if cfg.data.stream_tiles and bucket.plan is not None else 0
+    if streamed:  # and data.stream_cache's decoded regions, at most the image
+        streamed += min(cfg.data.stream_cache_bytes, 3 * h * w)
     return host_need(bucket.plan, 3 * h * w, images, dev, ranks, streamed)  # uint8 (3, H, W) images
 
 
