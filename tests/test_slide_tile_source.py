@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from rich.console import Console
 
 import wsitrain.preflight as pf
@@ -20,11 +21,13 @@ from wsitrain.plan.command import host_line
 from wsitrain.preflight import PreflightError, run_preflight
 from wsitrain.sft import SFT, plan
 from wsitrain.slides.augment import AugmentConfig, Geometry, augment_from_config
+from wsitrain.slides.read_rate import segment_trains, stream_read_bytes
 from wsitrain.slides.stream import read_slide_region
 from wsitrain.slides.synth import write_synthetic_slide
 from wsitrain.slides.tile_source import READ_AHEAD, SlideTileSource, open_tile_source, pre_box
 from wsitrain.train.checkpoint import load_checkpoint
 from wsitrain.train.fit import run_fit
+from wsitrain.units import format_bytes
 
 BG = (250, 245, 10)
 
@@ -271,12 +274,16 @@ def test_cached_recompute_gives_the_same_gradients(tmp_path: Path) -> None:
             # at this size, and a segment without parameters has no backward to recompute)
             sft = SFT(build("tiny", 3, weights=None), memory_budget="1GiB", tile_size=64,
                       checkpoints=["features.pool2"])  # fmt: skip
-            first = sft.plan_of(src).segments[0]  # type: ignore[arg-type]
+            plan_ = sft.plan_of(src)  # type: ignore[arg-type]
+            first = plan_.segments[0]
             assert first.mode == "tiled" and first.end > 2 and first.regions is not None
+            assert segment_trains(sft.model, first)
             tiles = first.regions.grid[0] * first.regions.grid[1]
             assert tiles > 1
             logits = sft(src)  # type: ignore[arg-type]
             logits.float().square().sum().backward()
+            # the bytes the preflight says a step decodes (read_rate.py) are the bytes this step decoded
+            assert src.bytes_read == stream_read_bytes(plan_, 2, cache) > 0
             results.append((logits.detach(), [p.grad.clone() for p in sft.parameters()], src))
         finally:
             src.close()
@@ -284,3 +291,45 @@ def test_cached_recompute_gives_the_same_gradients(tmp_path: Path) -> None:
     assert torch.equal(la, lb) and all(torch.equal(a, b) for a, b in zip(ga, gb, strict=True))
     assert plain.regions_from_cache == 0 and plain.regions_read == 2 * tiles  # forward, then the recompute
     assert cached.regions_from_cache == tiles and cached.regions_read == tiles
+
+
+def test_preflight_gives_the_streamed_read_against_the_measured_reader(slide: Path) -> None:
+    """data.stream_tiles: preflight counts what a step decodes (the plan's first-segment regions, forward and, when
+    that segment trains, the recompute) and measures the reader on the run's slide."""
+    (slide.parent / "labels.csv").write_text(f"slide,label\n{slide.name},positive\n")
+    cfg = WsiTrainConfig.model_validate({
+        "data": {"labels": str(slide.parent / "labels.csv"), "stream_tiles": True, "read_threads": 2},
+        "model": {"name": "tiny"}, "engine": {"device": "cpu", "tile_size": 64, "checkpoints": ["features.pool2"]},
+    })  # fmt: skip
+    report = run_preflight(cfg, 2**30, "cpu")
+    plan_ = report.buckets[0].plan
+    read = report.stream_read
+    assert plan_ is not None and read is not None and read.rate is not None
+    assert read.passes == 2 and read.bytes_per_step == stream_read_bytes(plan_, 2) > 0  # conv1, conv2 train
+    assert read.rate.bytes_per_s > 0 and read.rate.slide == slide.name and read.rate.threads == 2
+    text = read.text()
+    assert "forward and recompute" in text and "MB/s on s.svs (2 read threads, measured)" in text
+    assert run_preflight(cfg.model_copy(update={"data": cfg.data.model_copy(update={"stream_tiles": False})}),
+                         2**30, "cpu").stream_read is None  # fmt: skip
+
+
+def test_preflight_refuses_a_node_short_of_ram_with_exit_2(slide: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            tmp_path: Path) -> None:  # fmt: skip
+    """`wsitrain validate` (fit's preflight) on a node whose RAM holds fewer ranks than LOCAL_WORLD_SIZE: exit 2,
+    one message naming the need per node, the ranks and the fixes."""
+    from tiny_runs import invoke
+
+    (slide.parent / "labels.csv").write_text(f"slide,label\n{slide.name},positive\n")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"data: {{labels: {slide.parent / 'labels.csv'}}}\nmodel: {{name: tiny}}\n"
+                   "engine: {device: cpu, tile_size: 64, memory_budget: 1GiB}\n")  # fmt: skip
+    one = run_preflight(WsiTrainConfig.model_validate(yaml.safe_load(cfg.read_text())), 2**30, "cpu")
+    monkeypatch.setattr(pf, "available_host_bytes", lambda: 3 * one.host_needed_bytes)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    assert invoke("validate", str(cfg)).exit_code == 0  # three ranks fit
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    result = invoke("validate", str(cfg))
+    assert result.exit_code == 2, result.output
+    out = " ".join(result.output.split())
+    assert f"needs {format_bytes(4 * one.host_needed_bytes)}" in out and "x 4 processes on this node" in out
+    assert "data.stream_tiles: true" in out and "run fewer processes per node" in out
