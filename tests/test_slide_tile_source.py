@@ -333,3 +333,23 @@ def test_preflight_refuses_a_node_short_of_ram_with_exit_2(slide: Path, monkeypa
     out = " ".join(result.output.split())
     assert f"needs {format_bytes(4 * one.host_needed_bytes)}" in out and "x 4 processes on this node" in out
     assert "data.stream_tiles: true" in out and "run fewer processes per node" in out
+
+
+def test_plan_gives_the_read_rate_the_stream_needs() -> None:
+    """`wsitrain plan`: the streamed step's decoded bytes (every first-segment region, halo in, forward and
+    recompute) and the rate they need at the simulated step time, else the planned one."""
+    from wsitrain.plan.command import stream_read
+
+    with torch.device("meta"):
+        model = build("tiny", 2).train()
+    p = plan(model, (1, 3, 20000, 20000), "1GiB", device="cuda", input_on_host=True)
+    first = p.segments[0]
+    assert first.mode == "tiled" and first.regions is not None
+    once = sum(3 * (r1 - r0) * (c1 - c0) for rt in first.regions.rows for ct in first.regions.cols
+               for (r0, r1), (c0, c1) in [(rt.need[0], ct.need[0])])  # fmt: skip
+    assert once > 3 * 20000 * 20000  # the halos overlap
+    assert stream_read_bytes(p, 2) == 2 * once and stream_read_bytes(p, 2, 2**30) == 2 * once - 2**30
+    planned = stream_read(p, None, 100.0)
+    assert planned is not None and f"it needs {2 * once / 100 / 1e6:.0f} MB/s (planned)" in planned
+    simulated = stream_read(p, 50.0, 100.0)
+    assert simulated is not None and f"it needs {2 * once / 50 / 1e6:.0f} MB/s (simulated)" in simulated

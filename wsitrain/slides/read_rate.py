@@ -101,6 +101,7 @@ class StreamRead:
     passes: int
     rate: ReadRate | None = None
     step_s: float | None = None  # the planned step time, where the plan gives one in seconds
+    step_kind: str = "planned"  # how step_s was found: planned (the time model at a preset's rate) or simulated
 
     @property
     def needed_bytes_per_s(self) -> float | None:
@@ -110,8 +111,8 @@ class StreamRead:
         what = "forward and recompute" if self.passes > 1 else "forward"
         out = f"streamed read (data.stream_tiles): {format_bytes(self.bytes_per_step)} of decoded tiles a step ({what})"
         if self.needed_bytes_per_s is not None:
-            out += (f"; at the planned {self.step_s:.2f} s per step it needs {self.needed_bytes_per_s / 1e6:.0f} MB/s "
-                    "(planned)")  # fmt: skip
+            out += (f"; at the {self.step_kind} {self.step_s:.2f} s a step it needs "
+                    f"{self.needed_bytes_per_s / 1e6:.0f} MB/s ({self.step_kind})")  # fmt: skip
         if self.rate is not None:
             secs = self.bytes_per_step / self.rate.bytes_per_s
             out += (f"; the reader gives {self.rate.bytes_per_s / 1e6:.0f} MB/s on {self.rate.slide} "
