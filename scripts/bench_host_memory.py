@@ -62,8 +62,9 @@ def run_one(root: Path, label: str, stream: bool, budget: str, read_threads: int
     row: dict[str, Any] = {"run": name, "stream_tiles": stream, "budget": budget, "exit": proc.returncode,
                            "wall_s": round(wall, 1), "max_rss_bytes": max_rss_bytes(proc.stderr)}  # fmt: skip
     if proc.returncode != 0:
-        lines = [x for x in proc.stdout.splitlines() + proc.stderr.splitlines() if x.strip()]
-        row["message"] = next((x.strip() for x in lines if "needs" in x or "error" in x.lower()), lines[:1])
+        lines = [x.strip() for x in proc.stdout.splitlines() + proc.stderr.splitlines() if x.strip()]
+        end = next((i for i, x in enumerate(lines) if x.startswith("Command being timed")), len(lines))
+        row["message"] = " ".join(lines[:end])  # the refusal, without /usr/bin/time's report
         return row
     metrics = root / "runs" / name / "metrics.jsonl"
     steps = [json.loads(x) for x in metrics.read_text().splitlines() if json.loads(x).get("kind") == "train"]
