@@ -15,6 +15,7 @@ pyvips (libvips' own TIFF loader and thread pool, the file opened and decoded wh
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
@@ -108,10 +109,41 @@ def bench_pyvips(pyvips: Any, path: Path, threads: list[int], runs: int) -> dict
     return results
 
 
-def measure(path: Path, threads: list[int], runs: int, chunk: int) -> list[dict[str, Any]]:
+def bench_regions(path: Path, threads: list[int], runs: int, tile: int, chunk: int, row: Callable[..., dict[str, Any]]
+                  ) -> list[dict[str, Any]]:  # fmt: skip
+    """data.stream_tiles' reader: every ``tile`` x ``tile`` region of the slide (ragged at the edges) decoded one by
+    one through ``SlideTileSource.read`` (``fill_box_masked`` on ``n`` decoder threads), as a streamed step asks for
+    them; rows as ``measure``'s, the bytes checked against the whole read."""
+    from wsitrain.slides.tile_source import open_tile_source
+
+    out: list[dict[str, Any]] = []
+    base = None
+    whole = None
+    for n in threads:
+        src = open_tile_source(path, read_threads=n, chunk=chunk).image
+        h, w = src.shape[-2:]
+        boxes = [((r, min(h, r + tile)), (c, min(w, c + tile))) for r in range(0, h, tile) for c in range(0, w, tile)]
+        got: list[torch.Tensor] = []
+
+        def read_all(src: Any = src, boxes: list[Any] = boxes, got: list[torch.Tensor] = got) -> None:
+            got[:] = [src.read(rows, cols) for rows, cols in boxes]
+
+        secs = timed(read_all, runs)
+        if whole is None:
+            whole = src.materialize()
+        pairs = zip(got, boxes, strict=True)
+        same = all(torch.equal(g, whole[:, :, r0:r1, c0:c1]) for g, ((r0, r1), (c0, c1)) in pairs)
+        src.close()
+        base = base or min(secs)
+        out.append(row(f"tile source regions {tile} px", n, secs, h * w / 1e6, base, bytes_equal_whole_read=same))
+    return out
+
+
+def measure(path: Path, threads: list[int], runs: int, chunk: int, tile: int = 0) -> list[dict[str, Any]]:
     """Every reader on ``path``: one row per (reader, threads) with Mpx/s best and median, the threads' speed-up
     over the first thread count, and whether the bytes equal the first reader's. A reader that cannot open the
-    file, or pyvips when it is not installed, gives a row with ``error``."""
+    file, or pyvips when it is not installed, gives a row with ``error``. ``tile``: also data.stream_tiles' reader,
+    region by region (``bench_regions``)."""
     rows: list[dict[str, Any]] = []
     readers: list[SlideReader] = [OpenSlideReader(path)]
     if path.suffix.lower() in (".tif", ".tiff"):
@@ -150,6 +182,8 @@ def measure(path: Path, threads: list[int], runs: int, chunk: int) -> list[dict[
             secs = timed(lambda slide=slide, w=w, h=h: slide.read_region((0, 0), 0, (w, h)), runs)
             rows.append(row("openslide read_region (one call)", 1, secs, mpx, min(secs)))
         reader.close()
+    if tile:
+        rows += bench_regions(path, threads, runs, tile, chunk, row)
     pyvips, why = pyvips_or_reason()
     if pyvips is None:
         rows.append({"reader": "pyvips", "error": f"not installed ({why})"})
@@ -172,6 +206,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=1024, help="chunk side in px (fill_region's unit of work)")
+    ap.add_argument("--tile", type=int, default=1694,
+                    help="also time data.stream_tiles' reader on regions of this side (tiny's first-segment tile at "
+                    "16,384 px under 512 MiB); 0: off")  # fmt: skip
+    ap.add_argument("--jsonl", type=Path, help="append the rows here (one JSON object each)")
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -185,11 +223,19 @@ def main() -> None:
             f"cores available: {available_cores()}; torch intra-op threads: {torch.get_num_threads()}; "
             f"chunk {args.chunk} px; best and median of {args.runs} runs after a warm-up"
         )
-        for r in measure(path, args.threads, args.runs, args.chunk):
+        rows = measure(path, args.threads, args.runs, args.chunk, args.tile)
+        if args.jsonl is not None:
+            with open(args.jsonl, "a") as f:
+                for r in rows:
+                    f.write(json.dumps({"slide": path.name, "cores": available_cores(), **r}) + "\n")
+        for r in rows:
             if "error" in r:
                 print(f"{r['reader']}: {r['error']}")
                 continue
             same = {None: "", True: ", bytes identical to the first reader's", False: ", bytes DIFFER from the first"}
+            if "bytes_equal_whole_read" in r:
+                same = {True: ", bytes identical to the whole read", False: ", bytes DIFFER from the whole read"}
+                r = {**r, "bytes_equal_first": r["bytes_equal_whole_read"]}
             print(
                 f"{r['reader']:>32} {r['threads']} thread(s): {r['mpx_per_s_best']:7.1f} Mpx/s best, "
                 f"{r['mpx_per_s_median']:7.1f} median; speed-up {r['speedup']:.2f}x"

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from rich.console import Console
 
 import wsitrain.preflight as pf
@@ -20,11 +21,13 @@ from wsitrain.plan.command import host_line
 from wsitrain.preflight import PreflightError, run_preflight
 from wsitrain.sft import SFT, plan
 from wsitrain.slides.augment import AugmentConfig, Geometry, augment_from_config
+from wsitrain.slides.read_rate import segment_trains, stream_read_bytes
 from wsitrain.slides.stream import read_slide_region
 from wsitrain.slides.synth import write_synthetic_slide
 from wsitrain.slides.tile_source import READ_AHEAD, SlideTileSource, open_tile_source, pre_box
 from wsitrain.train.checkpoint import load_checkpoint
 from wsitrain.train.fit import run_fit
+from wsitrain.units import format_bytes
 
 BG = (250, 245, 10)
 
@@ -226,3 +229,127 @@ def test_planned_host_ram_per_rank_streamed_is_a_few_tiles() -> None:
     assert whole.per_rank - lean.per_rank == 2 * 3 * 20000 * 20000 - streamed  # the same staging and checkpoints
     line = host_line(p)
     assert whole.describe() in line and lean.describe() in line and "streamed tiles" in line
+
+
+def test_cache_keeps_the_first_regions_within_its_bound(slide: Path) -> None:
+    """data.stream_cache: the first regions asked for stay (within the bound) and the second pass in the same order
+    (the backward recompute) takes them from memory; the rest are decoded again; the pixels are the same."""
+    image, src = whole_and_source(slide, AUGMENTS["hsv"], 2, pad_multiple=16)
+    src.close()
+    H, W = image.shape[-2:]
+    order = [((r, min(H, r + 96)), (c, min(W, c + 96))) for r in range(0, H, 96) for c in range(0, W, 96)]
+    sizes = [3 * (r1 - r0) * (c1 - c0) for (r0, r1), (c0, c1) in order]
+    bound = sum(sizes[:3]) + sizes[3] // 2  # room for three regions and half of the fourth
+    src = SlideTileSource(src.reader, src.layout, src.geometry, src.jitter, 2, cache_bytes=bound, own_reader=False)
+    try:
+        src.expect(order)
+        for _ in range(2):
+            for rows, cols in order:
+                got = src[:, :, rows[0] : rows[1], cols[0] : cols[1]]
+                assert torch.equal(got, image[:, :, rows[0] : rows[1], cols[0] : cols[1]])
+        kept = []  # the policy: each region in order while it still fits (a smaller edge region may, later)
+        for n in sizes:
+            if sum(kept) + n <= bound:
+                kept.append(n)
+        assert len(kept) > 3 and src.cached_bytes == sum(kept) <= bound
+        assert src.regions_from_cache == len(kept) and src.regions_read == 2 * len(order) - len(kept)
+    finally:
+        src.reader.close()
+        src.close()
+
+
+@pytest.mark.slow
+def test_cached_recompute_gives_the_same_gradients(tmp_path: Path) -> None:
+    """A training step whose recompute takes its regions from the cache: logits and every parameter gradient
+    bitwise those of the step that decodes them again; each region the recompute takes from the cache is one
+    decode fewer."""
+    small = write_synthetic_slide(tmp_path / "small.svs", size=(203, 141), seed=6)  # odd, a ragged grid
+    results = []
+    for cache in (0, 2**30):
+        src = open_tile_source(small, background=BG, read_threads=2, pad_multiple=16, cache_bytes=cache).image
+        assert isinstance(src, SlideTileSource)
+        try:
+            torch.manual_seed(0)
+            # the first segment through two convolutions (left to itself the planner cuts after the normalisation
+            # at this size, and a segment without parameters has no backward to recompute)
+            sft = SFT(build("tiny", 3, weights=None), memory_budget="1GiB", tile_size=64,
+                      checkpoints=["features.pool2"])  # fmt: skip
+            plan_ = sft.plan_of(src)  # type: ignore[arg-type]
+            first = plan_.segments[0]
+            assert first.mode == "tiled" and first.end > 2 and first.regions is not None
+            assert segment_trains(sft.model, first)
+            tiles = first.regions.grid[0] * first.regions.grid[1]
+            assert tiles > 1
+            logits = sft(src)  # type: ignore[arg-type]
+            logits.float().square().sum().backward()
+            # the bytes the preflight says a step decodes (read_rate.py) are the bytes this step decoded
+            assert src.bytes_read == stream_read_bytes(plan_, 2, cache) > 0
+            results.append((logits.detach(), [p.grad.clone() for p in sft.parameters()], src))
+        finally:
+            src.close()
+    (la, ga, plain), (lb, gb, cached) = results
+    assert torch.equal(la, lb) and all(torch.equal(a, b) for a, b in zip(ga, gb, strict=True))
+    assert plain.regions_from_cache == 0 and plain.regions_read == 2 * tiles  # forward, then the recompute
+    assert cached.regions_from_cache == tiles and cached.regions_read == tiles
+
+
+def test_preflight_gives_the_streamed_read_against_the_measured_reader(slide: Path) -> None:
+    """data.stream_tiles: preflight counts what a step decodes (the plan's first-segment regions, forward and, when
+    that segment trains, the recompute) and measures the reader on the run's slide."""
+    (slide.parent / "labels.csv").write_text(f"slide,label\n{slide.name},positive\n")
+    cfg = WsiTrainConfig.model_validate({
+        "data": {"labels": str(slide.parent / "labels.csv"), "stream_tiles": True, "read_threads": 2},
+        "model": {"name": "tiny"}, "engine": {"device": "cpu", "tile_size": 64, "checkpoints": ["features.pool2"]},
+    })  # fmt: skip
+    report = run_preflight(cfg, 2**30, "cpu")
+    plan_ = report.buckets[0].plan
+    read = report.stream_read
+    assert plan_ is not None and read is not None and read.rate is not None
+    assert read.passes == 2 and read.bytes_per_step == stream_read_bytes(plan_, 2) > 0  # conv1, conv2 train
+    assert read.rate.bytes_per_s > 0 and read.rate.slide == slide.name and read.rate.threads == 2
+    text = read.text()
+    assert "forward and recompute" in text and "MB/s on s.svs (2 read threads, measured)" in text
+    assert run_preflight(cfg.model_copy(update={"data": cfg.data.model_copy(update={"stream_tiles": False})}),
+                         2**30, "cpu").stream_read is None  # fmt: skip
+
+
+def test_preflight_refuses_a_node_short_of_ram_with_exit_2(slide: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            tmp_path: Path) -> None:  # fmt: skip
+    """`wsitrain validate` (fit's preflight) on a node whose RAM holds fewer ranks than LOCAL_WORLD_SIZE: exit 2,
+    one message naming the need per node, the ranks and the fixes."""
+    from tiny_runs import invoke
+
+    (slide.parent / "labels.csv").write_text(f"slide,label\n{slide.name},positive\n")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"data: {{labels: {slide.parent / 'labels.csv'}}}\nmodel: {{name: tiny}}\n"
+                   "engine: {device: cpu, tile_size: 64, memory_budget: 1GiB}\n")  # fmt: skip
+    one = run_preflight(WsiTrainConfig.model_validate(yaml.safe_load(cfg.read_text())), 2**30, "cpu")
+    monkeypatch.setattr(pf, "available_host_bytes", lambda: 3 * one.host_needed_bytes)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    assert invoke("validate", str(cfg)).exit_code == 0  # three ranks fit
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    result = invoke("validate", str(cfg))
+    assert result.exit_code == 2, result.output
+    out = " ".join(result.output.split())
+    assert f"needs {format_bytes(4 * one.host_needed_bytes)}" in out and "x 4 processes on this node" in out
+    assert "data.stream_tiles: true" in out and "run fewer processes per node" in out
+
+
+def test_plan_gives_the_read_rate_the_stream_needs() -> None:
+    """`wsitrain plan`: the streamed step's decoded bytes (every first-segment region, halo in, forward and
+    recompute) and the rate they need at the simulated step time, else the planned one."""
+    from wsitrain.plan.command import stream_read
+
+    with torch.device("meta"):
+        model = build("tiny", 2).train()
+    p = plan(model, (1, 3, 20000, 20000), "1GiB", device="cuda", input_on_host=True)
+    first = p.segments[0]
+    assert first.mode == "tiled" and first.regions is not None
+    once = sum(3 * (r1 - r0) * (c1 - c0) for rt in first.regions.rows for ct in first.regions.cols
+               for (r0, r1), (c0, c1) in [(rt.need[0], ct.need[0])])  # fmt: skip
+    assert once > 3 * 20000 * 20000  # the halos overlap
+    assert stream_read_bytes(p, 2) == 2 * once and stream_read_bytes(p, 2, 2**30) == 2 * once - 2**30
+    planned = stream_read(p, None, 100.0)
+    assert planned is not None and f"it needs {2 * once / 100 / 1e6:.0f} MB/s (planned)" in planned
+    simulated = stream_read(p, 50.0, 100.0)
+    assert simulated is not None and f"it needs {2 * once / 50 / 1e6:.0f} MB/s (simulated)" in simulated

@@ -154,7 +154,25 @@ class DataConfig(Section):
     # is decoded two or more times per step: off by default, for slides that fit the host. A plan whose first
     # segment is not tiled reads the whole image as before.
     stream_tiles: Annotated[bool, Field(strict=True)] = False
+    # With stream_tiles: host memory for decoded regions kept through the step, so the backward recompute takes the
+    # first ones from memory instead of decoding them again (slides/tile_source.py); 0: none. Counted by preflight.
+    stream_cache: int | str = 0
     tissue: TissueConfig = Field(default_factory=TissueConfig)
+
+    @field_validator("stream_cache")
+    @classmethod
+    def _check_stream_cache(cls, value: int | str) -> int | str:
+        if value in (0, "0"):
+            return 0
+        try:
+            parse_bytes(value, what="stream_cache")
+        except WsiTrainError as err:
+            raise ValueError(f"cannot read {value!r} as a size; write e.g. 256MiB, or 0 for no cache") from err
+        return value
+
+    @property
+    def stream_cache_bytes(self) -> int:
+        return 0 if self.stream_cache == 0 else parse_bytes(self.stream_cache, what="data.stream_cache")
 
     def tissue_settings(self) -> TissueSettings:
         """The tissue detector's settings (a slide without mpp is measured at data.fallback_mpp when set)."""

@@ -37,6 +37,7 @@ from wsitrain.precision import activation_dtype, check_device_precision
 from wsitrain.sft.plan_types import Plan
 from wsitrain.sft.planning.placement import place_host
 from wsitrain.slides.buckets import bucket_shape
+from wsitrain.slides.read_rate import StreamRead, measure_read_rate, segment_trains, stream_read_bytes
 from wsitrain.slides.tile_source import READ_AHEAD
 from wsitrain.train.engine import host_memory_per_rank, resolve_device
 from wsitrain.units import format_bytes
@@ -110,6 +111,7 @@ class PreflightReport:
     problems: list[Problem] = field(default_factory=list)
     seconds: float = 0.0
     warnings: list[str] = field(default_factory=list)  # worth a look, but no reason to stop
+    stream_read: StreamRead | None = None  # data.stream_tiles: decoded bytes per step against the measured reader
 
     @property
     def ok(self) -> bool:
@@ -229,6 +231,8 @@ def check_run(
         console.print(report.summary(), markup=False)
         for w in report.warnings:
             console.print(f"[yellow]warning: {escape(w)}[/]", soft_wrap=True)
+        if report.stream_read is not None:
+            console.print(report.stream_read.text(), markup=False, highlight=False, soft_wrap=True)
     return report
 
 
@@ -271,10 +275,31 @@ def run_preflight(
     report.buckets = _group(report.slides, transposed=cfg.data.augment.rot90)
     report.problems += _plan_buckets(cfg, model, report, dev)
     report.problems += _host_problems(cfg, report, dev)
+    if cfg.data.stream_tiles and not shapes_only and not report.problems:
+        report.stream_read = _stream_read(cfg, model, report)
     report.seconds = time.perf_counter() - t0
     if report.problems:
         raise PreflightError(report.problems, report)
     return report
+
+
+def _stream_read(cfg: WsiTrainConfig, model: nn.Module, report: PreflightReport) -> StreamRead | None:
+    """data.stream_tiles: what the largest bucket's streamed step decodes, and the reader's rate measured on one of
+    its slides with the run's read settings (None when its first segment is not tiled: the image is read whole)."""
+    from wsitrain.train.data import read_kwargs
+
+    planned = [b for b in report.buckets if b.plan is not None]
+    if not planned:
+        return None
+    big = max(planned, key=lambda b: b.bucket[0] * b.bucket[1])
+    assert big.plan is not None
+    passes = 1 + int(segment_trains(model, big.plan.segments[0]))  # the forward, and the recompute
+    nbytes = stream_read_bytes(big.plan, passes, cfg.data.stream_cache_bytes)
+    if not nbytes:
+        return None
+    path = next(s.path for s in report.slides if s.slide in big.slides)
+    rate = measure_read_rate(path, big.plan, read_kwargs(cfg, int(getattr(model, "stride", 1))))
+    return StreamRead(nbytes, passes, rate)
 
 
 # --------------------------------------------------------------------------------------------------- slides
@@ -478,6 +503,8 @@ def _host_need(cfg: WsiTrainConfig, bucket: BucketPlan, dev: str, ranks: int) ->
     images = 1 + int(cfg.data.prefetch) + int(cfg.data.augment.rot90 and h != w)
     # data.stream_tiles into a tiled first segment: no whole image, only the regions read ahead (slides/tile_source)
     streamed = streamed_bytes(bucket.plan, READ_AHEAD) if cfg.data.stream_tiles and bucket.plan is not None else 0
+    if streamed:  # and data.stream_cache's decoded regions, at most the image
+        streamed += min(cfg.data.stream_cache_bytes, 3 * h * w)
     return host_need(bucket.plan, 3 * h * w, images, dev, ranks, streamed)  # uint8 (3, H, W) images
 
 

@@ -37,6 +37,7 @@ from wsitrain.sft.simulate.clock import ClockReading, OpClock
 from wsitrain.sft.simulate.host_time import HostTime, host_image_refusal, measure_host_time
 from wsitrain.sft.simulate.step import Progress
 from wsitrain.sft.simulate.timing import LOW_PRECISION, clock_plain_step
+from wsitrain.slides.read_rate import StreamRead, stream_read_bytes
 from wsitrain.slides.tile_source import READ_AHEAD
 from wsitrain.spill_dir import default_host_memory
 from wsitrain.units import format_bytes, parse_bytes
@@ -177,6 +178,10 @@ class PlanReport:
             )
         if self.plan.input_on_host:
             lines.append(host_line(self.plan))
+            read = stream_read(self.plan, self.clock.seconds if self.clock is not None else None,
+                               self.plan.time_sft / self.flop_rate if self.flop_rate else None)  # fmt: skip
+            if read is not None:
+                lines.append(read)
         if self.max_size is not None:
             if self.max_size >= MAX_SQUARE_LIMIT // 64 * 64:
                 lines.append(
@@ -206,6 +211,16 @@ def host_line(plan: Plan) -> str:
     if not streamed:
         return text + "; data.stream_tiles would read the whole image too (the first segment is not tiled)"
     return text + f"; {host_need(plan, 0, 0, 'cuda', 1, streamed).describe()} with data.stream_tiles"
+
+
+def stream_read(plan: Plan, simulated_s: float | None, planned_s: float | None) -> str | None:
+    """data.stream_tiles' decoded bytes per step (forward and recompute) and the read rate they need at the
+    simulated step time, else the planned one (a preset's); the readers measured: docs/read_throughput.md."""
+    nbytes = stream_read_bytes(plan, 2)
+    if not nbytes:
+        return None
+    kind, secs = ("simulated", simulated_s) if simulated_s else ("planned", planned_s)
+    return StreamRead(nbytes, 2, step_s=secs, step_kind=kind).text() + " (readers measured: docs/read_throughput.md)"
 
 
 def parse_size(size: str | int, stride: int, model: str) -> tuple[int, int]:

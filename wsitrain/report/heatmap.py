@@ -18,6 +18,7 @@ from torch import nn
 from wsitrain.report.cam import BlockSumAccumulator, CamAccumulator, ClassifierHead, find_head
 from wsitrain.sft.ops.masked_pool import AMAX, AVG, masked_global_pool
 from wsitrain.sft.ops.topk_pool import MaskedTopKMean, topk_mean
+from wsitrain.sft.source import is_source
 
 
 @dataclass
@@ -58,7 +59,8 @@ def slide_maps(
     probabilities: Any = None,
     autocast: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
 ) -> SlideMaps:
-    """CAM of every class for one image (3, H, W) or (1, 3, H, W), the logits, and optionally the saliency.
+    """CAM of every class for one image (3, H, W) or (1, 3, H, W) (or a region source standing in for one, a slide
+    read tile by tile), the logits, and optionally the saliency.
 
     ``model``: an SFT engine (tiled, hooks) or a plain model with a global pool -> Linear head. The image may be
     uint8 (the model normalises); for saliency a uint8 image is differentiated as the [0, 1] float image
@@ -71,11 +73,16 @@ def slide_maps(
     x = image.unsqueeze(0) if image.dim() == 3 else image  # (1, 3, H, W)
     if x.shape[0] != 1:
         raise ValueError(f"one slide at a time; got a batch of {x.shape[0]}")
+    hooks = _has_hooks(model)
+    if is_source(x) and (saliency_block is not None or not hooks):
+        # a slide read tile by tile (data.stream_tiles): the engine reads it region by region for the CAM, but the
+        # saliency differentiates the image itself (a float copy of it, 4 bytes a pixel) and a plain model takes
+        # it whole, so both get it whole
+        x = x.materialize()  # type: ignore[attr-defined]
     if saliency_block is not None:
         if not x.is_floating_point():  # the same [0, 1] image InputNormalization makes of uint8, now differentiable
             x = x.to(head.weight.dtype) / 255
         x = x.detach().requires_grad_(True)
-    hooks = _has_hooks(model)
     if hooks:
         acc = CamAccumulator(head, 1, trunk_hw(model, x))
     grad_ctx: contextlib.AbstractContextManager[Any] = torch.enable_grad() if saliency_block else torch.no_grad()

@@ -42,16 +42,23 @@ class Thumbnail:
     extent: tuple[float, float, float, float]
 
 
+# Pixels of one band of shrink_image: 16 Mpx, 192 MiB as float (a 4096-row band of a 4096 px wide image, as before).
+BAND_PX = 1 << 24
+
+
 def shrink_image(image: torch.Tensor, max_side: int, rows_per_chunk: int = 4096) -> tuple[np.ndarray, int]:
-    """(3, H, W) uint8 -> (h, w, 3) uint8 by an integer box filter, band by band (no full-size float copy)."""
+    """(3, H, W) or (1, 3, H, W) uint8 -> (h, w, 3) uint8 by an integer box filter, band by band (no full-size float
+    copy). ``image`` may be a region source (a slide read tile by tile): each band is read from it in turn."""
     h, w = image.shape[-2:]
+    x = image if len(image.shape) == 4 else image[None]  # (1, 3, H, W); a source is cut as [:, :, rows, cols]
     f = max(1, -(-max(h, w) // max_side))
     hh, ww = h // f * f, w // f * f  # whole cells only: the last partial row/column of cells is dropped
     if hh == 0 or ww == 0:
-        return image.permute(1, 2, 0).numpy().copy(), 1
-    band = max(f, rows_per_chunk // f * f)
+        return x[:, :, 0:h, 0:w][0].permute(1, 2, 0).numpy().copy(), 1
+    # a band's rows: at most rows_per_chunk and BAND_PX pixels (a float band is 12 bytes a pixel), whole cells
+    band = max(f, min(rows_per_chunk, BAND_PX // max(1, ww)) // f * f)
     parts = [
-        F.avg_pool2d(image[None, :, r : min(r + band, hh), :ww].float(), f)[0].round().to(torch.uint8)
+        F.avg_pool2d(x[:, :, r : min(r + band, hh), 0:ww].float(), f)[0].round().to(torch.uint8)
         for r in range(0, hh, band)
     ]
     return torch.cat(parts, dim=1).permute(1, 2, 0).numpy(), f
@@ -59,7 +66,7 @@ def shrink_image(image: torch.Tensor, max_side: int, rows_per_chunk: int = 4096)
 
 def slide_thumbnail(reader: object, image: torch.Tensor, where: Placement, max_side: int = 1024) -> Thumbnail:
     """A thumbnail without a second full-resolution read: a coarser pyramid level when the slide has one
-    (``read_thumbnail``), else the image already in memory, shrunk."""
+    (``read_thumbnail``), else the image already in memory shrunk (a slide read tile by tile: read band by band)."""
     from wsitrain.slides.pixels import read_thumbnail
 
     info = reader.info  # type: ignore[attr-defined]

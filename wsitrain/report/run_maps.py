@@ -17,7 +17,7 @@ def validation_heatmaps(run_dir: Path, out_dir: Path, console: Any = None) -> st
     from wsitrain.config import load_config
     from wsitrain.models import build
     from wsitrain.sft import SFT
-    from wsitrain.slides.stream import read_slide_region
+    from wsitrain.slides.tile_source import slide_read
     from wsitrain.train.checkpoint import load_checkpoint
     from wsitrain.train.data import read_kwargs
 
@@ -43,9 +43,9 @@ def validation_heatmaps(run_dir: Path, out_dir: Path, console: Any = None) -> st
     rk = read_kwargs(cfg, int(getattr(model, "stride", 1)))
     writer = HeatmapWriter(out_dir, classes, viewer=False)  # the page shows PNGs; viewer files are predict's
     for r in val["slides"]:
-        read = read_slide_region(r["path"], **rk)
         label = classes.index(r["label"]) if r.get("label") in classes else None
-        writer.add(r["path"], read, engine, label=label)
+        with slide_read(r["path"], cfg.data.stream_tiles, **rk) as read:  # data.stream_tiles: tile by tile, as fit
+            writer.add(r["path"], read, engine, label=label)
         if console is not None:
             console.print(f"heatmap {out_dir / r['slide']}", markup=False, highlight=False)
     writer.close()

@@ -222,8 +222,10 @@ class SlideDataset(torch.utils.data.Dataset):
         augment: AugmentConfig | None = None,
         seed: int = 0,
         stream: bool = False,
+        stream_cache: int = 0,
     ) -> None:
         self.stream = stream  # data.stream_tiles: items hold a SlideTileSource, decoded tile by tile when used
+        self.stream_cache = stream_cache  # data.stream_cache: the bound on each source's cache of decoded regions
         self.records = list(records)
         self.read_kwargs = dict(read_kwargs or {})
         self.augment = augment
@@ -240,7 +242,8 @@ class SlideDataset(torch.utils.data.Dataset):
         rec = self.records[i]
         if self.stream:
             rng = np.random.default_rng([self.seed, self.epoch, i]) if self.augment is not None else None
-            res = open_tile_source(rec.path, augment=self.augment, rng=rng, **self.read_kwargs)
+            res = open_tile_source(rec.path, augment=self.augment, rng=rng, cache_bytes=self.stream_cache,
+                                   **self.read_kwargs)  # fmt: skip
             return res.image, rec.label, rec, res
         res = read_slide_region(rec.path, **self.read_kwargs)
         image = res.image

@@ -11,14 +11,22 @@ Read-ahead: the executor says in which order it will ask for regions (``expect``
 tile t computes, a reader thread decodes the next ``ahead`` regions (each on the read's decoder threads). The
 backward recompute asks again in the same order and the regions are decoded again: host memory holds
 ``ahead`` + 1 regions, never the image.
+
+Cache (``data.stream_cache``, off by default): up to ``cache_bytes`` of decoded regions are kept for the source's
+life (one slide's step), the first ones asked for, and the recompute takes those from memory instead of decoding
+them again. First ones, not the most recent: the recompute visits the tiles in the forward's order, so a
+least-recently-used cache would have dropped each region just before it is asked for again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,7 +43,7 @@ from wsitrain.slides.augment import (
 )
 from wsitrain.slides.pixels import ReadThreads, fill_box_masked, fill_region_masked
 from wsitrain.slides.readers import Background, SlideReader, open_slide
-from wsitrain.slides.stream import ReadLayout, ReadResult, _check_read_args, layout_read
+from wsitrain.slides.stream import ReadLayout, ReadResult, _check_read_args, layout_read, read_slide_region
 
 # Regions decoded ahead of the one being computed. Two: the stager itself asks for tile t + 1 as soon as tile t is
 # handed out (its own upload prefetch), so a second keeps a decode running while tile t computes.
@@ -82,6 +90,7 @@ class SlideTileSource:
         chunk: int = 4096,
         ahead: int = READ_AHEAD,
         own_reader: bool = True,
+        cache_bytes: int = 0,
     ) -> None:
         self.reader = reader
         self.layout = layout
@@ -100,6 +109,15 @@ class SlideTileSource:
         self._pending: dict[tuple[Interval, Interval], Future[torch.Tensor]] = {}
         self.regions_read = 0  # regions decoded (read-ahead included): the re-reads of the backward recompute count
         self.bytes_read = 0  # their bytes (uint8)
+        self.cache_bytes = cache_bytes  # the bound on the cache of decoded regions
+        self._cache: dict[tuple[Interval, Interval], torch.Tensor] = {}
+        self.cached_bytes = 0  # held in the cache now (never above cache_bytes)
+        self.regions_from_cache = 0  # regions given from the cache instead of decoded again
+
+    def __deepcopy__(self, memo: dict[int, object]) -> SlideTileSource:
+        # The image never changes, so a copy is this source: a model deep-copied while its pool holds the slide's
+        # tissue mask (a ReadResult method, hence this source) shares it rather than copying an open slide.
+        return self
 
     # ---- the tensor it stands in for -------------------------------------------------------------
     def dim(self) -> int:
@@ -118,10 +136,23 @@ class SlideTileSource:
             raise TypeError(f"a slide tile source is cut as [:, :, r0:r1, c0:c1], not {index!r}")
         key = ((r[0], max(r[0], r[1])), (c[0], max(c[0], c[1])))
         with self._lock:
-            fut = self._pending.pop(key, None)
-        region = fut.result() if fut is not None else self.read(*key)
+            region = self._cache.get(key)
+            fut = self._pending.pop(key, None) if region is None else None
+            if region is not None:
+                self.regions_from_cache += 1
+        if region is None:
+            region = fut.result() if fut is not None else self.read(*key)
+            self._keep(key, region)
         self._read_ahead(key)
-        return region
+        return region  # callers copy it (the stager packs it into its buffers) and never write to it
+
+    def _keep(self, key: tuple[Interval, Interval], region: torch.Tensor) -> None:
+        """Cache ``region`` while the bound allows (the first regions asked for stay; see the module doc)."""
+        n = region.numel() * region.element_size()
+        with self._lock:
+            if key not in self._cache and self.cached_bytes + n <= self.cache_bytes:
+                self._cache[key] = region
+                self.cached_bytes += n
 
     def materialize(self) -> torch.Tensor:
         """The whole augmented image (1, 3, H, W): exactly the whole-image read and augmentation."""
@@ -171,13 +202,15 @@ class SlideTileSource:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wsitrain-tiles")
             for k in want:
-                if k not in self._pending:
+                if k not in self._pending and k not in self._cache:
                     self._pending[k] = self._pool.submit(self.read, *k)
 
     def close(self) -> None:
         """Stop reading ahead and close the slide (when this source opened it)."""
         with self._lock:
             pending, self._pending = self._pending, {}
+            self._cache.clear()
+            self.cached_bytes = 0
         for f in pending.values():
             f.cancel()
         if self._pool is not None:
@@ -204,10 +237,12 @@ def open_tile_source(
     read_threads: ReadThreads | None = "auto",
     mask_background: bool = False,
     pin_memory: bool = False,
+    cache_bytes: int = 0,
     **layout: object,
 ) -> ReadResult:
     """``read_slide_region`` (then ``augment_from_config`` with ``rng`` when ``augment``), as a ``ReadResult`` whose
-    ``image`` is a ``SlideTileSource``: nothing is decoded yet. ``layout``: the read's level/mpp/region/size/pad."""
+    ``image`` is a ``SlideTileSource``: nothing is decoded yet. ``layout``: the read's level/mpp/region/size/pad;
+    ``cache_bytes``: the bound on its cache of decoded regions (0: none, the recompute decodes again)."""
     del pin_memory  # regions reach the device through the stager's own page-locked buffers
     t0 = time.perf_counter()
     _check_read_args(read_threads, mask_background)
@@ -218,7 +253,19 @@ def open_tile_source(
     except WsiTrainError:
         reader.close()
         raise
-    src = SlideTileSource(reader, lay, geo, params, read_threads, chunk)
+    src = SlideTileSource(reader, lay, geo, params, read_threads, chunk, cache_bytes=cache_bytes)
     res = lay.result(src, reader, time.perf_counter() - t0)  # type: ignore[arg-type]  # the open; decoding comes later
     res.geometry = geo
     return res
+
+
+@contextlib.contextmanager
+def slide_read(path: str | Path, stream: bool, **read: Any) -> Iterator[ReadResult]:
+    """One slide read for inference (predict, heatmaps, run maps): whole (``read_slide_region``), or with ``stream``
+    (``data.stream_tiles``) a ``SlideTileSource`` read region by region when the engine asks; closed on exit."""
+    res = open_tile_source(path, **read) if stream else read_slide_region(path, **read)
+    try:
+        yield res
+    finally:
+        if isinstance(res.image, SlideTileSource):
+            res.image.close()

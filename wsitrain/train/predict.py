@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +21,9 @@ from wsitrain.models.heads import DEFAULT_TOPK, AttentionSpec
 from wsitrain.report.decision import DecisionWatch
 from wsitrain.report.heatmap_files import HeatmapWriter
 from wsitrain.slides.readers import open_slide
-from wsitrain.slides.stream import read_slide_region
+from wsitrain.slides.stream import ReadResult
 from wsitrain.slides.suffixes import SLIDE_SUFFIXES, is_slide_name
+from wsitrain.slides.tile_source import slide_read
 from wsitrain.tasks.objective import Objective, per_patient
 from wsitrain.train.attention_mask import tissue_masked
 from wsitrain.train.checkpoint import load_checkpoint
@@ -151,8 +153,7 @@ def run_predict(
     t0 = time.perf_counter()
     # a max-pooling classifier: per slide and class, was the score decided on the tissue? (columns on_tissue_*)
     watch = DecisionWatch(engine) if objective is None else None
-    for i, p in enumerate(paths, 1):
-        read = read_slide_region(p, **rk)
+    for i, (p, read) in enumerate(_reads(paths, cfg.data.stream_tiles, rk), 1):
         with tissue_masked(model, read), (watch.slide(read.image, read) if watch else contextlib.nullcontext()):
             res = runner.eval_slide(read.image, None)
         probs = res.probs.tolist()
@@ -169,7 +170,7 @@ def run_predict(
         if watch is not None and watch.active:  # "" where the slide has no tissue mask
             rows[-1] += [str(v).lower() for v in watch.last] if watch.last is not None else [""] * len(class_names)
         console.print(f"[{i}/{len(paths)}] {p.name}: {pred} ({max(probs):.3f}), "
-                      f"{tuple(read.image.shape[1:])} px, read {read.seconds:.2f} s, forward {res.forward_s:.2f} s",
+                      f"{tuple(read.image.shape[-2:])} px, read {read.seconds:.2f} s, forward {res.forward_s:.2f} s",
                       markup=False, highlight=False)  # fmt: skip
         if maps is not None:
             maps.add(p, read, engine)
@@ -191,6 +192,14 @@ def run_predict(
         markup=False, highlight=False,
     )
     return out
+
+
+def _reads(paths: list[Path], stream: bool, rk: dict[str, Any]) -> Iterator[tuple[Path, ReadResult]]:
+    """Each slide read in turn, closed when the next is asked for. ``stream`` (data.stream_tiles): read tile by tile
+    as the engine asks (the prediction, the CAM), never held whole; the outputs are bitwise the whole read's."""
+    for p in paths:
+        with slide_read(p, stream, **rk) as read:
+            yield p, read
 
 
 def _task_header(objective: Objective) -> list[str]:

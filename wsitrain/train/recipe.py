@@ -197,9 +197,10 @@ class FitRecipe:
         )  # fmt: skip
         rk = read_kwargs(cfg, self.model.stride)
         stream = cfg.data.stream_tiles
-        self.train_ds = SlideDataset(self.data.train, rk, augment_settings(cfg), cfg.seed, stream=stream)
+        self.train_ds = SlideDataset(self.data.train, rk, augment_settings(cfg), cfg.seed, stream=stream,
+                                     stream_cache=cfg.data.stream_cache_bytes)  # fmt: skip
         self.val_ds = SlideDataset(self.data.val, rk, None, cfg.seed, stream=stream) if self.data.val else None
-        self.test_ds = SlideDataset(self.data.test, rk, None, cfg.seed) if self.data.test else None
+        self.test_ds = SlideDataset(self.data.test, rk, None, cfg.seed, stream=stream) if self.data.test else None
         self.test_metrics: dict[str, float] = {}
         self._best_weights: dict[str, torch.Tensor] | None = None  # best.pt's weights, for the test evaluation
         return ckpt, resume_dir
