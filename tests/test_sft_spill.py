@@ -231,3 +231,41 @@ def test_host_need_counts_spilled_checkpoints_on_disk_not_in_ram() -> None:
     ram = host_need(p, 0, 0, "cuda")
     spilled = host_need(place_host(p, p.staging_bytes + 1), 0, 0, "cuda")
     assert ram.plan == later > 0 and spilled.plan == 0 and spilled.staging == ram.staging
+
+
+def test_a_whole_slide_decodes_into_a_spill_file_bitwise(tmp_path: Path) -> None:
+    """Streaming off and the image past engine.host_memory: the loader decodes the slide into engine.spill_dir."""
+    from wsitrain.slides.dataset import SlideDataset, SlideRecord
+    from wsitrain.slides.stream import read_slide_region
+    from wsitrain.slides.synth import write_synthetic_slide
+
+    path = write_synthetic_slide(tmp_path / "s.svs", size=640, positive=True, seed=3)
+    spill_dir = tmp_path / "spill"
+    spill_dir.mkdir()
+    files = SpillFiles(spill_dir)
+    kw = {"mask_background": True, "pad_multiple": 32, "read_threads": 2}
+    ram = read_slide_region(path, **kw).image
+    on_disk = read_slide_region(path, allocator=files, **kw).image
+    assert torch.equal(ram, on_disk) and files.allocated == ram.numel() > 0
+    assert _mapped_spill_files() == 1 and list(spill_dir.iterdir()) == []  # mapped, already unlinked
+    ds = SlideDataset([SlideRecord(slide_id="s", path=path, label=1, label_name="tumor")], kw, None, 0, spill=files)
+    assert torch.equal(ds[0][0], ram) and files.allocated == 2 * ram.numel()
+    del on_disk, ds
+    gc.collect()
+    assert _mapped_spill_files() == 0
+
+
+def test_fit_spills_whole_slides_only_where_the_plan_puts_the_image_on_disk(tmp_path: Path) -> None:
+    from wsitrain.config import EngineConfig
+    from wsitrain.train.engine import executor_spill, image_on_disk, slide_spill
+
+    p = _vgg_plan()
+    image = host_items(p)[0]  # the image, segment 0's host input
+    tight = EngineConfig(spill_dir=str(tmp_path), host_memory=p.staging_bytes + 1)
+    roomy = EngineConfig(spill_dir=str(tmp_path), host_memory=p.host_bytes)
+    assert isinstance(slide_spill(tight, [p], stream=False), SpillFiles)
+    assert slide_spill(tight, [p], stream=True) is None  # streamed: no whole slide to hold
+    assert slide_spill(roomy, [p], stream=False) is None  # the image fits engine.host_memory
+    placed = place_host(p, p.staging_bytes + 1)
+    assert image_on_disk(placed) and not image_on_disk(p)
+    assert executor_spill(placed, 2) == executor_spill(placed) + 2 * image  # the slide and the one read ahead

@@ -206,8 +206,9 @@ def host_line(plan: Plan) -> str:
     whole = host_need(plan, image, 2, "cuda")
     text = f"host RAM per rank (planned): {whole.describe()} with whole slides and data.prefetch"
     if plan.segments and plan.segments[0].spilled:  # past engine.host_memory: the plan puts the image on disk
-        text += (f" (the plan places the image on disk; the loader does not spill decoded slides yet: "
-                 f"{host_need(plan, 0, 0, 'cuda').describe()} once it does, {format_bytes(2 * image)} on disk)")
+        text += (f" (the plan places the image on disk: fit decodes whole slides into engine.spill_dir, "
+                 f"{host_need(plan, 0, 0, 'cuda').describe()} in RAM and {format_bytes(2 * image)} on disk, "
+                 "augmented copies aside)")
     if not streamed:
         return text + "; data.stream_tiles would read the whole image too (the first segment is not tiled)"
     return text + f"; {host_need(plan, 0, 0, 'cuda', 1, streamed).describe()} with data.stream_tiles"

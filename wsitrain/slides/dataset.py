@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from wsitrain.errors import SlideError
+from wsitrain.sft.execution.spill import HostAllocator
 from wsitrain.slides.augment import AugmentConfig, augment_from_config, geometry_of
 from wsitrain.slides.info import slide_info
 from wsitrain.slides.stream import ReadResult, read_slide_region
@@ -223,9 +224,11 @@ class SlideDataset(torch.utils.data.Dataset):
         seed: int = 0,
         stream: bool = False,
         stream_cache: int = 0,
+        spill: HostAllocator | None = None,
     ) -> None:
         self.stream = stream  # data.stream_tiles: items hold a SlideTileSource, decoded tile by tile when used
         self.stream_cache = stream_cache  # data.stream_cache: the bound on each source's cache of decoded regions
+        self.spill = spill  # whole slides decoded into memory-mapped files (engine.spill_dir), not RAM; None: RAM
         self.records = list(records)
         self.read_kwargs = dict(read_kwargs or {})
         self.augment = augment
@@ -245,7 +248,7 @@ class SlideDataset(torch.utils.data.Dataset):
             res = open_tile_source(rec.path, augment=self.augment, rng=rng, cache_bytes=self.stream_cache,
                                    **self.read_kwargs)  # fmt: skip
             return res.image, rec.label, rec, res
-        res = read_slide_region(rec.path, **self.read_kwargs)
+        res = read_slide_region(rec.path, allocator=self.spill, **self.read_kwargs)
         image = res.image
         if self.augment is not None:
             rng = np.random.default_rng([self.seed, self.epoch, i])

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from wsitrain.errors import SlideError
+from wsitrain.sft.execution.spill import HostAllocator
 from wsitrain.slides.augment import Geometry
 from wsitrain.slides.pixels import ReadThreads, RegionMask, fill_region_masked, resolve_read_threads
 from wsitrain.slides.readers import Background, SlideReader, open_slide
@@ -98,7 +99,11 @@ def _as_hw(size: int | tuple[int, int] | list[int], name: str) -> tuple[int, int
     return int(h), int(w)
 
 
-def _allocate(shape: tuple[int, int, int], pin_memory: bool) -> tuple[torch.Tensor, bool]:
+def _allocate(
+    shape: tuple[int, int, int], pin_memory: bool, allocator: HostAllocator | None = None
+) -> tuple[torch.Tensor, bool]:
+    if allocator is not None:  # past engine.host_memory: a memory-mapped file in engine.spill_dir, never pinned
+        return allocator.empty(shape, torch.uint8, "decoded slide"), False
     pin = bool(pin_memory)
     if pin and not torch.cuda.is_available():
         pin = False  # pinning needs a CUDA driver; asking for it on a CPU machine is not an error
@@ -187,6 +192,7 @@ def read_slide_region(
     read_threads: ReadThreads | None = "auto",
     mask_background: bool = False,
     tissue_settings: TissueSettings | None = None,
+    allocator: HostAllocator | None = None,
 ) -> ReadResult:
     """Read a slide region at the chosen resolution into a (3, H, W) uint8 tensor.
 
@@ -198,6 +204,8 @@ def read_slide_region(
     thumbnail px) to the background colour, and skip decoding chunks wholly outside it; when no tissue is found
     nothing is masked (``tissue_fraction`` None). Off, the read is exactly what it always was.
     ``tissue_settings``: how the detector keeps pieces (data.tissue; None: its defaults).
+    ``allocator``: where the decoded region lives when not in RAM (``sft.execution.spill.SpillFiles``: a
+    memory-mapped file in engine.spill_dir; the bytes are the same, only their home differs).
     """
     t0 = time.perf_counter()
     own = not isinstance(path, SlideReader)
@@ -207,7 +215,7 @@ def read_slide_region(
         lay = layout_read(reader, level=level, mpp=mpp, magnification=magnification, fallback_mpp=fallback_mpp,
                           region=region, size=size, pad_multiple=pad_multiple,
                           mask_background=mask_background, tissue_settings=tissue_settings)  # fmt: skip
-        out, pinned = _allocate((3, *lay.shape), pin_memory)
+        out, pinned = _allocate((3, *lay.shape), pin_memory, allocator)
         res = lay.res
         filled = fill_region_masked(reader, out, res.level, res.scale, lay.origin, lay.mask, chunk, read_threads)
         return lay.result(out, reader, time.perf_counter() - t0, pinned, filled.threads, filled.decoded,

@@ -14,6 +14,7 @@ from wsitrain.errors import ConfigError
 from wsitrain.host_need import ranks_per_node
 from wsitrain.models import build
 from wsitrain.sft import SFT
+from wsitrain.sft.execution.spill import SpillFiles
 from wsitrain.sft.plan_types import Plan
 from wsitrain.sft.planning.calibration import cpu_name, time_model_for
 from wsitrain.sft.planning.placement import place_host
@@ -89,18 +90,37 @@ def wrap_engine(
     )
 
 
-def check_spill_room(engine: EngineConfig, plans: list[Plan]) -> None:
+def check_spill_room(engine: EngineConfig, plans: list[Plan], slides_on_disk: int = 0) -> None:
     """Before anything is written: engine.spill_dir can take what the run's largest plan spills past
-    engine.host_memory, for every rank on this node (exit 2 naming the key and folder otherwise)."""
+    engine.host_memory, for every rank on this node (exit 2 naming the key and folder otherwise).
+    ``slides_on_disk``: decoded slides the loader holds at once in spill files (``slide_spill``; 2 with prefetch)."""
     host = host_memory_per_rank(engine)
-    spill = max((executor_spill(place_host(p, host)) for p in plans), default=0)
+    spill = max((executor_spill(place_host(p, host), slides_on_disk) for p in plans), default=0)
     check_spill_dir(engine.spill_dir, spill, ranks_per_node())
 
 
-def executor_spill(plan: Plan) -> int:
-    """Bytes the engine writes to engine.spill_dir in a step of ``plan``: spilled checkpoints after the image, with
-    their gradient buffers (the loader holds a whole slide in RAM, or streams it, even where the plan spills it)."""
-    return sum(2 * s.checkpoint_bytes for s in plan.segments if s.start and s.spilled)
+def executor_spill(plan: Plan, slides_on_disk: int = 0) -> int:
+    """Bytes written to engine.spill_dir in a step of ``plan``: spilled checkpoints after the image, with their
+    gradient buffers, and ``slides_on_disk`` decoded images where the plan put the image on disk."""
+    image = plan.segments[0].checkpoint_bytes if image_on_disk(plan) else 0
+    return slides_on_disk * image + sum(2 * s.checkpoint_bytes for s in plan.segments if s.start and s.spilled)
+
+
+def image_on_disk(plan: Plan) -> bool:
+    """The placement (``place_host``) put the image, segment 0's host input, past engine.host_memory."""
+    return plan.input_on_host and bool(plan.segments) and plan.segments[0].spilled
+
+
+def slide_spill(engine: EngineConfig, plans: list[Plan], stream: bool) -> SpillFiles | None:
+    """Where whole slides are decoded: None (RAM) when they are streamed (data.stream_tiles) or every plan keeps
+    the image within engine.host_memory; else memory-mapped files in engine.spill_dir (augmented copies, made by
+    flips and quarter turns, still live in RAM: stream the slide to keep those out too)."""
+    if stream:
+        return None
+    host = host_memory_per_rank(engine)
+    if not any(image_on_disk(place_host(p, host)) for p in plans):
+        return None
+    return SpillFiles(spill_folder(engine.spill_dir))
 
 
 def host_memory_per_rank(engine: EngineConfig) -> int:

@@ -48,6 +48,7 @@ from wsitrain.train.engine import (
     check_spill_room,
     resolve_device,
     seed_everything,
+    slide_spill,
     wrap_engine,
 )
 from wsitrain.train.head_warmup import head_modules, warm_up_head
@@ -158,8 +159,12 @@ class FitRecipe:
         # every slide and shape bucket planned within the budget, all problems at once, before any folder exists
         report = check_run(cfg, self.device, shapes_only=self.shapes_only, console=self.out,
                            budget_bytes=self.budget.bytes)  # fmt: skip
-        if report is not None:  # host checkpoints past engine.host_memory need room in engine.spill_dir
-            check_spill_room(cfg.engine, [b.plan for b in report.buckets if b.plan is not None])
+        plans = [b.plan for b in report.buckets if b.plan is not None] if report is not None else []
+        # whole slides past engine.host_memory are decoded into engine.spill_dir (one more with data.prefetch)
+        self.slide_spill = slide_spill(cfg.engine, plans, cfg.data.stream_tiles)
+        if report is not None:  # host checkpoints (and those slides) past engine.host_memory need room there
+            held = 0 if self.slide_spill is None else 1 + int(cfg.data.prefetch)
+            check_spill_room(cfg.engine, plans, held)
         self.data: FitData = load_fit_data(cfg)
         self.cfg_dict = config_to_dict(cfg)
         ckpt, resume_dir = None, None
@@ -197,10 +202,15 @@ class FitRecipe:
         )  # fmt: skip
         rk = read_kwargs(cfg, self.model.stride)
         stream = cfg.data.stream_tiles
+        spill = self.slide_spill
         self.train_ds = SlideDataset(self.data.train, rk, augment_settings(cfg), cfg.seed, stream=stream,
-                                     stream_cache=cfg.data.stream_cache_bytes)  # fmt: skip
-        self.val_ds = SlideDataset(self.data.val, rk, None, cfg.seed, stream=stream) if self.data.val else None
-        self.test_ds = SlideDataset(self.data.test, rk, None, cfg.seed, stream=stream) if self.data.test else None
+                                     stream_cache=cfg.data.stream_cache_bytes, spill=spill)  # fmt: skip
+        self.val_ds = (
+            SlideDataset(self.data.val, rk, None, cfg.seed, stream=stream, spill=spill) if self.data.val else None
+        )
+        self.test_ds = (
+            SlideDataset(self.data.test, rk, None, cfg.seed, stream=stream, spill=spill) if self.data.test else None
+        )
         self.test_metrics: dict[str, float] = {}
         self._best_weights: dict[str, torch.Tensor] | None = None  # best.pt's weights, for the test evaluation
         return ckpt, resume_dir
@@ -371,7 +381,8 @@ class FitRecipe:
         head = nn.ModuleList(head_modules(self.model))
         state = None
         if self.dist.is_main:
-            ds = SlideDataset(self.data.train, read_kwargs(self.cfg, self.model.stride), None, self.cfg.seed)
+            rk = read_kwargs(self.cfg, self.model.stride)
+            ds = SlideDataset(self.data.train, rk, None, self.cfg.seed, spill=self.slide_spill)
             images = (as_batch(ds[i][0]) for i in range(len(ds)))
             try:
                 res = warm_up_head(self.model, images, [int(r.label) for r in self.data.train], steps=w.steps,
