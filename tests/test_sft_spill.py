@@ -269,3 +269,20 @@ def test_fit_spills_whole_slides_only_where_the_plan_puts_the_image_on_disk(tmp_
     placed = place_host(p, p.staging_bytes + 1)
     assert image_on_disk(placed) and not image_on_disk(p)
     assert executor_spill(placed, 2) == executor_spill(placed) + 2 * image  # the slide and the one read ahead
+
+
+def test_preflight_counts_whole_slides_on_disk_not_in_ram() -> None:
+    """Streaming off, the image placed on disk: the preflight's host need keeps one augmented copy, not two slides."""
+    from wsitrain.config import WsiTrainConfig
+    from wsitrain.preflight import BucketPlan, host_bytes_needed
+
+    p = _vgg_plan()
+    image = host_items(p)[0]
+    cfg = WsiTrainConfig()
+    ram = host_bytes_needed(cfg, BucketPlan((16384, 16384), ("s",), p), "cuda")
+    disk = host_bytes_needed(cfg, BucketPlan((16384, 16384), ("s",), place_host(p, p.staging_bytes + 1)), "cuda")
+    assert ram - disk >= image  # two slides (trained, read ahead) in RAM against one augmented copy
+    plain = cfg.model_copy(update={"data": cfg.data.model_copy(update={"augment": cfg.data.augment.model_copy(
+        update={"flips": False, "rot90": False})})})  # fmt: skip
+    assert host_bytes_needed(plain, BucketPlan((16384, 16384), ("s",), place_host(p, p.staging_bytes + 1)), "cuda") \
+        == disk - image  # fmt: skip

@@ -35,7 +35,7 @@ from wsitrain.host_need import HostNeed, host_need, ranks_per_node, streamed_byt
 from wsitrain.memory import available_host_bytes
 from wsitrain.precision import activation_dtype, check_device_precision
 from wsitrain.sft.plan_types import Plan
-from wsitrain.sft.planning.placement import place_host
+from wsitrain.sft.planning.placement import image_on_disk, place_host
 from wsitrain.slides.buckets import bucket_shape
 from wsitrain.slides.read_rate import StreamRead, measure_read_rate, segment_trains, stream_read_bytes
 from wsitrain.slides.tile_source import READ_AHEAD
@@ -501,6 +501,10 @@ def _host_need(cfg: WsiTrainConfig, bucket: BucketPlan, dev: str, ranks: int) ->
     # non-square slide, which fills a new buffer before the old one is freed
     h, w = bucket.bucket
     images = 1 + int(cfg.data.prefetch) + int(cfg.data.augment.rot90 and h != w)
+    if not cfg.data.stream_tiles and bucket.plan is not None and image_on_disk(bucket.plan):
+        # whole slides decoded into engine.spill_dir (train.engine.slide_spill): RAM holds an augmented copy only
+        aug = cfg.data.augment
+        images = int(aug.flips or aug.rot90 or aug.color_jitter != "none")
     # data.stream_tiles into a tiled first segment: no whole image, only the regions read ahead (slides/tile_source)
     streamed = streamed_bytes(bucket.plan, READ_AHEAD) if cfg.data.stream_tiles and bucket.plan is not None else 0
     if streamed:  # and data.stream_cache's decoded regions, at most the image
@@ -527,7 +531,8 @@ def _host_problems(cfg: WsiTrainConfig, report: PreflightReport, dev: str) -> li
             f"{format_bytes(report.host_available_bytes)} is available",
             hint=("" if cfg.data.stream_tiles else "set data.stream_tiles: true (the slide read tile by tile), ")
             + "read at a coarser resolution (data.mpp or data.level), set data.prefetch: false, turn off "
-            "data.augment.rot90 for non-square slides, run fewer processes per node, or train on a machine with "
+            "data.augment.rot90 for non-square slides, lower engine.host_memory so host checkpoints and whole "
+            "slides spill to engine.spill_dir (on CUDA), run fewer processes per node, or train on a machine with "
             "more RAM",
         )
     ]

@@ -17,7 +17,7 @@ from wsitrain.sft import SFT
 from wsitrain.sft.execution.spill import SpillFiles
 from wsitrain.sft.plan_types import Plan
 from wsitrain.sft.planning.calibration import cpu_name, time_model_for
-from wsitrain.sft.planning.placement import place_host
+from wsitrain.sft.planning.placement import image_on_disk, place_host
 from wsitrain.spill_dir import check_spill_dir, default_host_memory, spill_folder
 from wsitrain.train.distributed import DistInfo
 
@@ -104,11 +104,6 @@ def executor_spill(plan: Plan, slides_on_disk: int = 0) -> int:
     gradient buffers, and ``slides_on_disk`` decoded images where the plan put the image on disk."""
     image = plan.segments[0].checkpoint_bytes if image_on_disk(plan) else 0
     return slides_on_disk * image + sum(2 * s.checkpoint_bytes for s in plan.segments if s.start and s.spilled)
-
-
-def image_on_disk(plan: Plan) -> bool:
-    """The placement (``place_host``) put the image, segment 0's host input, past engine.host_memory."""
-    return plan.input_on_host and bool(plan.segments) and plan.segments[0].spilled
 
 
 def slide_spill(engine: EngineConfig, plans: list[Plan], stream: bool) -> SpillFiles | None:

@@ -74,3 +74,9 @@ def _placed(s: SegmentPlan, spilled: set[int]) -> SegmentPlan:
     if on_disk == s.spilled and out_on_disk == s.output_spilled:
         return s
     return dataclasses.replace(s, spilled=on_disk, output_spilled=out_on_disk)
+
+
+def image_on_disk(plan: Plan) -> bool:
+    """The placement put the image, segment 0's host input, past the host RAM budget (a loader without
+    data.stream_tiles decodes whole slides into engine.spill_dir then: ``train.engine.slide_spill``)."""
+    return plan.input_on_host and bool(plan.segments) and plan.segments[0].spilled
