@@ -144,3 +144,26 @@ def seeded_case(
     with torch.no_grad():
         target = torch.randn_like(model(x))
     return model, x, target
+
+
+def weighted_step(model: nn.Module, net: nn.Module, x: torch.Tensor) -> tuple:
+    """One backward of ``net`` (``model`` or an engine around it) under a fixed non-uniform output weighting: the
+    output, every parameter gradient and the input gradient, cloned (the reference-vs-variant tests compare them)."""
+    model.zero_grad(set_to_none=True)
+    xr = x.detach().clone().requires_grad_(True)
+    y = net(xr)
+    (y * torch.linspace(0.5, 1.5, y.shape[-1], dtype=y.dtype)).sum().backward()
+    return y.detach(), [p.grad.clone() for p in model.parameters()], xr.grad
+
+
+def tied_trunk() -> nn.Sequential:
+    """Convs with a constant channel (weights 0, bias 0.3, after ReLU): every position ties in it, the case where a
+    max or top-k pool must pick positions exactly as plain PyTorch does. Seeded; float32 (call ``.double()``)."""
+    torch.manual_seed(0)
+    trunk = nn.Sequential(
+        nn.Conv2d(3, 6, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(6, 5, 3, padding=1), nn.ReLU()
+    )
+    with torch.no_grad():
+        trunk[3].weight[0].zero_()
+        trunk[3].bias[0] = 0.3
+    return trunk

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sft_models import tied_trunk
 from torch import nn
 
 from wsitrain.models import build
@@ -29,13 +30,7 @@ class Reduce(nn.Module):
 
 def net(pool: str) -> nn.Sequential:
     """Convs with a constant channel (weights 0, bias 0.3, after ReLU): its maximum ties at every position."""
-    torch.manual_seed(0)
-    trunk = nn.Sequential(
-        nn.Conv2d(3, 6, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(6, 5, 3, padding=1), nn.ReLU()
-    )
-    with torch.no_grad():
-        trunk[3].weight[0].zero_()
-        trunk[3].bias[0] = 0.3
+    trunk = tied_trunk()
     pools = {
         "avg": [nn.AdaptiveAvgPool2d(1), nn.Flatten(1)],
         "max": [nn.AdaptiveMaxPool2d(1), nn.Flatten(1)],

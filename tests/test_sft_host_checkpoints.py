@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sft_models import MODELS
+from sft_models import MODELS, weighted_step
 
 from wsitrain.models import build
 from wsitrain.sft import SFT, plan
@@ -19,12 +19,7 @@ F64 = {"rtol": 1e-10, "atol": 1e-11}
 pytestmark = pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")
 
 
-def step(model: torch.nn.Module, net: torch.nn.Module, x: torch.Tensor) -> tuple:
-    model.zero_grad(set_to_none=True)
-    xr = x.detach().clone().requires_grad_(True)
-    y = net(xr)
-    (y * torch.linspace(0.5, 1.5, y.shape[-1], dtype=y.dtype)).sum().backward()
-    return y.detach(), [p.grad.clone() for p in model.parameters()], xr.grad
+step = weighted_step
 
 
 @pytest.mark.parametrize(("name", "tile"), [("vgg_chain", 16), ("resnet_basic", 16), ("odd_ops", 12), ("dense", 24)])

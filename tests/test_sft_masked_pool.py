@@ -15,6 +15,7 @@ from contextlib import ExitStack
 import pytest
 import torch
 import torch.nn.functional as F
+from sft_models import tied_trunk
 from test_tile_reuse import assert_bitwise, assert_plain, masked_image
 from torch import nn
 
@@ -112,13 +113,7 @@ class AmaxNet(nn.Module):
 
 def small_net(kind: str) -> nn.Module:
     """Convs with a constant channel (weights 0, bias 0.3, after ReLU): its maximum ties at every position."""
-    torch.manual_seed(0)
-    trunk = nn.Sequential(
-        nn.Conv2d(3, 6, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(6, 5, 3, padding=1), nn.ReLU()
-    )
-    with torch.no_grad():
-        trunk[3].weight[0].zero_()
-        trunk[3].bias[0] = 0.3
+    trunk = tied_trunk()
     if kind == "amax":
         return AmaxNet(trunk, 5).double()
     return nn.Sequential(OrderedDict([("trunk", trunk), ("pool", POOLS[kind]()), ("flat", nn.Flatten(1)),

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from sft_models import MODELS
+from sft_models import MODELS, weighted_step
 
 from wsitrain.models import build
 from wsitrain.sft import SFT, plan
@@ -24,12 +24,7 @@ from wsitrain.sft.planning.placement import host_items, place_host
 pytestmark = pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")
 
 
-def _step(model: torch.nn.Module, net: torch.nn.Module, x: torch.Tensor) -> tuple:
-    model.zero_grad(set_to_none=True)
-    xr = x.detach().clone().requires_grad_(True)
-    y = net(xr)
-    (y * torch.linspace(0.5, 1.5, y.shape[-1], dtype=y.dtype)).sum().backward()
-    return y.detach(), [p.grad.clone() for p in model.parameters()], xr.grad
+_step = weighted_step
 
 
 def _mapped_spill_files() -> int:

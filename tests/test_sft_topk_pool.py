@@ -14,6 +14,7 @@ from collections import OrderedDict
 
 import pytest
 import torch
+from sft_models import tied_trunk
 from test_sft_masked_pool import pixel_to_map, random_mask, step
 from test_tile_reuse import assert_bitwise, assert_plain, masked_image
 from torch import nn
@@ -80,13 +81,7 @@ def test_k_must_be_positive() -> None:
 
 def topk_net(k: int) -> nn.Module:
     """Convs with a constant channel (weights 0, bias 0.3, after ReLU): every position ties in it."""
-    torch.manual_seed(0)
-    trunk = nn.Sequential(
-        nn.Conv2d(3, 6, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(6, 5, 3, padding=1), nn.ReLU()
-    )
-    with torch.no_grad():
-        trunk[3].weight[0].zero_()
-        trunk[3].bias[0] = 0.3
+    trunk = tied_trunk()
     return nn.Sequential(OrderedDict([("trunk", trunk), ("pool", MaskedTopKMean(k)), ("flat", nn.Flatten(1)),
                                       ("fc", nn.Linear(5, 3))])).double()  # fmt: skip
 
