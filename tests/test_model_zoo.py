@@ -40,6 +40,7 @@ class Family:
     batch: int = 1
     refused: str | None = None  # what the refusal must say (a regex: the layer and why)
     slow: bool = False
+    heavy: bool = False  # 40-55 s each on CI's cores (measured): `make test-heavy` and CI run it, `make test` not
 
     @property
     def id(self) -> str:
@@ -83,8 +84,8 @@ FAMILIES = [
     Family("timm/rexnet_100"),
     Family("timm/regnetx_002"),
     Family("timm/regnety_002"),
-    Family("timm/efficientnetv2_rw_t", slow=True),
-    Family("timm/fbnetv3_b", slow=True),
+    Family("timm/efficientnetv2_rw_t", heavy=True),
+    Family("timm/fbnetv3_b", heavy=True),
     # timm: plain, CSP and darknet stacks, re-parameterizable and normalizer-free nets
     Family("timm/repvgg_a0"),
     Family("timm/gernet_s"),
@@ -105,7 +106,7 @@ FAMILIES = [
     Family("timm/hgnetv2_b0"),  # F.pad right and bottom in the stem
     Family("timm/ghostnetv2_100"),  # attention gate resized to out.shape: 2x on even maps (64 x 96: 2 x 3 at the end)
     # 4 x 5 at stride 32, pooled to 2 x 2 and resized back: floor(o * 2 / 5), tiled with global indices (stretch.py)
-    Family("timm/ghostnetv2_100", size=(128, 160)),
+    Family("timm/ghostnetv2_100", size=(128, 160), heavy=True),
     # torchvision
     Family("torchvision/vgg11"),
     Family("torchvision/alexnet", size=(128, 160)),
@@ -122,6 +123,7 @@ FAMILIES = [
 
 def _param(f: Family) -> object:
     marks = [pytest.mark.slow] if f.slow else []
+    marks += [pytest.mark.heavy] if f.heavy else []
     return pytest.param(f, id=f.id, marks=marks)
 
 
