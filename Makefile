@@ -27,7 +27,7 @@ demo: $(STAMP)
 	$(BIN)/wsitrain report runs/$$name
 
 # One pytest-xdist worker per core (at most 4), one torch thread each (tests/conftest.py): on CI's 2 cores the suite
-# took 8 min against about 13 in one process (measured 2026-11-24); 1,250 tests took 14 min 24 s (measured 2026-11-26). loadfile keeps each file on one worker, so a
+# took 8 min against about 13 in one process (measured 2026-11-24); 1,305 tests took 14 min 55 s on a fresh clone (measured 2026-11-27; 16 min 40 s before six cases moved to test-heavy). loadfile keeps each file on one worker, so a
 # module's fixtures are built once: tests/test_slurm_real.py starts one private Slurm for the whole file (split
 # between workers, two clusters ran at once; xdist 3.8's loadgroup did not keep its group together, measured).
 PYTEST_WORKERS := -n auto --maxprocesses 4 --dist loadfile
