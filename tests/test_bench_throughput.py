@@ -38,6 +38,7 @@ def bench() -> ModuleType:
     return _load()
 
 
+@pytest.mark.heavy  # 30-50 s on 2 cores (measured 2026-11-27); CI runs it, `make test` does not
 def test_quick_run_writes_rows_table_and_plot(bench: ModuleType, tmp_path: Path) -> None:
     assert bench.main(["--quick", "--out", str(tmp_path)]) == 0
     rows = [json.loads(line) for line in (tmp_path / "bench_throughput.jsonl").read_text().splitlines()]

@@ -201,7 +201,12 @@ def test_plan_resnet50_100k_on_2080ti(pool: str) -> None:
     assert p.breakdown["head"] < 2**20
 
 
-FAMILIES = ["torchvision/resnet18", "torchvision/densenet121", "timm/convnext_atto"]
+FAMILIES = [
+    "torchvision/resnet18",
+    # 18-20 s per head on 2 cores (measured 2026-11-27); CI runs it, `make test` does not
+    pytest.param("torchvision/densenet121", marks=pytest.mark.heavy),
+    "timm/convnext_atto",
+]
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -146,6 +146,7 @@ def test_two_nodes_one_rank_each(
     assert_bitwise_equal(weights(run), weights(one_node[0]))
 
 
+@pytest.mark.heavy  # 30-50 s on 2 cores (measured 2026-11-27); CI runs it, `make test` does not
 def test_signal_mid_epoch_requeues_and_resumes_to_the_same_weights(
     cluster: LocalSlurm, config: Path, one_node: tuple[Path, str], tmp_path: Path
 ) -> None:
