@@ -1,6 +1,7 @@
 """Fit the simulated clock's two fitted factors to the measured H200 table, and check the rest.
 
 PYTHONPATH=. python scripts/fit_clock.py           # ~3 min on one core: records four steps, fits, prints the table
+PYTHONPATH=. python scripts/fit_clock.py --host-op-us 8 27 80   # also: how the fit moves with the host's cost
 
 The H200 figures are *measured* (issue 36: one H200, torch 2.11.0+cu130, cuDNN 9.19, ResNet-50, 2 classes, batch
 1, bf16 autocast, AdamW foreach). The clock's steps are *simulated* (the real executor on fake tensors, priced by
@@ -11,6 +12,7 @@ measured); the first table shows what the clock predicts for it without that fac
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 import torch
@@ -73,10 +75,31 @@ def table(clocks: dict[str, OpClock], speed: GpuSpeed, title: str) -> None:
         print(f"\n{case}:\n{clock.reading(speed, 'bf16').text()}")
 
 
+def host_sensitivity(clocks: dict[str, OpClock], base: GpuSpeed, host_op_us: list[float]) -> None:
+    """Refit both factors with another host cost per operator (views cost a quarter of it, as by default): how much
+    of the capped step's unexplained time host dispatch could carry, if the H200's host issued operators that slowly
+    (the host-time measurement gives this CPU's figure: ``wsitrain plan --simulate`` prints it)."""
+    capped = "SFT 8192 px, capped 10.47 GiB"
+    print("\n| host per operator | conv_efficiency (plain) | tile_conv_efficiency (capped) | capped: host, GPU waits |")
+    print("| --- | --- | --- | --- |")
+    for us in host_op_us:
+        speed = dataclasses.replace(base, host_op_us=us, view_host_us=us / 4)
+        eff = fit(clocks[FIT_ON], MEASURED[FIT_ON], speed)
+        speed = dataclasses.replace(speed, conv_efficiency=eff)
+        tile = fit(clocks[capped], MEASURED[capped], speed, "tile_conv_efficiency")
+        r = clocks[capped].reading(dataclasses.replace(speed, tile_conv_efficiency=tile), "bf16")
+        print(f"| {us:g} us | {eff:.4f} | {tile:.3f} | {r.host_seconds:.3f} s, {r.host_bound_seconds:.3f} s |")
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--host-op-us", type=float, nargs="*", default=[], help="host costs per operator to refit at")
+    args = parser.parse_args()
     base = gpu_speed("h200")
     assert base is not None
     clocks = record()
+    if args.host_op_us:
+        host_sensitivity(clocks, base, args.host_op_us)
     eff = fit(clocks[FIT_ON], MEASURED[FIT_ON], base)
     one = dataclasses.replace(base, conv_efficiency=eff)
     table(clocks, one, f"conv_efficiency fitted on {FIT_ON} alone")

@@ -4,13 +4,20 @@ On CPU the stager's copies are synchronous, so a missing wait would never show. 
 ``DeferredCopies``: a copy happens only when its event is waited on (``synchronize``, or the compute side's
 ``ready``). An executor that reads a host buffer, or reuses a staging buffer, before waiting then computes
 with stale data (uploads start as NaN) and fails the float64 comparison with plain autograd.
+
+``ThreadedDeferredCopies`` does the same with the stager's worker thread on (as on CUDA): the next tile's pack and
+upload are issued from that thread, a little late (a short sleep first), so a lane touched by both threads at once,
+or a prefetch used before the worker finished it, shows as a wrong tile or a buffer overwritten in flight.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import threading
+import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -34,27 +41,37 @@ class _Deferred:
         self.run, self.owner, self.kind, self.done = run, owner, kind, False
 
     def synchronize(self) -> None:
-        if not self.done:
-            self.run()
-            self.done = True
-            self.owner.pending[self.kind] -= 1
+        with self.owner.lock:
+            if not self.done:
+                self.run()
+                self.done = True
+                self.owner.pending[self.kind] -= 1
 
 
 class DeferredCopies:
     """Copies that happen late: at the event's ``synchronize`` (host) or ``ready`` (compute). See the module doc."""
 
     pinned = False
+    threads = False
 
     def __init__(self) -> None:
         self.pending = {"down": 0, "up": 0}  # issued, not yet performed
         self.most = {"down": 0, "up": 0}
         self.issued = {"down": 0, "up": 0}
+        self.lock = threading.RLock()
+        self.up_threads: list[str] = []  # the thread that issued each upload
+        self.fail_upload_at: int | None = None  # the upload (0-based) that raises, as an allocation might
+
+    @contextlib.contextmanager
+    def on_worker(self, device: torch.device) -> Iterator[None]:
+        yield
 
     def _issue(self, run: Callable[[], object], kind: str) -> _Deferred:
-        self.pending[kind] += 1
-        self.issued[kind] += 1
-        self.most[kind] = max(self.most[kind], self.pending[kind])
-        return _Deferred(run, self, kind)
+        with self.lock:
+            self.pending[kind] += 1
+            self.issued[kind] += 1
+            self.most[kind] = max(self.most[kind], self.pending[kind])
+            return _Deferred(run, self, kind)
 
     def buffer(self, nbytes: int, what: str) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
@@ -63,6 +80,10 @@ class DeferredCopies:
         return self._issue(lambda: dst.copy_(src), "down")
 
     def up(self, src: torch.Tensor, device: torch.device, what: str = "") -> tuple[torch.Tensor, _Deferred]:
+        with self.lock:
+            self.up_threads.append(threading.current_thread().name)
+            if self.fail_upload_at is not None and len(self.up_threads) - 1 == self.fail_upload_at:
+                raise RuntimeError("injected upload failure")
         out = torch.empty_like(src, device=device)
         out.fill_(float("nan") if out.is_floating_point() else 77)  # what a tile read too early holds
         return out, self._issue(lambda: out.copy_(src), "up")
@@ -70,6 +91,20 @@ class DeferredCopies:
     def ready(self, tensor: torch.Tensor, event: _Deferred) -> torch.Tensor:
         event.synchronize()
         return tensor
+
+
+class ThreadedDeferredCopies(DeferredCopies):
+    """Deferred copies whose uploads the stager packs and issues on its worker thread, late (see the module doc)."""
+
+    threads = True
+
+    @contextlib.contextmanager
+    def on_worker(self, device: torch.device) -> Iterator[None]:
+        time.sleep(0.002)  # the worker is slow: the caller's thread runs ahead until it needs the tile
+        yield
+
+
+COPIES = pytest.mark.parametrize("copies_cls", [DeferredCopies, ThreadedDeferredCopies], ids=["caller", "worker"])
 
 
 # ---- exactness with deferred copies ----------------------------------------------------------------
@@ -114,7 +149,10 @@ def _cuts(model: nn.Module, shape: tuple[int, ...], names: list[str] | None) -> 
     ],
     ids=["vgg_chain", "resnet_basic", "bn_chain_multipass"],
 )
-def test_host_checkpoints_exact_with_deferred_copies(make: Callable[[], nn.Module], tile: int, cuts) -> None:
+@COPIES
+def test_host_checkpoints_exact_with_deferred_copies(
+    make: Callable[[], nn.Module], tile: int, cuts, copies_cls: type[DeferredCopies]
+) -> None:
     torch.manual_seed(0)
     model = make().double().train()
     twin = copy.deepcopy(model)
@@ -123,7 +161,7 @@ def test_host_checkpoints_exact_with_deferred_copies(make: Callable[[], nn.Modul
     sft = SFT(
         twin, tile_size=tile, memory_budget="1GiB", host_checkpoints="always", checkpoints=_cuts(model, x.shape, cuts)
     )
-    fake = DeferredCopies()
+    fake = copies_cls()
     sft._stager = HostStager(fake)  # before the first call: the segments take the SFT's stager when compiled
     got = _step(sft, twin, x)
 
@@ -135,6 +173,8 @@ def test_host_checkpoints_exact_with_deferred_copies(make: Callable[[], nn.Modul
     assert fake.pending == {"down": 0, "up": 0}, "every copy drained or used; no prefetch past the last tile"
     assert fake.most["down"] <= 2, "at most two device -> host copies in flight"
     assert fake.most["up"] <= 4, "per lane (input, gradient): the tile in use and the next one"
+    if fake.threads:
+        assert any(t.startswith("wsitrain-stager") for t in fake.up_threads), "prefetches issued on the worker"
     if make is _bn_chain:
         compiled = next(iter(sft._cache.values()))
         mp = [s for s in compiled.segments if isinstance(s, MultiPassSegment)]
@@ -210,8 +250,9 @@ def test_staging_buffer_reuse_waits_for_its_copy() -> None:
     torch.testing.assert_close(dev, src, rtol=0, atol=0)
 
 
-def test_uploads_prefetch_the_next_tile_once() -> None:
-    fake = DeferredCopies()
+@COPIES
+def test_uploads_prefetch_the_next_tile_once(copies_cls: type[DeferredCopies]) -> None:
+    fake = copies_cls()
     stager = HostStager(fake)
     x = torch.randn(2, 3, 21, 30, dtype=torch.float64)
     tiles = _tiles(21, 30, 8, 2)
@@ -223,11 +264,38 @@ def test_uploads_prefetch_the_next_tile_once() -> None:
         assert fake.pending["up"] <= 1, "only the next tile's upload is left in flight"
     assert fake.issued["up"] == len(tiles), "every tile uploaded exactly once: each prefetch was used"
     assert stager.buffers == 2
+    # the first tile on the caller's thread; every later one prefetched, on the worker where the copies allow it
+    worker = ["wsitrain-stager" in t for t in fake.up_threads]
+    assert worker == [False] + [fake.threads] * (len(tiles) - 1)
+    stager.close()
 
 
-def test_stale_prefetch_is_not_used() -> None:
+def test_a_failed_prefetch_raises_where_the_tile_is_asked_for_and_leaves_nothing_in_flight() -> None:
+    """An upload that fails on the worker (as an allocation on the device might) raises in the caller's thread when
+    that tile is fetched; ``abandon`` then leaves no copy in flight, and the stager works again."""
+    fake = ThreadedDeferredCopies()
+    fake.fail_upload_at = 2  # the third tile's upload: a prefetch, on the worker
+    stager = HostStager(fake)
+    x = torch.randn(1, 3, 16, 16, dtype=torch.float64)
+    tiles = _tiles(16, 16, 8, 1)
+    cpu = torch.device("cpu")
+    stager.fetch("input", x, *tiles[0], cpu, tiles[1])
+    stager.fetch("input", x, *tiles[1], cpu, tiles[2])
+    with pytest.raises(RuntimeError, match="injected upload failure"):
+        stager.fetch("input", x, *tiles[2], cpu, tiles[3])
+    stager.abandon()
+    assert not stager._pending and fake.pending["up"] == 0
+    fake.fail_upload_at = None
+    for k, (rows, cols) in enumerate(tiles):
+        got = stager.fetch("input", x, rows, cols, cpu, tiles[k + 1] if k + 1 < len(tiles) else None)
+        torch.testing.assert_close(got, x[:, :, rows[0] : rows[1], cols[0] : cols[1]], rtol=0, atol=0)
+    stager.close()
+
+
+@COPIES
+def test_stale_prefetch_is_not_used(copies_cls: type[DeferredCopies]) -> None:
     """Asked for another tile than predicted, or the source changed in place: the stager uploads again."""
-    stager = HostStager(DeferredCopies())
+    stager = HostStager(copies_cls())
     x = torch.randn(1, 2, 10, 10, dtype=torch.float64)
     cpu = torch.device("cpu")
     stager.fetch("input", x, (0, 5), (0, 5), cpu, ((0, 5), (5, 10)))
@@ -239,8 +307,9 @@ def test_stale_prefetch_is_not_used() -> None:
 
 
 # ---- an error mid-step leaves nothing behind --------------------------------------------------------
+@COPIES
 @pytest.mark.parametrize("phase", ["forward", "backward"])
-def test_an_error_mid_segment_leaves_no_copy_in_flight(phase: str) -> None:
+def test_an_error_mid_segment_leaves_no_copy_in_flight(phase: str, copies_cls: type[DeferredCopies]) -> None:
     """A failing tile (here: a hook that raises, as an out-of-memory error would) abandons the stager's copies and
     prefetches; the next step is exact, so nothing of the failed step lands in it."""
     torch.manual_seed(0)
@@ -250,7 +319,7 @@ def test_an_error_mid_segment_leaves_no_copy_in_flight(phase: str) -> None:
     ref = _step(model, model, x)
     sft = SFT(twin, tile_size=16, memory_budget="1GiB", host_checkpoints="always",
               checkpoints=_cuts(model, x.shape, None))  # fmt: skip
-    fake = DeferredCopies()
+    fake = copies_cls()
     sft._stager = HostStager(fake)
     seen: list[str] = []
 

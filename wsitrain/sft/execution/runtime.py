@@ -39,6 +39,16 @@ class DeviceRuntime(Protocol):
     def asynchronous(self) -> bool:
         """Whether host <-> device copies can be in flight (side streams, page-locked buffers)."""
 
+    @property
+    def host_threads(self) -> bool:
+        """Whether the stager may pack tiles and issue their uploads on a worker thread (``staging.py``): CUDA's
+        calls are thread-safe and release the GIL. Not the simulated device, which sees operators through
+        thread-local dispatch modes, nor a device without streams, where there is nothing to overlap."""
+
+    def on_worker(self, device: torch.device) -> contextlib.AbstractContextManager[None]:
+        """Entered by a worker thread before it issues work for ``device`` (a thread's current CUDA device is its
+        own: a new thread starts on device 0)."""
+
     def pinned_empty(self, nbytes: int) -> torch.Tensor:
         """A flat uint8 host buffer that copies can read or write asynchronously (page-locked on CUDA)."""
 
@@ -70,6 +80,10 @@ class CudaRuntime:
 
     plan_device = "cuda"
     asynchronous = True
+    host_threads = True
+
+    def on_worker(self, device: torch.device) -> contextlib.AbstractContextManager[None]:
+        return torch.cuda.device(device)
 
     def pinned_empty(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -112,9 +126,13 @@ class HostRuntime:
     """Synchronous copies (the CPU, and any device without streams): nothing is ever in flight."""
 
     asynchronous = False
+    host_threads = False
 
     def __init__(self, plan_device: str = "cpu") -> None:
         self.plan_device = plan_device
+
+    def on_worker(self, device: torch.device) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
     def pinned_empty(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)

@@ -16,6 +16,7 @@ implementations share one protocol:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Protocol
 
 import torch
@@ -31,6 +32,13 @@ class Copies(Protocol):
     @property
     def pinned(self) -> bool:
         """Whether copies are asynchronous (then host staging buffers are page-locked)."""
+
+    @property
+    def threads(self) -> bool:
+        """Whether uploads may be packed and issued on the stager's worker thread (``DeviceRuntime.host_threads``)."""
+
+    def on_worker(self, device: torch.device) -> contextlib.AbstractContextManager[None]:
+        """Entered by the worker thread around the work it issues for ``device``."""
 
     def buffer(self, nbytes: int, what: str) -> torch.Tensor:
         """A flat uint8 host staging buffer (page-locked where copies are asynchronous), named ``what``."""
@@ -51,6 +59,10 @@ class SyncCopies:
     """Copies done at once (CPU and any device without streams): the staging bookkeeping still runs around them."""
 
     pinned = False
+    threads = False
+
+    def on_worker(self, device: torch.device) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
     def buffer(self, nbytes: int, what: str) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
@@ -77,6 +89,13 @@ class StreamCopies:
         self.device = device
         self.up_stream = runtime.new_stream(device)
         self.down_stream = runtime.new_stream(device)
+
+    @property
+    def threads(self) -> bool:
+        return self.rt.host_threads
+
+    def on_worker(self, device: torch.device) -> contextlib.AbstractContextManager[None]:
+        return self.rt.on_worker(device)
 
     def buffer(self, nbytes: int, what: str) -> torch.Tensor:
         buf = self.rt.pinned_empty(nbytes)

@@ -9,11 +9,14 @@ executor, or plain PyTorch) and prices it with a preset's constants (``wsitrain.
 - on the host, each operator costs its dispatch time (eager PyTorch's Python and autograd work), views less, and
   host-side copies (cropping the uint8 image) their bytes at one thread's copy rate; each tile visit adds the
   executor's own bookkeeping (``tile_host_us``);
-- copies between host and device cost bytes at the link's rate, on a copy engine.
+- copies between host and device cost bytes at the link's rate, on a copy engine;
+- the stager's worker thread packs the image's tiles into page-locked buffers (``execution/staging.py``; on CUDA
+  it runs beside the thread that issues kernels): those memcpys cost their bytes at one thread's copy rate, and the
+  tile's upload follows its pack, so the stager's lane is the packs plus the link's copies.
 
-The three run concurrently (the host queues kernels ahead; copies overlap on a side stream) but the executor's
+The four run concurrently (the host queues kernels ahead; copies overlap on a side stream) but the executor's
 tiles pace them: a step is split into windows (one per tile visit, one per plain segment and phase), a window
-takes the longest of its three, and the step is their sum. A synchronization (the host reading device content,
+takes the longest of its lanes, and the step is their sum. A synchronization (the host reading device content,
 ``sync``; the executor reports each one, as fake tensors have no content to read) drains the GPU's queue: the
 GPU then idles while the host issues the next work, so it ends its window and opens another.
 
@@ -28,6 +31,8 @@ segment once per use) and each weight gradient back (per tile); the optimizer st
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,7 +83,9 @@ class Window:
     ops: list[OpRecord] = field(default_factory=list)
     host_ops: int = 0  # operators dispatched that launch kernels (device or host)
     views: int = 0  # metadata-only operators
-    host_bytes: float = 0.0  # bytes host-side operators write (image crops into staging buffers)
+    host_bytes: float = 0.0  # bytes host-side operators write on the main thread (host adds of gradient tiles)
+    stager_ops: int = 0  # operators issued on the stager's worker thread (``staging``: prefetches' packs, uploads)
+    stager_bytes: float = 0.0  # bytes they write (the image's tiles into page-locked buffers)
     link_bytes: float = 0.0  # bytes copied over the host link
     syncs: int = 0  # synchronizations that end this window (the host waits for the GPU's queue to drain)
     sweep: str | None = None  # the sweep of tiles it is part of, when that sweep casts each weight once
@@ -102,7 +109,8 @@ class ClockReading:
     link_bytes: float
     windows: int
     syncs: float  # synchronizations per step (each drains the GPU's queue)
-    host_copy_seconds: float  # of ``host_seconds``: host memcpys (the image's tiles packed for upload), not dispatch
+    host_copy_seconds: float  # of ``host_seconds``: host memcpys on the main thread (host adds of gradient tiles)
+    stager_seconds: float  # the stager's worker thread: the image's tiles packed for upload (not in ``host_seconds``)
     by_kind: dict[str, float]  # GPU seconds per kind of operator
     constants: str
 
@@ -114,8 +122,9 @@ class ClockReading:
         return "\n".join([
             f"simulated step time on the {self.preset} preset ({self.precision}): {self.seconds:.3f} s",
             f"    GPU {self.gpu_seconds:.3f} s ({kinds}); host {self.host_seconds:.3f} s (dispatch "
-            f"{self.host_seconds - self.host_copy_seconds:.3f} s, staging memcpy {self.host_copy_seconds:.3f} s), "
-            f"of which the GPU waits "
+            f"{self.host_seconds - self.host_copy_seconds:.3f} s, host adds {self.host_copy_seconds:.3f} s; "
+            f"{self.host_seconds / max(self.gpu_seconds, 1e-12):.1%} of the GPU's), stager thread "
+            f"{self.stager_seconds:.3f} s (tiles packed for upload), of which the GPU waits "
             f"{self.host_bound_seconds:.3f} s; host link {self.link_seconds:.3f} s ({self.link_bytes / 1e9:.2f} GB)",
             f"    {self.flops / 1e12:.1f} TFLOP, {self.bytes / 1e9:.0f} GB moved, {self.kernels:.0f} kernel launches, "
             f"{self.operators:.0f} operators, {self.syncs:.0f} synchronizations, {self.windows} windows "
@@ -134,6 +143,16 @@ class OpClock(TorchDispatchMode):
         self.optimizer_phase = False  # float32 optimizer step: no bf16 scaling
         self._once = Window("weight casts, once per sweep")  # see ``mark``'s ``sweep``
         self._cast: set[tuple[str, int]] = set()
+        self._staging = False
+
+    @contextmanager
+    def staging(self) -> Iterator[None]:
+        """Operators inside run on the stager's worker thread on CUDA (``HostStager.pack_scope``)."""
+        self._staging = True
+        try:
+            yield
+        finally:
+            self._staging = False
 
     def mark(self, label: str, weight: int = 1, tile: bool = False, sweep: str | None = None) -> None:
         """Open a window; ``sweep``: the sweep of tiles it belongs to, when that sweep casts each weight once."""
@@ -168,7 +187,10 @@ class OpClock(TorchDispatchMode):
         if packet in NO_KERNEL or func.is_view or not (outs or func._schema.is_mutable):
             w.views += 1
             return
-        w.host_ops += 1
+        if self._staging:  # issued on the stager's worker thread
+            w.stager_ops += 1
+        else:
+            w.host_ops += 1
         ins = tensors_in((args, kwargs))
         devices = {t.device.type for t in (*ins, *outs)}
         real = sum(float(t.numel() * t.element_size()) for t in outs)  # copies move their real dtype
@@ -176,7 +198,10 @@ class OpClock(TorchDispatchMode):
             w.link_bytes += real or float(ins[0].numel() * ins[0].element_size())
             return
         if DEVICE not in devices:  # host work: cropping the image into a staging buffer, the step counters
-            w.host_bytes += real
+            if self._staging:
+                w.stager_bytes += real
+            else:
+                w.host_bytes += real
             return
         name = packet.__name__
         # in-place operators that return nothing (the optimizer's foreach updates) write what they read
@@ -224,7 +249,7 @@ class OpClock(TorchDispatchMode):
         """The recorded step priced with ``speed``'s constants."""
         s = speed
         total = gpu_all = host_all = link_all = waits = 0.0
-        flops = moved = kernels = ops = link_bytes = syncs = copy_all = 0.0
+        flops = moved = kernels = ops = link_bytes = syncs = copy_all = stager_all = 0.0
         kinds: dict[str, float] = {}
         for w in [*self.windows, self._once]:
             gpu = 0.0
@@ -245,17 +270,19 @@ class OpClock(TorchDispatchMode):
             host += copy
             copy_all += w.weight * copy
             link = w.link_bytes / (1e9 * s.link_gb_s)
-            total += w.weight * max(gpu, host, link)
+            stager = 1e-6 * w.stager_ops * s.host_op_us + w.stager_bytes / (1e9 * s.host_copy_gb_s)
+            stager_all += w.weight * stager
+            total += w.weight * max(gpu, host, link + stager)
             gpu_all += w.weight * gpu
             host_all += w.weight * host
             link_all += w.weight * link
-            waits += w.weight * max(0.0, host - max(gpu, link))
+            waits += w.weight * max(0.0, host - max(gpu, link + stager))
             ops += w.weight * (w.host_ops + w.views)
             link_bytes += w.weight * w.link_bytes
             syncs += w.weight * w.syncs
         return ClockReading(
             s.name, precision, total, gpu_all, host_all, link_all, waits, flops, moved, kernels, ops, link_bytes,
-            sum(w.weight for w in self.windows) + 1, syncs, copy_all,
+            sum(w.weight for w in self.windows) + 1, syncs, copy_all, stager_all,
             dict(sorted(kinds.items(), key=lambda kv: -kv[1])), s.source,
         )  # fmt: skip
 

@@ -27,7 +27,8 @@ import math
 import platform
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +74,7 @@ class HostTime:
     host_ops: int  # operators on host tensors only (staging memcpys, host adds of gradient tiles)
     host_bytes: int  # bytes those host operators write
     staging_seconds: float  # the host operators' time, among ``seconds`` (measured on this CPU)
+    stager_seconds: float  # of ``staging_seconds``: the packs CUDA runs on the stager's worker thread (staging.py)
     operators: int  # every operator dispatched, views and allocations included
     tile_visits: int  # forward and recompute visits of tiles
     optimizer_launches: int  # the launches of the optimizer step, among ``launches``
@@ -84,6 +86,11 @@ class HostTime:
     def seconds_per_launch(self) -> float:
         return self.seconds / max(1, self.launches)
 
+    @property
+    def main_seconds(self) -> float:
+        """The thread that issues kernels, on CUDA: ``seconds`` less the packs the stager's worker thread does."""
+        return self.seconds - self.stager_seconds
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "host_seconds_per_step": self.seconds,
@@ -93,6 +100,8 @@ class HostTime:
             "host_ops_per_step": self.host_ops,
             "host_bytes_per_step": self.host_bytes,
             "staging_seconds_per_step": self.staging_seconds,
+            "stager_thread_seconds_per_step": self.stager_seconds,
+            "main_thread_seconds_per_step": self.main_seconds,
             "operators_per_step": self.operators,
             "tile_visits": self.tile_visits,
             "optimizer_launches": self.optimizer_launches,
@@ -107,7 +116,9 @@ class HostTime:
         return "\n".join(
             [
                 f"host side per step (measured on {self.machine or 'this CPU'}, kernels excluded): "
-                f"{self.seconds * 1e3:.1f} ms, {self.launches} launches ({self.seconds_per_launch * 1e6:.1f} "
+                f"{self.seconds * 1e3:.1f} ms ({self.main_seconds * 1e3:.1f} ms on the thread that issues kernels, "
+                f"{self.stager_seconds * 1e3:.1f} ms packing tiles on the stager's thread), "
+                f"{self.launches} launches ({self.seconds_per_launch * 1e6:.1f} "
                 f"us each), {self.copies} host<->device copies, {self.syncs} synchronizations",
                 f"  {self.tile_visits} tile visits; optimizer {self.optimizer_launches} launches; host staging "
                 f"{self.host_ops} host operators writing {self.host_bytes / 2**20:.0f} MiB in "
@@ -131,6 +142,16 @@ class _OpClock(TorchDispatchMode):
         self.host_ops = 0
         self.host_bytes = 0
         self.host_op_seconds = 0.0
+        self.stager_seconds = 0.0
+        self.packing = False  # inside ``HostStager.pack``: work CUDA does on the stager's worker thread
+
+    @contextmanager
+    def staging(self) -> Iterator[None]:
+        self.packing = True
+        try:
+            yield
+        finally:
+            self.packing = False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         t0 = time.process_time()
@@ -155,6 +176,7 @@ class _OpClock(TorchDispatchMode):
             self.inside += spent
         else:
             self.host_op_seconds += spent
+            self.stager_seconds += spent if self.packing else 0.0
         return out
 
     def executor_sync(self, what: str) -> None:
@@ -248,6 +270,7 @@ def measure_host_time(
     sft._hooks.on_tile = at_tile
     clock = _OpClock()
     sft._hooks.on_sync = clock.executor_sync  # content checks the executor skips on the meta device (reuse.py)
+    sft._stager.pack_scope = clock.staging
     params = [p for p in model.parameters() if p.requires_grad]
     image = torch.zeros(shape, dtype=input_dtype)  # (B, C, H, W) in host memory
     target_t = torch.zeros(shape[0], dtype=torch.long, device=DEVICE_TYPE)
@@ -257,12 +280,14 @@ def measure_host_time(
             clock.counting = False
             _step(sft, opt, params, image, target_t)  # warm-up: optimizer state, staging buffers, caches
             clock.counting, clock.inside, clock.host_op_seconds, visits[0] = True, 0.0, 0.0, 0
+            clock.stager_seconds = 0.0
             t0 = time.process_time()
             opt_launches = _step(sft, opt, params, image, target_t, clock)
             wall = time.process_time() - t0
     finally:
         sft._hooks.on_tile = None
         sft._hooks.on_sync = None
+        sft._stager.pack_scope = nullcontext
         for p in params:
             p.grad = None
     overhead = mode_overhead()
@@ -275,6 +300,7 @@ def measure_host_time(
         host_ops=clock.host_ops,
         host_bytes=clock.host_bytes,
         staging_seconds=clock.host_op_seconds,
+        stager_seconds=clock.stager_seconds,
         operators=clock.ops,
         tile_visits=visits[0],
         optimizer_launches=opt_launches,

@@ -84,6 +84,12 @@ class SimRuntime:
 
     plan_device = "cuda"
     asynchronous = True
+    # Operators are seen through thread-local dispatch modes: the stager packs on the caller's thread here, and the
+    # clock prices that copy on the stager's own lane (``clock.OpClock.staging``), as CUDA runs it on a worker.
+    host_threads = False
+
+    def on_worker(self, device: torch.device) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
     def __init__(self) -> None:
         self.host = SimStream(HOST)

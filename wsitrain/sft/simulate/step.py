@@ -146,6 +146,8 @@ def simulate_step(
     memory = LiveMemory(observer=rt.observe, fast=FAST_OPS if fast_ops else None)
     spill = SimSpill(memory)
     sft._stager = HostStager(copies(rt) if copies is not None else None, runtime=rt, spill=spill)  # before any plan
+    if clock is not None:  # CUDA packs tiles on the stager's worker thread: the clock prices them on that lane
+        sft._stager.pack_scope = clock.staging
     shape = tuple(input_shape)
     plan = sft.plan_for(shape, dtype=act_dtype, input_dtype=input_dtype, input_on_host=True)  # raises: no fit
     if act_dtype is not None:  # forward finds the plan made for autocast's dtype (see the doc above)
