@@ -18,8 +18,9 @@ from tiny_runs import config_file, finished_run, synthetic_slides
 from wsitrain.config import TrainConfig, WsiTrainConfig
 from wsitrain.errors import WsiTrainError
 from wsitrain.models import build
-from wsitrain.train.head_warmup import head_modules, warm_up_head
-from wsitrain.train.recipe import _check_head_warmup
+from wsitrain.train.frozen_mil import patch_features
+from wsitrain.train.head_warmup import BATCH, bag_bytes, head_modules, host_patch_features, warm_up_head
+from wsitrain.train.recipe import _check_head_warmup, _check_warmup_bags
 
 
 def toy_slides(n: int = 4) -> tuple[list[torch.Tensor], list[int]]:
@@ -108,3 +109,36 @@ def test_the_checks_fit_makes_before_the_run_folder_exists() -> None:
         _check_head_warmup(cfg(steps=5, stream=True), None, 16)
     with pytest.raises(WsiTrainError, match="but the task is survival"):
         _check_head_warmup(cfg(steps=5), SimpleNamespace(kind="survival"), 16)  # type: ignore[arg-type]
+
+
+def test_patch_features_go_to_the_device_a_batch_at_a_time_in_row_major_order() -> None:
+    """The warm-up's features: frozen_mil's (each patch through the trunk once, row-major), computed one row of
+    patches and at most ``BATCH`` patches at a time, so the device never holds the slide; the bag stays on the host."""
+    torch.manual_seed(0)
+    model = build("tiny", 2).double()
+    image = (torch.rand(1, 3, 8 * 16 + 5, 10 * 16 + 7) * 255).to(torch.uint8)  # ragged edges left out
+    seen: list[int] = []
+    hook = model.features.register_forward_pre_hook(lambda m, a: seen.append(a[0].shape[0]))
+    try:
+        got = host_patch_features(model, image, 16, torch.device("cpu"))
+    finally:
+        hook.remove()
+    want = patch_features(model, image.double() / 255, 16)  # the whole slide at once
+    assert got.shape == want.shape == (80, want.shape[1]) and got.device.type == "cpu"
+    torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=1e-6)
+    assert max(seen) <= min(BATCH, 10) and sum(seen) == 80, seen  # one row of 10 patches per forward
+
+
+def test_fit_refuses_bags_over_the_host_budget_and_names_a_patch_that_fits() -> None:
+    """ResNet-50's 2,048 channels at 64 px patches: 20 GB per 100,000 px slide. Over engine.host_memory it is an
+    input error naming the smallest patch (a multiple of the stride) whose bags fit."""
+    def cfg(patch: int) -> WsiTrainConfig:
+        return WsiTrainConfig.model_validate({"data": {"synthetic": {"n": 4}}, "engine": {"host_memory": "16GiB"},
+                                              "train": {"head_warmup": {"steps": 5, "patch": patch}}})  # fmt: skip
+
+    shapes = [(100_000, 100_000)]
+    assert bag_bytes(shapes[0], 64, 2048) == 1562 * 1562 * 2048 * 4  # 19.99 GB
+    with pytest.raises(WsiTrainError, match=r"patch bags of 1 training slide need 18\.61 GiB") as e:
+        _check_warmup_bags(cfg(64), shapes, 2048, 32)
+    assert "set train.head_warmup.patch to 96 or more" in str(e.value.hint)
+    _check_warmup_bags(cfg(96), shapes, 2048, 32)  # 8.27 GiB: fits

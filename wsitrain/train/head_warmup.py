@@ -12,7 +12,13 @@ goes through the model's own ``normalize`` + ``features`` without autograd (``fr
 (N, C) vectors per slide. The head (every module after ``features``) then makes ``steps`` AdamW steps on those bags,
 one bag per step, laid out as a (1, C, N, 1) map, so it is the very module end-to-end training runs on the trunk's
 map; the trunk is untouched and the end-to-end optimizer starts afresh afterwards. Cost: one forward of the trunk per
-training slide plus the head's steps on small bags (seconds). The bags hold N x C floats per slide, in host memory.
+training slide plus the head's steps on small bags (seconds).
+
+Memory: the slide stays where it was read (host memory); one row of patches at a time is cut from it and sent to the
+device in batches of ``BATCH`` patches, so the device holds a batch of patches and its trunk activations, never the
+slide. The bags stay in host memory, N x C float32 per slide (``bag_bytes``); each step moves one bag to the device.
+``fit`` refuses, before anything is written, a warm-up whose bags would not fit ``engine.host_memory`` (ResNet-50's
+2,048 channels at 64 px patches: 20 GB for one 100,000 px slide), naming the smallest ``patch`` that fits.
 
 Kept only when it learnt: its last epoch's mean loss must be ``MIN_GAIN`` below the loss of a constant output at the
 training set's class prior, else the head is put back as it was. Why (*measured*, docs/plateau.md section 6): on
@@ -31,12 +37,65 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from wsitrain.train.frozen_mil import patch_features
+from wsitrain.train.frozen_mil import patch_grid
 
 TRUNK = "features"  # the trunk's name in every wsitrain model (wsitrain.models.zoo); the head is what follows it
 # nats below the prior's loss the warm-up's last epoch must reach to be kept: the warm-ups that shortened the plateau
 # ended 0.013-0.091 below ln 2, the one that flattened its run 0.0006 below (measured, docs/plateau.md section 6)
 MIN_GAIN = 0.01
+BATCH = 64  # patches per trunk forward on the device (frozen_mil's batch)
+
+
+def bag_bytes(shape: tuple[int, int], patch: int, channels: int) -> int:
+    """Host bytes of one slide's bag: its whole patches (ragged edges left out) x ``channels`` float32."""
+    return (shape[0] // patch) * (shape[1] // patch) * channels * 4
+
+
+def bags_over_budget(
+    shapes: list[tuple[int, int]], patch: int, channels: int, stride: int, host_budget: int
+) -> tuple[int, int | None] | None:
+    """None when the bags of slides read at ``shapes`` fit ``host_budget``; else (their bytes, the smallest patch, a
+    multiple of ``stride``, whose bags fit; None when none up to the largest read does)."""
+    need = sum(bag_bytes(s, patch, channels) for s in shapes)
+    if need <= host_budget:
+        return None
+    p = -(-patch // stride) * stride
+    while p < max(max(s) for s in shapes):
+        p += stride
+        if sum(bag_bytes(s, p, channels) for s in shapes) <= host_budget:
+            return need, p
+    return need, None
+
+
+def trunk_channels(model: nn.Sequential, patch: int) -> int:
+    """The trunk's output channels: one zero patch through it (no autograd)."""
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        was = model.training
+        model.eval()
+        c = int(model.features(model.normalize(torch.zeros(1, 3, patch, patch, device=device))).shape[1])
+        model.train(was)
+    return c
+
+
+@torch.no_grad()
+def host_patch_features(model: nn.Sequential, image: torch.Tensor, patch: int, device: torch.device) -> torch.Tensor:
+    """(1, 3, H, W) uint8 or float in [0, 1], anywhere -> (N, C) float32 on the host, in ``patch_grid``'s row-major
+    order: each row of patches is cut from ``image`` where it lies and goes to ``device`` ``BATCH`` patches at a time
+    (as float in [0, 1]), so neither the slide nor its float copy is ever made on the device."""
+    trunk = nn.Sequential(model.normalize, model.features).eval()
+    rows = image.shape[2] // patch
+    if rows == 0 or image.shape[3] // patch == 0:
+        raise ValueError(f"image {tuple(image.shape[2:])} is smaller than one {patch} px patch")
+    out = []
+    for r in range(rows):
+        strip = image[:, :, r * patch : (r + 1) * patch, :]  # (1, 3, patch, W): one row of patches
+        patches, _ = patch_grid(strip, patch)  # (cols, 3, patch, patch), a copy of the strip only
+        for i in range(0, len(patches), BATCH):
+            x = patches[i : i + BATCH].to(device)
+            x = x.float() / 255 if x.dtype == torch.uint8 else x.float()
+            out.append(trunk(x).mean(dim=(2, 3)).float().cpu())  # (b, C)
+    return torch.cat(out)
 
 
 @dataclass
@@ -88,11 +147,7 @@ def warm_up_head(model: nn.Sequential, images: Iterable[torch.Tensor], labels: l
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    bags = []
-    for image in images:
-        x = image.to(device)
-        x = x.float() / 255 if x.dtype == torch.uint8 else x.float()
-        bags.append(patch_features(model, x, patch))  # (N, C)
+    bags = [host_patch_features(model, image, patch, device) for image in images]  # (N, C) each, on the host
     head = head_modules(model)
     before = [{k: v.clone() for k, v in m.state_dict().items()} for m in head]
     params = [p for m in head for p in m.parameters() if p.requires_grad]
@@ -106,7 +161,8 @@ def warm_up_head(model: nn.Sequential, images: Iterable[torch.Tensor], labels: l
         for i in rng.permutation(len(bags)).tolist():
             if result.steps == steps:
                 break
-            loss = F.cross_entropy(bag_logits(head, bags[i]).float(), torch.tensor([labels[i]], device=device))
+            bag = bags[i].to(device)  # (N, C): one bag on the device at a time
+            loss = F.cross_entropy(bag_logits(head, bag).float(), torch.tensor([labels[i]], device=device))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()

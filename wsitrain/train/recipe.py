@@ -46,12 +46,13 @@ from wsitrain.train.engine import (
     batchnorm_note,
     build_model,
     check_spill_room,
+    host_memory_per_rank,
     resolve_device,
     seed_everything,
     slide_spill,
     wrap_engine,
 )
-from wsitrain.train.head_warmup import head_modules, warm_up_head
+from wsitrain.train.head_warmup import bags_over_budget, head_modules, trunk_channels, warm_up_head
 from wsitrain.train.loop import Trainer, as_batch
 from wsitrain.train.metrics import classification_metrics
 from wsitrain.train.oom import OomRetry
@@ -69,6 +70,7 @@ from wsitrain.train.runfolder import (
     write_run_files,
 )
 from wsitrain.train.state import FitState
+from wsitrain.units import format_bytes
 
 Item = tuple[torch.Tensor, int, SlideRecord, ReadResult]  # (image (3, H, W) uint8, label, record, how it was read)
 
@@ -86,6 +88,24 @@ def _check_head_warmup(cfg: WsiTrainConfig, objective: Objective | None, stride:
     if w.patch < stride:
         raise WsiTrainError(f"train.head_warmup.patch is {w.patch} px, smaller than the model's stride ({stride} px)",
                             hint=f"set train.head_warmup.patch to {stride} or more (a multiple of it)")  # fmt: skip
+
+
+def _check_warmup_bags(cfg: WsiTrainConfig, shapes: list[tuple[int, int]], channels: int, stride: int) -> None:
+    """The warm-up's bags (every training slide's patch vectors, in host memory) within engine.host_memory."""
+    w = cfg.train.head_warmup
+    assert w is not None
+    host = host_memory_per_rank(cfg.engine)
+    over = bags_over_budget(shapes, w.patch, channels, stride, host) if shapes else None
+    if over is None:
+        return
+    need, fits = over
+    raise WsiTrainError(
+        f"train.head_warmup: the patch bags of {len(shapes)} training slide{'s' * (len(shapes) != 1)} need "
+        f"{format_bytes(need)} of host memory "
+        f"({channels} channels per {w.patch} px patch, float32), over the {format_bytes(host)} of engine.host_memory",
+        hint=(f"set train.head_warmup.patch to {fits} or more" if fits else "remove train.head_warmup")
+        + " (or raise engine.host_memory, if the node has the RAM)",
+    )
 
 
 class FitCallback(Protocol):
@@ -189,6 +209,10 @@ class FitRecipe:
             )
         if t.head_warmup is not None:
             _check_head_warmup(cfg, self.objective, self.model.stride)
+            if report is not None:
+                train = {r.path for r in self.data.train}
+                shapes = [s.shape for s in report.slides if s.path in train]
+                _check_warmup_bags(cfg, shapes, trunk_channels(self.model, self.model.stride), self.model.stride)
         self.class_w = class_weights([r.label for r in self.data.train]) if self.objective is None else {}
         groups = parameter_groups(self.model, t.lr, t.backbone_lr_scale)
         optimizer = build_optimizer(groups, t.optimizer, t.lr, t.momentum, t.weight_decay)
