@@ -59,7 +59,7 @@ def available_pools() -> list[str]:
 
 def base_config(labels: Path, cohort: Path, runs: Path, args: argparse.Namespace) -> dict[str, Any]:
     """The fit config both inputs share; the input and pool are overrides (see ``run_one``)."""
-    return {
+    cfg: dict[str, Any] = {
         "seed": 0,
         "data": {
             "labels": str(labels),
@@ -81,6 +81,9 @@ def base_config(labels: Path, cohort: Path, runs: Path, args: argparse.Namespace
         },
         "log": {"dir": str(runs), "tiles": "off"},
     }
+    if args.warmup:  # the head's warm-up on the initial trunk's patch features (docs/plateau.md section 6)
+        cfg["train"]["head_warmup"] = {"steps": args.warmup, "patch": args.patch}
+    return cfg
 
 
 def split_csv(cohort: Path, labels_csv: Path, seed: int, n_train: int, out: Path) -> Path:
@@ -343,7 +346,9 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         f"(seed {head['cohort_seed']}), half positive; per seed {head['n_train']} training and "
         f"{head['n'] - head['n_train']} held-out slides (stratified). Lesions: {head['lesion_share']}. "
         f"Model `tiny`, {head['epochs']} epochs, AdamW lr {head['lr']}, {head.get('schedule', 'cosine')} schedule, "
-        "flips and rot90; held-out AUC of the last epoch (no model selection on held-out slides).",
+        "flips and rot90; held-out AUC of the last epoch (no model selection on held-out slides)"
+        + (f"; `train.head_warmup` of {head['head_warmup']} head-only steps before each end-to-end run (kept only "
+           "when it learnt)." if head.get("head_warmup") else "."),
         "",
         "| input | pool | held-out ROC AUC (mean ± std) | per seed | accuracy (mean) | balanced accuracy (mean) "
         "| held-out loss / chance loss (mean) | spread of p(positive) (mean) | pointing game (mean) "
@@ -484,6 +489,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--patch", type=int, default=64, help="the baseline's patch edge, px (level 0)")
     ap.add_argument("--baseline-epochs", type=int, default=2000,
                     help="the baseline head's epoch cap; the wall-time budget normally stops it first")  # fmt: skip
+    ap.add_argument("--warmup", type=int, default=0,
+                    help="train.head_warmup steps before every run (patches of --patch px); 0: none")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="16 slides of 1024 px, 8 train, 1 seed, 2 epochs")
     ap.add_argument("--plot-only", action="store_true", help="rewrite the table and plot from --out's JSONL")
     args = ap.parse_args(argv)
@@ -515,6 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     setup = {
         "kind": "setup", "n": args.n, "size": args.size, "n_train": args.train, "seeds": seeds, "pools": pools,
         "epochs": args.epochs, "lr": args.lr, "schedule": args.schedule, "cohort_seed": 0, "machine": machine(),
+        "head_warmup": args.warmup,
         "cohort": str(cohort),
         "argv": " ".join(sys.argv[1:] if argv is None else argv),
         "lesion_share": f"{100 * min(shares):.2f}-{100 * max(shares):.2f}% of the tissue per positive slide",
