@@ -164,9 +164,7 @@ def run_case(case: Case, device: torch.device, size: int, patch: int, steps: int
             row["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
         if runner.sft is not None:
             plan = runner.sft.plan_of(runner.x, torch.bfloat16)
-            row["plan"] = " | ".join(
-                f"{s.mode} {s.tile_grid[0]}x{s.tile_grid[1]}" if s.mode == "tiled" else s.mode for s in plan.segments
-            )
+            row["plan"] = " | ".join(_segment_text(s) for s in plan.segments)
             row["planned_overhead"] = plan.slowdown - 1.0
             sim = _simulated_seconds(runner, plan)
             if sim is not None:
@@ -180,6 +178,15 @@ def run_case(case: Case, device: torch.device, size: int, patch: int, steps: int
         del runner
         _release(device)
     return row
+
+
+def _segment_text(s: Any) -> str:
+    """"plain", "tiled 3x3", or with the forward sweep on its own tiles "tiled 3x3 (forward 1x1)": what a refit of
+    the clock (scripts/fit_clock.py) must reproduce."""
+    if s.mode != "tiled":
+        return str(s.mode)
+    own = f" (forward {s.forward_grid[0]}x{s.forward_grid[1]})" if s.forward_grid else ""
+    return f"tiled {s.tile_grid[0]}x{s.tile_grid[1]}{own}"
 
 
 def _simulated_seconds(runner: Runner, plan: Any) -> float | None:

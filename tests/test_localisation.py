@@ -48,3 +48,27 @@ def test_score_heatmaps_positive_slides_only(tmp_path: Path) -> None:
     s = score_heatmaps(tmp_path, lesions)
     assert s["n_positive"] == 1 and s["pointing_game"] == 1.0
     assert s["lesion_mass"] == pytest.approx(0.8 / (0.8 + 19 * 0.01))
+    # a.tiff also carries a look-alike: its hit counts in the split's first part only
+    assert s["n_with_lookalike"] == 1 and s["pointing_game_with_lookalike"] == 1.0
+    assert np.isnan(s["pointing_game_without_lookalike"])
+
+
+def test_pointing_split_by_lookalike(tmp_path: Path) -> None:
+    """A map that peaks on the look-alike misses where one is present; a slide without one is scored apart."""
+    att = np.full((1, 4, 5), 0.01)
+    att[0, 0, 0] = 0.9  # cell (0, 0): centre (16, 16) level-0 px, inside the look-alike below, not the lesion
+    np.save(tmp_path / "a.attention.npy", att)
+    hit = np.full((1, 4, 5), 0.01)
+    hit[0, 1, 2] = 0.8
+    np.save(tmp_path / "c.attention.npy", hit)
+    rec = {"stride": 16, "box": [0, 0, 160, 128], "downsample": 2.0}
+    (tmp_path / "heatmaps.json").write_text(json.dumps({"classes": ["negative", "positive"], "slides": [
+        {**rec, "slide": "a.tiff", "attention": "a.attention.npy"},
+        {**rec, "slide": "c.tiff", "attention": "c.attention.npy"}]}))  # fmt: skip
+    lesions = tmp_path / "lesions.json"
+    lookalike = {**BOX, "kind": "distractor", "x0": 0, "x1": 32, "y0": 0, "y1": 32}
+    lesions.write_text(json.dumps({"slides": {"a.tiff": {"label": "positive", "boxes": [BOX, lookalike]},
+                                              "c.tiff": {"label": "positive", "boxes": [BOX]}}}))  # fmt: skip
+    s = score_heatmaps(tmp_path, lesions)
+    assert s["pointing_game"] == 0.5 and s["n_with_lookalike"] == 1
+    assert s["pointing_game_with_lookalike"] == 0.0 and s["pointing_game_without_lookalike"] == 1.0

@@ -20,6 +20,7 @@ from wsitrain.models import build
 from wsitrain.plan.command import host_line
 from wsitrain.preflight import PreflightError, run_preflight
 from wsitrain.sft import SFT, plan
+from wsitrain.sft.regions import SegmentRegions
 from wsitrain.slides.augment import AugmentConfig, Geometry, augment_from_config
 from wsitrain.slides.read_rate import segment_trains, stream_read_bytes
 from wsitrain.slides.stream import read_slide_region
@@ -222,7 +223,8 @@ def test_planned_host_ram_per_rank_streamed_is_a_few_tiles() -> None:
     p = plan(model, (1, 3, 20000, 20000), "1GiB", device="cuda")
     assert p.fits and p.segments[0].mode == "tiled" and p.input_on_host
     streamed = streamed_bytes(p, READ_AHEAD)
-    tile = 3 * p.segments[0].tile_shape[0] * p.segments[0].tile_shape[1]
+    first = p.segments[0]  # the larger of the forward sweep's tiles (its own where it has some) and the recompute's
+    tile = 3 * max(a * b for a, b in (first.tile_shape, first.forward_tile_shape or first.tile_shape))
     assert streamed == (READ_AHEAD + 2) * tile
     whole = host_need(p, 3 * 20000 * 20000, 2, "cuda")
     lean = host_need(p, 0, 0, "cuda", 1, streamed)
@@ -345,11 +347,20 @@ def test_plan_gives_the_read_rate_the_stream_needs() -> None:
     p = plan(model, (1, 3, 20000, 20000), "1GiB", device="cuda", input_on_host=True)
     first = p.segments[0]
     assert first.mode == "tiled" and first.regions is not None
-    once = sum(3 * (r1 - r0) * (c1 - c0) for rt in first.regions.rows for ct in first.regions.cols
-               for (r0, r1), (c0, c1) in [(rt.need[0], ct.need[0])])  # fmt: skip
-    assert once > 3 * 20000 * 20000  # the halos overlap
-    assert stream_read_bytes(p, 2) == 2 * once and stream_read_bytes(p, 2, 2**30) == 2 * once - 2**30
+
+    def once(reg: SegmentRegions) -> int:
+        return sum(3 * (r1 - r0) * (c1 - c0) for rt in reg.rows for ct in reg.cols
+                   for (r0, r1), (c0, c1) in [(rt.need[0], ct.need[0])])  # fmt: skip
+
+    assert first.sweep_regions is not None
+    forward, recompute = once(first.sweep_regions), once(first.regions)
+    assert recompute > 3 * 20000 * 20000  # the halos overlap
+    both = forward + recompute
+    assert stream_read_bytes(p, 2) == both and stream_read_bytes(p, 1) == forward
+    # the cache keeps the forward's regions for the recompute, so it saves only where both read the same regions
+    kept = 0 if first.forward_grid else 2**30
+    assert stream_read_bytes(p, 2, 2**30) == both - kept
     planned = stream_read(p, None, 100.0)
-    assert planned is not None and f"it needs {2 * once / 100 / 1e6:.0f} MB/s (planned)" in planned
+    assert planned is not None and f"it needs {both / 100 / 1e6:.0f} MB/s (planned)" in planned
     simulated = stream_read(p, 50.0, 100.0)
-    assert simulated is not None and f"it needs {2 * once / 50 / 1e6:.0f} MB/s (simulated)" in simulated
+    assert simulated is not None and f"it needs {both / 50 / 1e6:.0f} MB/s (simulated)" in simulated

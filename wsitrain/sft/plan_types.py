@@ -40,10 +40,27 @@ class SegmentPlan:
     in_place: tuple[int, ...] = field(default=(), repr=False)
     # every tile's intervals (tiled segments): what the executor runs; not part of the printed plan
     regions: SegmentRegions | None = field(default=None, repr=False, compare=False)
+    # the forward sweep's own, larger tiles (planning/forward.py), when it runs on other tiles than the recompute;
+    # () / None: on the recompute's
+    forward_grid: tuple[int, ...] = ()
+    forward_tile_shape: tuple[int, ...] = ()  # its largest tile's input region incl. halo, segment-input pixels
+    forward_tile_edge: int = 0  # its tile edge in the segment's output pixels; 0: the recompute's
+    forward_regions: SegmentRegions | None = field(default=None, repr=False, compare=False)
 
     @property
     def n_tiles(self) -> int:
         return self.tile_grid[0] * self.tile_grid[1]
+
+    @property
+    def n_forward_tiles(self) -> int:
+        """Tiles the forward sweep visits: its own grid's, or the recompute's."""
+        grid = self.forward_grid or self.tile_grid
+        return grid[0] * grid[1]
+
+    @property
+    def sweep_regions(self) -> SegmentRegions | None:
+        """The regions the forward sweep runs: its own, or the recompute's."""
+        return self.forward_regions or self.regions
 
     @property
     def checkpoint_home(self) -> str:
@@ -53,10 +70,11 @@ class SegmentPlan:
         return self.checkpoint_location
 
     def to_dict(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "regions"}
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("regions", "forward_regions")}
         d["n_tiles"] = self.n_tiles
         d["checkpoint_home"] = self.checkpoint_home
-        for k in ("tile_grid", "tile_shape", "halo", "input_shape", "output_shape", "layers"):
+        for k in ("tile_grid", "tile_shape", "halo", "input_shape", "output_shape", "layers", "forward_grid",
+                  "forward_tile_shape"):  # fmt: skip
             d[k] = list(d[k])
         return d
 
@@ -195,6 +213,11 @@ class Plan:
                     f"tiled {s.tile_grid[0]}x{s.tile_grid[1]}, tile {s.tile_shape[0]}x{s.tile_shape[1]} px with halo "
                     f"{s.halo[0]}/{s.halo[1]}, checkpoint {format_bytes(s.checkpoint_bytes)} on {s.checkpoint_home}"
                 )
+                if s.forward_grid:
+                    fr, fc = s.forward_grid
+                    tile = "x".join(str(v) for v in s.forward_tile_shape)
+                    own = f"on its own {fr}x{fc} tiles ({tile} px: without autograd a tile keeps no activations)"
+                    desc += f"; forward sweep {own if (fr, fc) != (1, 1) else 'untiled (no autograd)'}"
                 if s.fused_pool:
                     desc += f"; global {s.fused_pool} pool fused (the last feature map never exists whole)"
             else:

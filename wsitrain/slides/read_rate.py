@@ -39,24 +39,32 @@ def segment_trains(model: nn.Module, seg: SegmentPlan) -> bool:
     return False
 
 
-def first_regions(plan: Plan) -> list[tuple[tuple[int, int], tuple[int, int]]]:
-    """The first tiled segment's input regions (rows, cols), halo in, in visit order; [] when it is not tiled."""
+def first_regions(plan: Plan, sweep: bool = False) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """The first tiled segment's input regions (rows, cols), halo in, in visit order; [] when it is not tiled.
+    The recompute's, or with ``sweep`` the forward sweep's (its own, larger tiles where the plan gives it some)."""
     first = plan.segments[0] if plan.segments else None
     if first is None or first.mode != "tiled":
         return []
-    if first.regions is None:  # a plan without its regions: the largest tile, n times
-        th, tw = first.tile_shape
-        return [((0, th), (0, tw))] * first.n_tiles
-    reg = first.regions
+    reg = first.sweep_regions if sweep else first.regions
+    if reg is None:  # a plan without its regions: the largest tile, n times
+        th, tw = first.forward_tile_shape or first.tile_shape if sweep else first.tile_shape
+        return [((0, th), (0, tw))] * (first.n_forward_tiles if sweep else first.n_tiles)
     return [(rt.need[first.start], ct.need[first.start]) for rt in reg.rows for ct in reg.cols]
 
 
 def stream_read_bytes(plan: Plan, passes: int, cache_bytes: int = 0) -> int:
-    """uint8 bytes decoded per step when the slide is read tile by tile into ``plan``: every region of the first
-    segment ``passes`` times (1: forward only, predict or a first segment without parameters; 2: and the
-    recompute), the passes after the first less what ``cache_bytes`` keeps of them; 0 when it is not tiled."""
-    once = sum(3 * (r1 - r0) * (c1 - c0) for (r0, r1), (c0, c1) in first_regions(plan))
-    return once * passes - min(cache_bytes, once) * max(0, passes - 1)
+    """uint8 bytes decoded per step when the slide is read tile by tile into ``plan``: the first segment's forward
+    regions once, and with ``passes`` 2 (a first segment with parameters) its recompute's regions again, less what
+    ``cache_bytes`` keeps of them (only when the two sweeps read the same regions: the cache is keyed by region);
+    0 when it is not tiled."""
+
+    def once(sweep: bool) -> int:
+        return sum(3 * (r1 - r0) * (c1 - c0) for (r0, r1), (c0, c1) in first_regions(plan, sweep))
+
+    forward, recompute = once(True), once(False)
+    same = not plan.segments[0].forward_grid if plan.segments else True
+    kept = min(cache_bytes, recompute) if same else 0
+    return forward + (recompute - kept) * max(0, passes - 1)
 
 
 @dataclass(frozen=True)

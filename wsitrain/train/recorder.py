@@ -74,7 +74,7 @@ class RunRecorder:
     def tiles_total(self, image: torch.Tensor) -> int:
         """Forward plus backward tiles of a training step on this slide (tiled segments only)."""
         plan = self.plan_for(image)
-        return 2 * int(sum(s.n_tiles for s in plan.segments if s.mode == "tiled"))
+        return int(sum(s.n_forward_tiles + s.n_tiles for s in plan.segments if s.mode == "tiled"))
 
     # ---- per slide
     def slide(

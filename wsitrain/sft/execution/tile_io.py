@@ -7,6 +7,9 @@ computes, in ``tiles()`` order (any other order is still exact, only slower).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch.autograd.profiler import record_function
 
@@ -43,6 +46,20 @@ class TileIO:
         self._after: dict[tuple[int, int], tuple[int, int]] = {}
         self._source_for: object = None  # the tile order the source regions below were listed for
         self._source_regions: list[tuple[tuple[int, int], tuple[int, int]]] = []
+
+    @contextlib.contextmanager
+    def sweeping(self) -> Iterator[None]:
+        """The forward sweep visits its own, larger tiles where the plan gives it some (planning/forward.py): every
+        loop, index and prefetch reads ``self.regions``, which are the sweep's until it ends."""
+        own = self.seg.forward_regions
+        if own is None:
+            yield
+            return
+        self.regions = own
+        try:
+            yield
+        finally:
+            self.regions = self.seg.regions  # type: ignore[assignment]
 
     def input_region(self, x: torch.Tensor, rt: AxisTile, ct: AxisTile) -> torch.Tensor:
         """The tile's input with its halo, cut from the checkpoint. (B, C, th + halo, tw + halo).

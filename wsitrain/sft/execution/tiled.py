@@ -94,6 +94,8 @@ class TiledSegment(TileIO):
         self.reuse = reuse and not self._stand_ins
         self.skip_zero = reuse  # tiles with a zero output gradient skip recompute and backward (exact anywhere)
         self._keys = TileKeys(self.start, self.nodes, self.inputs, self.specs, self.sizes)
+        # the forward sweep's own tiles' keys (tile_io.sweeping), kept apart so neither sweep recomputes the other's
+        self._sweep_keys = TileKeys(self.start, self.nodes, self.inputs, self.specs, self.sizes)
 
     # ---- one tile ------------------------------------------------------------------------------
     def stand_in(self, u: int, rt: AxisTile, ct: AxisTile) -> Callable[..., torch.Tensor] | None:
@@ -113,7 +115,8 @@ class TiledSegment(TileIO):
 
     def tile_key(self, r: int, c: int) -> Key | None:
         """Tile (r, c)'s geometry key (``reuse.TileKeys``), None when it touches a map border."""
-        return self._keys.key(self.regions, r, c)
+        keys = self._keys if self.regions is self.seg.regions else self._sweep_keys
+        return keys.key(self.regions, r, c)
 
     def reuse_cache(self) -> ReuseCache[Any]:
         """A sweep's background-tile cache (off when this segment does not reuse)."""
@@ -173,23 +176,24 @@ class TiledSegment(TileIO):
         Joins tiles into the output (B, C, Ho, Wo); with a fused pool, folds them into the pooled value
         instead and also returns the accumulator backward needs.
         """
-        reg = self.regions
-        cache: ReuseCache[torch.Tensor] = self.reuse_cache()
+        with self.sweeping():  # on the forward sweep's own tiles where the plan gives it some
+            reg = self.regions
+            cache: ReuseCache[torch.Tensor] = self.reuse_cache()
 
-        def produce(r: int, c: int) -> torch.Tensor:
-            rt, ct = reg.rows[r], reg.cols[c]
-            region = self.input_region(x, rt, ct)
-            y, reused = through(
-                cache, self.tile_key(r, c), region, lambda: self.run_tile(region, rt, ct), self.staged(x)
-            )
-            if reused:
-                self.count("reused_forward")
-            return y
+            def produce(r: int, c: int) -> torch.Tensor:
+                rt, ct = reg.rows[r], reg.cols[c]
+                region = self.input_region(x, rt, ct)
+                y, reused = through(
+                    cache, self.tile_key(r, c), region, lambda: self.run_tile(region, rt, ct), self.staged(x)
+                )
+                if reused:
+                    self.count("reused_forward")
+                return y
 
-        try:
-            return self.join_tiles(produce, x.dtype)
-        finally:
-            cache.clear()
+            try:
+                return self.join_tiles(produce, x.dtype)
+            finally:
+                cache.clear()
 
     def join_tiles(
         self, produce: Callable[[int, int], torch.Tensor], dtype: torch.dtype

@@ -187,9 +187,12 @@ def node_work(
     return Work(t.flops, t.time(tm))
 
 
-def forward_work(facts: GraphFacts, i: int, numel_out: float, numel_in: float, calls: int, tm: TimeModel) -> Work:
-    """A forward alone by the tile executor (the recompute of a tiled segment)."""
-    t = node_terms(facts, i, numel_out, numel_in, calls, backward=False, tiled=True)
+def forward_work(
+    facts: GraphFacts, i: int, numel_out: float, numel_in: float, calls: int, tm: TimeModel, tiled: bool = True
+) -> Work:
+    """A forward alone by the tile executor (the recompute of a tiled segment; a forward sweep, ``tiled`` False
+    when its one tile is the whole map)."""
+    t = node_terms(facts, i, numel_out, numel_in, calls, backward=False, tiled=tiled)
     return Work(t.flops, t.time(tm))
 
 

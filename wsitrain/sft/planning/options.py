@@ -28,6 +28,20 @@ class SegOption:
     cost: float  # what the planner minimizes: the time model's FLOP-equivalents (costs.Work.time)
     fused: bool = False  # the global pool after the trunk folds this segment's tiles (its output never exists whole)
     in_host: bool = False  # the input checkpoint (and its gradient buffer) live in pinned host memory
+    # the forward sweep's own, larger tiles (forward.py); None: it runs on ``tile``'s
+    fwd_tile: TileChoice | None = None
+
+    @property
+    def sweep_tile(self) -> TileChoice | None:
+        """The tiles the forward sweep runs on."""
+        return self.fwd_tile or self.tile
+
+    def fwd_peak_extra(self, to_host: bool) -> int:
+        """The forward sweep's working set above the segment's input and output: one tile, and with a host
+        output up to two output tiles in flight down."""
+        t = self.sweep_tile
+        assert t is not None
+        return t.fwd_peak + (2 * t.out_tile_bytes if to_host else 0)
 
 
 def segment_blocker(sess: PlanSession, start: int, end: int) -> int | None:
@@ -90,21 +104,28 @@ def host_placement_allowed(sess: PlanSession, start: int, budget: float) -> bool
     return sess.device.startswith("cuda") and sess.nbytes(start) >= HOST_MIN_SHARE * budget
 
 
-def tiled_option(sess: PlanSession, start: int, end: int, edge: int, in_host: bool = False) -> SegOption:
+def tiled_option(
+    sess: PlanSession, start: int, end: int, edge: int, in_host: bool = False, fwd_edge: int | None = None
+) -> SegOption:
     """Tile (start, end] with ``edge``; with ``in_host`` its input checkpoint and that checkpoint's gradient
-    buffer live in host memory (tiles are staged in, gradient tiles added back on the host)."""
+    buffer live in host memory (tiles are staged in, gradient tiles added back on the host). ``fwd_edge``: the
+    forward sweep's own edge (forward.py; a segment ``forward_may_widen`` allows), else it runs on ``edge``'s."""
     t = tile_choice(sess, start, end, edge, staged=in_host)
+    tf = tile_choice(sess, start, end, fwd_edge, staged=in_host) if fwd_edge not in (None, edge) else None
     in_dev, out = (0 if in_host else sess.device_bytes(start)), _output(sess, start, end)
     grad_in = 0 if in_host else sess.grad_bytes(start)
     seg_param_grads = sum(sess.facts.nodes[i].param_bytes for i in range(start + 1, end + 1))
-    local_fwd = in_dev + sess.nbytes(out) + t.fwd_peak
+    local_fwd = in_dev + sess.nbytes(out) + (tf or t).fwd_peak
     local_bwd = in_dev + sess.grad_bytes(out) + grad_in + t.bwd_peak + seg_param_grads
     moved = 5 * sess.nbytes(start) if in_host else 0  # out and grad down, tiles up twice, grad tiles up
     sweeps = 1.0 + sweep_flops_factor(sess, start, end)  # barriers add sweeps over the tiles
-    flops = sweeps * t.flops
-    cost = sweeps * t.time + sess.target.host_byte_flops * moved
+    flops, time = t.flops, t.time
+    if tf is not None:  # the forward sweep on its own tiles instead of the recompute's
+        flops += tf.sweep_alone.flops - t.sweep.flops
+        time += tf.sweep_alone.time - t.sweep.time
+    cost = sweeps * time + sess.target.host_byte_flops * moved
     fused = fuses_pool(sess, start, end)
-    return SegOption(start, end, TILED, t, local_fwd, local_bwd, in_dev, flops, cost, fused, in_host)
+    return SegOption(start, end, TILED, t, local_fwd, local_bwd, in_dev, sweeps * flops, cost, fused, in_host, tf)
 
 
 def path_ops(sess: PlanSession, path: tuple[SegOption, ...]) -> list[SimOp]:
@@ -126,7 +147,7 @@ def path_ops(sess: PlanSession, path: tuple[SegOption, ...]) -> list[SimOp]:
                 saved=(opt.start,),
                 # a host output: up to two output tiles in flight down (forward), and in backward the gradient
                 # tile in use and the next one being uploaded
-                fwd_extra=opt.tile.fwd_peak + (2 * opt.tile.out_tile_bytes if to_host else 0),
+                fwd_extra=opt.fwd_peak_extra(to_host),
                 bwd_extra=opt.tile.bwd_peak + (2 * opt.tile.out_tile_bytes if to_host else 0),
                 requires_grad=f.nodes[opt.end].requires_grad,
                 grad_inputs=(f.nodes[opt.start].requires_grad,),

@@ -186,11 +186,14 @@ def _staged_bytes(sess: PlanSession, segments: tuple[SegmentPlan, ...]) -> int:
     first = segments[0]
     if first.regions is None:
         return sess.nbytes(0)  # a plain first segment copies the image once
-    reg = first.regions
-    rows = sum(t.need[0][1] - t.need[0][0] for t in reg.rows)
-    cols = sum(t.need[0][1] - t.need[0][0] for t in reg.cols)
     b, c, h, w = sess.facts.input_shape
-    return 2 * sess.nbytes(0) * rows * cols // max(1, h * w)
+    staged = 0
+    for reg in (first.sweep_regions, first.regions):  # forward, then recompute
+        assert reg is not None
+        rows = sum(t.need[0][1] - t.need[0][0] for t in reg.rows)
+        cols = sum(t.need[0][1] - t.need[0][0] for t in reg.cols)
+        staged += sess.nbytes(0) * rows * cols // max(1, h * w)
+    return staged
 
 
 def floor_parts(sess: PlanSession, state: State) -> dict[str, int]:
@@ -296,9 +299,12 @@ def staging_bytes(sess: PlanSession, segments: tuple[SegmentPlan, ...]) -> int:
             continue
         b, c_in = f.nodes[s.start].shape[:2]
         c_out = f.nodes[s.end].shape[1]
-        region = b * c_in * s.tile_shape[0] * s.tile_shape[1]
-        out_h = max(hi - lo for lo, hi in s.regions.rows_out)
-        out_w = max(hi - lo for lo, hi in s.regions.cols_out)
+        shape = max(s.tile_shape, s.forward_tile_shape or s.tile_shape, key=math.prod)  # the larger sweep's tiles
+        region = b * c_in * shape[0] * shape[1]
+        reg = s.sweep_regions  # the forward sweep's output tiles are the larger
+        assert reg is not None
+        out_h = max(hi - lo for lo, hi in reg.rows_out)
+        out_w = max(hi - lo for lo, hi in reg.cols_out)
         out_tile = b * c_out * out_h * out_w * elem(s.end)
         if s.checkpoint_location == "host":
             lanes["input"] = max(lanes["input"], region * elem(s.start))
@@ -320,6 +326,8 @@ def _segment_plans(sess: PlanSession, path: tuple[SegOption, ...], base_peak: in
         peak = sess.terms.scale_peak(sess.terms.fixed + retained + local)
         retained += opt.retained_add
         regions = segment_regions(f, opt.start, opt.end, t.edge) if t is not None else None
+        tf = opt.fwd_tile
+        fwd_regions = segment_regions(f, opt.start, opt.end, tf.edge) if tf is not None else None
         in_shape, out_shape = f.nodes[opt.start].shape, f.nodes[opt.end].shape
         segs.append(
             SegmentPlan(
@@ -343,6 +351,10 @@ def _segment_plans(sess: PlanSession, path: tuple[SegOption, ...], base_peak: in
                 end=opt.end,
                 in_place=tuple(sorted(sess.in_place(opt.start, opt.end))) if opt.mode == TILED else (),
                 regions=regions,
+                forward_grid=fwd_regions.grid if fwd_regions is not None else (),
+                forward_tile_shape=tf.tile_shape if tf is not None else (),
+                forward_tile_edge=tf.edge if tf is not None else 0,
+                forward_regions=fwd_regions,
             )
         )
     return tuple(segs)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from wsitrain.sft.planning.conv_limit import edges_within_limit, plain_breaks_limit
+from wsitrain.sft.planning.forward import forward_may_widen, widest_fitting
 from wsitrain.sft.planning.options import (
     TILED,
     SegOption,
@@ -190,10 +191,19 @@ def _options(
             for k in range(hi - 1, max(-1, hi - 5), -1):
                 if fits(k):
                     hi = k
+            widen = forward_may_widen(sess, a, b)
+            to_host = b < sess.facts.trunk_end and host_placement_allowed(sess, b, budget)
+
+            def down(o: SegOption) -> int:
+                """The forward's output tiles in flight to the next checkpoint, where that may live on the host."""
+                return o.fwd_peak_extra(True) - o.fwd_peak_extra(False) if to_host else 0
+
             for k in (hi, hi + 2):
                 if k < len(edges):
                     opt = tiled_option(sess, a, b, edges[k], in_host)
                     if peak_of(opt) <= budget:
+                        if widen:
+                            opt = _widened(sess, opt, edges, in_host, lambda o: peak_of(o) + down(o) <= budget)
                         found.append((opt, peak_of(opt)))
     if not found:
         return []
@@ -202,6 +212,23 @@ def _options(
         return [best]
     # keep the best, and any option with a lower peak (the Pareto front in cost and peak)
     return [best] + [op for op in found if op is not best and op[1] < best[1]]
+
+
+def _widened(
+    sess: PlanSession, opt: SegOption, edges: list[int], in_host: bool, fits: Callable[[SegOption], bool]
+) -> SegOption:
+    """``opt`` with its forward sweep on the largest tiles that fit (forward.py), when that costs less."""
+    assert opt.tile is not None
+    edge = opt.tile.edge
+
+    def option(e: int) -> SegOption:
+        return tiled_option(sess, opt.start, opt.end, edge, in_host, fwd_edge=e)
+
+    best = widest_fitting(edges, edge, lambda e: fits(option(e)))
+    if best is None:
+        return opt
+    wide = option(best)
+    return wide if wide.cost < opt.cost else opt
 
 
 def prune(states: list[State], objective: Objective) -> list[State]:
@@ -306,18 +333,26 @@ def least_budget(
     it (more than MAX_EXTRA_COMPUTE), and then the least budget with a plan worth running is searched for.
     """
     first = round_up_printed(sess.terms.budget_for(replay_path(sess, smallest.path).peak))
+    lo: int
+    hi: int | None
     if fits_budget(sess, first, tile_size, forced_cuts):
-        return first, True
-    lo, hi = max(first, short), None  # lo does not fit; hi fits
-    step = max(1, lo - sess.terms.fixed)
-    for _ in range(_LEAST_BUDGET_DOUBLINGS):
-        budget = round_up_printed(lo + step)
-        if fits_budget(sess, budget, tile_size, forced_cuts):
-            hi = budget
-            break
-        lo, step = budget, 2 * step
-    if hi is None:
-        return lo, False
+        # Smaller tiles than the smallest-peak search tries can still be worth running where their forward sweep
+        # runs on larger tiles (forward.py: less extra compute): then a budget below ``first`` fits too.
+        below = round_up_printed(int(first * (1.0 - 2 * LEAST_BUDGET_TOLERANCE)))
+        if below >= first or short >= below or not fits_budget(sess, below, tile_size, forced_cuts):
+            return first, True
+        lo, hi = max(short, sess.terms.fixed), below
+    else:
+        lo, hi = max(first, short), None  # lo does not fit; hi fits
+        step = max(1, lo - sess.terms.fixed)
+        for _ in range(_LEAST_BUDGET_DOUBLINGS):
+            budget = round_up_printed(lo + step)
+            if fits_budget(sess, budget, tile_size, forced_cuts):
+                hi = budget
+                break
+            lo, step = budget, 2 * step
+        if hi is None:
+            return lo, False
     for _ in range(_LEAST_BUDGET_BISECTIONS):
         if hi - lo <= LEAST_BUDGET_TOLERANCE * hi:
             break

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from wsitrain.sft.facts import GraphFacts
 from wsitrain.sft.ops.fused_pool import AMAX, AVG
 from wsitrain.sft.ops.space import spatial_extent, tile_numel
-from wsitrain.sft.planning.costs import Work
+from wsitrain.sft.planning.costs import Work, forward_work
 from wsitrain.sft.planning.memory_model import SimOp, simulate
 from wsitrain.sft.planning.session import PlanSession
 from wsitrain.sft.regions import AxisTile, SegmentRegions, axis_tile, representative_tiles, split_axis
@@ -32,6 +32,12 @@ class TileChoice:
     halo: tuple[int, int]  # per side, of an interior tile, segment-input pixels
     core: tuple[int, int] = (0, 0)  # the tile's own output, in segment-input pixels (without halo)
     out_tile_bytes: int = 0  # the largest tile's output: what is in flight when it goes to host memory
+    # the forward sweep's share of ``flops`` and ``time`` (each node's forward over every tile, no autograd)
+    sweep: Work = Work()
+    # that sweep run on its own with this edge (forward.py: a forward sweep coarser than the recompute's tiles);
+    # one tile covering the whole map is priced as a whole map's forward, not as tiles
+    sweep_alone: Work = Work()
+    grid: tuple[int, int] = (1, 1)  # tiles along H and W
 
     @property
     def worth_running(self) -> bool:
@@ -168,7 +174,7 @@ def tile_choice(sess: PlanSession, start: int, end: int, edge: int, staged: bool
         fwd, bwd = fwd + kept_fwd, bwd + kept_bwd
     casts = cast_bytes(f, nodes)  # held through every tile of a sweep
     fwd, bwd = fwd + casts, bwd + casts
-    work = Work()
+    work = sweep = alone = Work()
     sums = {i: (sum(_extent(t, i) * m for t, m in rows), sum(_extent(t, i) * m for t, m in cols)) for i in tb}
 
     def numel(i: int) -> int:  # elements of node i over all tiles (halos included)
@@ -179,7 +185,10 @@ def tile_choice(sess: PlanSession, start: int, end: int, edge: int, staged: bool
         out_n = numel(i)
         both, recompute = sess.tile_node_work(i, out_n, ins, geo.n_tiles)
         work = work + both + recompute
-    choice = TileChoice(edge, fwd, bwd, work.flops, work.time, (mx_h[start], mx_w[start]), geo.halo, geo.core, tb[end])
+        sweep = sweep + recompute
+        alone = alone + (recompute if geo.n_tiles > 1 else forward_work(f, i, out_n, ins, 1, sess.tm, tiled=False))
+    choice = TileChoice(edge, fwd, bwd, work.flops, work.time, (mx_h[start], mx_w[start]), geo.halo, geo.core, tb[end],
+                        sweep, alone, geo.grid)  # fmt: skip
     sess._tiles[key] = choice
     return choice
 

@@ -27,6 +27,7 @@ from wsitrain.sft.execution.tiled import TiledSegment
 from wsitrain.sft.execution.transfers import Copies
 from wsitrain.sft.plan_types import Plan
 from wsitrain.sft.planning.costs import TimeModel
+from wsitrain.sft.regions import SegmentRegions
 from wsitrain.sft.simulate.clock import OpClock
 from wsitrain.sft.simulate.fast_ops import FAST_OPS
 from wsitrain.sft.simulate.representative import representative_tiles, tile_weight
@@ -87,8 +88,12 @@ class SimulatedStep:
 
 def _tiles_in_step(plan: Plan, every_tile: bool) -> int:
     """Tiles the executor visits in one step: forward and recompute (sweeps of multi-pass segments not counted)."""
+
+    def visits(n: int, regions: SegmentRegions | None) -> int:
+        return n if every_tile or regions is None else len(representative_tiles(regions))
+
     return sum(
-        2 * (s.n_tiles if every_tile or s.regions is None else len(representative_tiles(s.regions)))
+        visits(s.n_forward_tiles, s.sweep_regions) + visits(s.n_tiles, s.regions)
         for s in plan.segments
         if s.mode == "tiled"
     )
@@ -160,9 +165,12 @@ def simulate_step(
     def at_tile(seg: int, r: int, c: int, phase: str) -> None:
         memory.where = f"segment {seg}, tile ({r}, {c}), {phase}"
         if clock is not None:
-            regions = plan.segments[seg].regions
+            sp = plan.segments[seg]
+            regions = sp.sweep_regions if phase == "forward" else sp.regions
             weight = 1 if every_tile or regions is None else tile_weight(regions, r, c)
-            clock.mark(memory.where, weight, regions is not None, sweep=_cast_sweep(sft, seg, phase))
+            # a forward sweep whose one tile is the whole map runs whole-map convolutions, not tiles
+            tiled = regions is not None and not (phase == "forward" and sp.forward_grid == (1, 1))
+            clock.mark(memory.where, weight, tiled, sweep=_cast_sweep(sft, seg, phase))
         done[0] += 1
         if progress is not None:
             progress(min(done[0], total), total)
