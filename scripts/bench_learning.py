@@ -579,10 +579,20 @@ def main(argv: list[str] | None = None) -> int:
                          "recorded for it, and replace its row (a CPU shared during it: its budget bought less)")
     args = ap.parse_args(argv)
     if args.plot_only or args.rescore or args.rerun_baseline is not None:
-        rows = [json.loads(x) for x in (args.out / "bench_learning.jsonl").read_text().splitlines() if x.strip()]
+        recorded = args.out / "bench_learning.jsonl"
+        if not recorded.is_file():
+            print(f"error: {recorded} does not exist: run the benchmark with --out {args.out} first", file=sys.stderr)
+            return 2
+        rows = [json.loads(x) for x in recorded.read_text().splitlines() if x.strip()]
         if args.rescore:
             rows = rescore(rows)
         if args.rerun_baseline is not None:
+            seeds = sorted(r["seed"] for r in rows if r.get("input") == "frozen features")
+            if args.rerun_baseline not in seeds:
+                print(f"error: --rerun-baseline {args.rerun_baseline}: {recorded} has no frozen-feature baseline of "
+                      f"that seed (it has: {', '.join(map(str, seeds)) or 'none; run with --baseline'})",
+                      file=sys.stderr)  # fmt: skip
+                return 2
             rows = rerun_baseline(rows, args.rerun_baseline, args)
         write(rows, args.out)
         return 0

@@ -52,7 +52,7 @@ def _tile_bytes(seg: SegmentPlan, elem: int, side: str) -> int:
     """A tile of the segment's input region (halo included) or of its output, in bytes (largest tile)."""
     if side == "input":  # the larger of the forward sweep's tiles and the recompute's
         b, c = seg.input_shape[0], seg.input_shape[1]
-        th, tw = max(seg.tile_shape, seg.forward_tile_shape or seg.tile_shape, key=lambda s: s[0] * s[1])
+        th, tw = seg.staged_tile_shape
         return b * c * th * tw * elem
     b, c, h, w = seg.output_shape[0], seg.output_shape[1], seg.output_shape[2], seg.output_shape[3]
     edge = max(seg.tile_edge, seg.forward_tile_edge)

@@ -58,6 +58,16 @@ class SegmentPlan:
         return grid[0] * grid[1]
 
     @property
+    def sweep_tile_shape(self) -> tuple[int, ...]:
+        """The forward sweep's largest tile region (halo in, segment-input pixels): its own, or the recompute's."""
+        return self.forward_tile_shape or self.tile_shape
+
+    @property
+    def staged_tile_shape(self) -> tuple[int, ...]:
+        """The larger of the two sweeps' largest tile regions: what a staging buffer of the input must hold."""
+        return max(self.tile_shape, self.sweep_tile_shape, key=lambda s: s[0] * s[1])
+
+    @property
     def sweep_regions(self) -> SegmentRegions | None:
         """The regions the forward sweep runs: its own, or the recompute's."""
         return self.forward_regions or self.regions

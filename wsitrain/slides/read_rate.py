@@ -47,7 +47,7 @@ def first_regions(plan: Plan, sweep: bool = False) -> list[tuple[tuple[int, int]
         return []
     reg = first.sweep_regions if sweep else first.regions
     if reg is None:  # a plan without its regions: the largest tile, n times
-        th, tw = first.forward_tile_shape or first.tile_shape if sweep else first.tile_shape
+        th, tw = first.sweep_tile_shape if sweep else first.tile_shape
         return [((0, th), (0, tw))] * (first.n_forward_tiles if sweep else first.n_tiles)
     return [(rt.need[first.start], ct.need[first.start]) for rt in reg.rows for ct in reg.cols]
 

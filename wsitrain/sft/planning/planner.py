@@ -299,8 +299,7 @@ def staging_bytes(sess: PlanSession, segments: tuple[SegmentPlan, ...]) -> int:
             continue
         b, c_in = f.nodes[s.start].shape[:2]
         c_out = f.nodes[s.end].shape[1]
-        shape = max(s.tile_shape, s.forward_tile_shape or s.tile_shape, key=math.prod)  # the larger sweep's tiles
-        region = b * c_in * shape[0] * shape[1]
+        region = b * c_in * s.staged_tile_shape[0] * s.staged_tile_shape[1]
         reg = s.sweep_regions  # the forward sweep's output tiles are the larger
         assert reg is not None
         out_h = max(hi - lo for lo, hi in reg.rows_out)

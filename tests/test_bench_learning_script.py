@@ -1,0 +1,79 @@
+"""scripts/bench_learning.py's offline paths: ``--rescore`` (the pointing game split by look-alikes, from a run's
+heatmaps) and the bad input of ``--rescore`` / ``--rerun-baseline`` (exit 2, one message naming the file or seed)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "bench_learning.py"
+LESION = {"kind": "lesion", "x0": 64, "y0": 32, "x1": 96, "y1": 64}
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_learning", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_learning"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def recorded(tmp_path: Path) -> tuple[Path, Path]:
+    """A recorded benchmark (the committed setup and one whole-slide attention row) whose run folder holds the
+    heatmaps of two positive slides: one peaks on its look-alike, one without a look-alike peaks on its lesion."""
+    rows = [json.loads(x) for x in (ROOT / "docs" / "bench_learning.jsonl").read_text().splitlines() if x.strip()]
+    setup = next(r for r in rows if r["kind"] == "setup")
+    run = next(r for r in rows if r.get("input") == "whole slide" and r["pool"] == "attention")
+    cohort, run_dir, out = tmp_path / "cohort", tmp_path / "run", tmp_path / "out"
+    maps = run_dir / "heatmaps"
+    for d in (cohort, maps, out):
+        d.mkdir(parents=True)
+    on_lookalike = np.full((1, 4, 5), 0.01)
+    on_lookalike[0, 0, 0] = 0.9  # cell (0, 0): centre (16, 16) level-0 px, in the look-alike's box
+    on_lesion = np.full((1, 4, 5), 0.01)
+    on_lesion[0, 1, 2] = 0.8  # centre (80, 48): in the lesion's box
+    np.save(maps / "a.attention.npy", on_lookalike)
+    np.save(maps / "c.attention.npy", on_lesion)
+    rec = {"stride": 16, "box": [0, 0, 160, 128], "downsample": 2.0}
+    (maps / "heatmaps.json").write_text(json.dumps({"classes": ["negative", "positive"], "slides": [
+        {**rec, "slide": "a.tiff", "attention": "a.attention.npy"},
+        {**rec, "slide": "c.tiff", "attention": "c.attention.npy"}]}))  # fmt: skip
+    lookalike = {**LESION, "kind": "distractor", "x0": 0, "x1": 32, "y0": 0, "y1": 32}
+    (cohort / "lesions.json").write_text(json.dumps({"slides": {
+        "a.tiff": {"label": "positive", "boxes": [LESION, lookalike]},
+        "c.tiff": {"label": "positive", "boxes": [LESION]}}}))  # fmt: skip
+    old = {k: v for k, v in run.items() if not k.startswith("pointing_with") and k != "n_with_lookalike"}
+    lines = [{**setup, "cohort": str(cohort)}, {**old, "run_dir": str(run_dir), "seed": 0}]
+    (out / "bench_learning.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return out, run_dir
+
+
+def test_rescore_splits_the_pointing_game_by_lookalikes(
+    bench: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out, _ = recorded(tmp_path)
+    monkeypatch.setattr(bench, "example_crops", lambda cohort: None)  # the plot's illustration reads real slides
+    assert bench.main(["--out", str(out), "--rescore"]) == 0
+    row = [json.loads(x) for x in (out / "bench_learning.jsonl").read_text().splitlines()][1]
+    assert row["pointing_game"] == 0.5 and row["n_positive"] == 2 and row["n_with_lookalike"] == 1
+    assert row["pointing_with_lookalike"] == 0.0 and row["pointing_without_lookalike"] == 1.0
+    assert "| 0.50 (0/1 / 1/1) |" in (out / "bench_learning.md").read_text()
+
+
+def test_offline_paths_refuse_bad_input(bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    missing = tmp_path / "nothing"
+    assert bench.main(["--out", str(missing), "--rescore"]) == 2
+    assert str(missing / "bench_learning.jsonl") in capsys.readouterr().err
+    out, _ = recorded(tmp_path)
+    assert bench.main(["--out", str(out), "--rerun-baseline", "7"]) == 2
+    err = capsys.readouterr().err
+    assert "--rerun-baseline 7" in err and "run with --baseline" in err  # the record has no baseline at all
