@@ -192,7 +192,8 @@ def bench_case(name: str, size: int, pool: str, x: torch.Tensor, tissue: float, 
     fixed = step0 - fwd0 - bwd0
     fwd_computed = 1 - s1["tiles_reused_forward"] / s1["tiles_forward"]
     bwd_done = s1["tiles_reused_backward"] + s1["tiles_skipped_backward"]
-    bwd_computed = 1 - bwd_done / s1["tiles_backward"]
+    # a last segment in one pass (execution/one_pass.py) back-propagates its tiles in forward: none in backward
+    bwd_computed = 1 - bwd_done / s1["tiles_backward"] if s1["tiles_backward"] else fwd_computed
     computed = (fwd_computed * fwd0 + bwd_computed * bwd0) / (fwd0 + bwd0)
     bound = TARGET_FACTOR * computed * (fwd0 + bwd0) + fixed
     bound_as_stated = TARGET_FACTOR * computed * step0 + fixed

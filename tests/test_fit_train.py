@@ -173,6 +173,28 @@ def test_tiled_and_untiled_training_give_the_same_losses_and_weights(synth_dir: 
         torch.testing.assert_close(a[key], initial[key], rtol=0, atol=0, msg=key)
 
 
+def test_one_pass_training_gives_plain_losses_and_weights(synth_dir: Path, tmp_path: Path) -> None:
+    """Average pooling, two classes, cross-entropy, one slide a step: the last tiled segment runs in one pass
+    (wsitrain/sft/execution/one_pass.py) and trains as plain PyTorch does; engine.one_pass: false recomputes."""
+    common = {"model": {"pool": "avg"}, "train": {"epochs": 1, "optimizer": "sgd", "lr": 0.05}}
+    one_cfg = make_cfg(synth_dir, tmp_path, name="one", engine={"tile_size": 128}, **common)
+    off_cfg = make_cfg(synth_dir, tmp_path, name="off", engine={"tile_size": 128, "one_pass": False}, **common)
+    plain_cfg = make_cfg(synth_dir, tmp_path, name="plain", engine={"tile_size": None, "checkpoints": None}, **common)
+    runs = {name: fit(cfg)[0] for name, cfg in (("one", one_cfg), ("off", off_cfg), ("plain", plain_cfg))}
+    segments = {name: read_jsonl(run / "plans.jsonl")[0]["plan"]["segments"] for name, run in runs.items()}
+    assert segments["one"][-1]["mode"] == "tiled" and segments["one"][-1]["one_pass"]
+    assert segments["off"][-1]["mode"] == "tiled" and not any(s["one_pass"] for s in segments["off"])
+
+    def losses(run: Path) -> list[float]:
+        return [r["loss"] for r in read_jsonl(run / "metrics.jsonl")]
+
+    for name in ("one", "off"):
+        torch.testing.assert_close(losses(runs[name]), losses(runs["plain"]), rtol=1e-5, atol=1e-5)
+        a, b = model_weights(runs[name] / "last.pt"), model_weights(runs["plain"] / "last.pt")
+        for key in a:
+            torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=f"{name}: {key}")
+
+
 def test_killed_run_resumes_to_the_same_weights(synth_dir: Path, small_labels: Path, tmp_path: Path) -> None:
     # 6 training slides a epoch, 2 epochs: 12 steps; augmentation (flips, rot90) on, so its seeding is tested too.
     train = {"epochs": 2, "checkpoint_every": 3, "schedule": "cosine", "warmup_steps": 2}

@@ -34,9 +34,15 @@ def _meta_net() -> nn.Module:
         return _net()
 
 
-def _tiny() -> nn.Module:
+def _tiny(classes: int = 2) -> nn.Module:
     with torch.device("meta"):  # the built-in tiny model: it normalizes the uint8 image SFT is fed
-        return build("tiny", 2)
+        return build("tiny", classes)
+
+
+def _tiny_recomputed() -> nn.Module:
+    """Three classes: the pooled gradient has no direction known in forward, so every tiled segment recomputes in
+    backward (no one pass, planning/one_pass.py): the tests of the recompute's windows and casts."""
+    return _tiny(3)
 
 
 def test_flops_are_those_of_a_real_step() -> None:
@@ -73,7 +79,9 @@ def test_operators_are_those_a_real_step_dispatches() -> None:
 
 def test_a_synchronization_ends_its_window() -> None:
     """A content check drains the GPU's queue: the GPU's and the host's work before it do not overlap what follows."""
-    reading, sim, clock = clock_sft_step(_tiny(), (1, 3, 256, 256), "1GiB", H100, tile_size=64, every_tile=True)
+    reading, sim, clock = clock_sft_step(
+        _tiny_recomputed(), (1, 3, 256, 256), "1GiB", H100, tile_size=64, every_tile=True
+    )
     assert reading.syncs > 0
     assert 0 < reading.host_copy_seconds < reading.host_seconds  # the image's tiles packed on the host; dispatch
     tiled = [s for s in sim.plan.segments if s.mode == "tiled" and s.fused_pool is None]
@@ -86,7 +94,7 @@ def test_a_synchronization_ends_its_window() -> None:
 def test_a_tiled_sweep_casts_each_weight_once() -> None:
     """bf16: a tiled segment's forward and recompute cast each weight once per sweep (execution/autocast.py), so the
     casts do not grow with the tiles, and representative tiles count them as every tile does."""
-    net = _tiny()
+    net = _tiny_recomputed()
     every, sim, clock = clock_sft_step(net, (1, 3, 160, 160), "1GiB", H100, "bf16", tile_size=32, every_tile=True)
     some, _, _ = clock_sft_step(net, (1, 3, 160, 160), "1GiB", H100, "bf16", tile_size=32, every_tile=False)
     assert any(s.n_tiles > 9 for s in sim.plan.segments)  # representative tiles skip some

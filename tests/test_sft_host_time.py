@@ -11,17 +11,18 @@ from wsitrain.models import build
 from wsitrain.sft.simulate.host_time import HostTime, measure_host_time
 
 
-def _measure(model: str, size: int, memory: str, tile: int | None = None) -> HostTime:
+def _measure(model: str, size: int, memory: str, tile: int | None = None, classes: int = 2) -> HostTime:
     b = resolve_budget("h100", memory)
     with torch.device("meta"):
-        net = build(model, 2)
+        net = build(model, classes)
     return measure_host_time(net, (1, 3, size, size), b.bytes, dtype=torch.bfloat16, target=b.target, tile_size=tile)
 
 
 def test_counts_scale_with_the_grid_and_name_the_copies() -> None:
-    """Twice the tiles, more launches per step; the image's tiles go up as copies; every visit is one tile."""
-    coarse = _measure("tiny", 1024, "1GiB", tile=512)
-    fine = _measure("tiny", 1024, "1GiB", tile=256)
+    """Twice the tiles, more launches per step; the image's tiles go up as copies; every visit is one tile. Three
+    classes: the last segment recomputes (no one pass), so tiles are visited in forward and in backward."""
+    coarse = _measure("tiny", 1024, "1GiB", tile=512, classes=3)
+    fine = _measure("tiny", 1024, "1GiB", tile=256, classes=3)
     tiled = [s for s in fine.plan.segments if s.mode == "tiled"]
     assert tiled and coarse.plan.segments[0].mode == "tiled"
     # forward and recompute of every tile (the image's normalization alone has no parameters: no recompute)

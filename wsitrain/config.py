@@ -305,6 +305,9 @@ class EngineConfig(Section):
     # spill_dir. None: the node's RAM divided among its ranks (wsitrain/spill_dir.py)
     host_memory: int | str | None = None
     spill_dir: str | None = None  # memory-mapped spill files; None: the system temp folder
+    # the last tiled segment back-propagates in forward where the head and loss allow it (wsitrain/sft/ops/
+    # linear_head.py); false: every tiled segment recomputes in backward
+    one_pass: bool = True
 
     @field_validator("host_memory")
     @classmethod

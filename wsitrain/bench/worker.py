@@ -60,7 +60,9 @@ def _forward_fn(model: nn.Module, cfg: dict[str, Any]) -> tuple[Callable[[torch.
         segments = min(int(cfg["segments"]), len(trunk))
         return (lambda x: head(checkpoint_sequential(trunk, segments, x, use_reentrant=False))), None
     if strategy == "sft":
-        sft = SFT(model, memory_budget=cfg.get("budget_bytes"), tile_size=cfg.get("tile"))
+        # the protocol's MSE on two outputs gives the pooled gradient no direction known in forward: one pass
+        # (execution/one_pass.py) would recompute after it every step, so the engine recomputes from the start
+        sft = SFT(model, memory_budget=cfg.get("budget_bytes"), tile_size=cfg.get("tile"), one_pass=False)
         return sft, sft
     raise ValueError(f"unknown strategy {strategy!r}")
 

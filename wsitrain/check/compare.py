@@ -126,8 +126,14 @@ def classify(e: Exception) -> tuple[str, str]:
 
 
 def _step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Forward and backward under fit's loss for a classifier's logits (B, K), cross-entropy, which lets a last
+    segment run in one pass (wsitrain/sft/execution/one_pass.py); the sum of squares for any other output."""
     y = model(x)
-    y.square().sum().backward()
+    if y.dim() == 2 and y.shape[1] >= 2:
+        target = torch.arange(y.shape[0], device=y.device) % y.shape[1]
+        nn.functional.cross_entropy(y, target).backward()
+    else:
+        y.square().sum().backward()
     return y.detach()
 
 

@@ -429,7 +429,7 @@ def _simulated(
         skipped = host_image_refusal(shape)
         host = None if skipped else measure_host_time(
             net, shape, budget.bytes, dtype=LOW_PRECISION.get(prec, torch.float32), optimizer=optimizer,
-            target=budget.target, tile_size=tile,
+            target=budget.target, tile_size=tile, time_model=tm,
         )  # fmt: skip
     except PlanError as e:  # does not fit: show the plan as the plain command would
         raise WsiTrainError(str(e), hint=e.hint) from e

@@ -70,7 +70,10 @@ class SFT(nn.Module):
     (``wsitrain.sft.simulate`` passes its simulated CUDA runtime; by default the model's device decides).
     ``host_memory``: host RAM per rank for the host checkpoints (bytes or "16GiB"); the ones it does not hold spill
     to memory-mapped files in ``spill_dir`` (default the system temp folder), bitwise the same step
-    (``planning/placement.py``, ``execution/spill.py``). None: every host checkpoint stays in RAM.
+    (``planning/placement.py``, ``execution/spill.py``). None: every host checkpoint stays in RAM. ``one_pass``: where
+    the last tiled segment ends in a global mean and a linear head of one or two outputs, back-propagate its tiles in
+    forward along the head's gradient direction (``execution/one_pass.py``; no forward sweep, no recompute, the same
+    gradients up to rounding); False: always recompute.
     """
 
     def __init__(
@@ -90,6 +93,7 @@ class SFT(nn.Module):
         reuse_tiles: bool = True,
         host_memory: int | str | None = None,
         spill_dir: str | None = None,
+        one_pass: bool = True,
     ) -> None:
         super().__init__()
         self.model = model
@@ -105,6 +109,7 @@ class SFT(nn.Module):
         # background tiles computed once per sweep and skipped zero-gradient tiles (execution/reuse.py); off: every
         # tile computed, the reference the reuse tests compare against bitwise
         self.reuse_tiles = reuse_tiles
+        self.one_pass = one_pass
         self.target = target  # the device's planning facts; None: detected (the simulated device: a preset's)
         self._budget_bytes: int | None = None if memory_budget is None else parse_bytes(memory_budget, "memory_budget")
         self._graph = model_graph(model)
@@ -199,6 +204,7 @@ class SFT(nn.Module):
                 self._graph, _model_name(self.model), shape, budget, act, in_dtype, self._plan_device(device),
                 on_host, x_grad, tile_size=self.tile_size, checkpoints=self.checkpoints, optimizer=self.optimizer,
                 host_checkpoints=self.host_checkpoints, time_model=self.time_model, reuse_tiles=self.reuse_tiles,
+                one_pass=self.one_pass,
                 target=self.target or target_for(detection_device(device, self._plan_device(device))),
             )  # fmt: skip
             p = place_host(p, self.host_memory)  # which host checkpoints stay in RAM, which spill to disk

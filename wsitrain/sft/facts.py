@@ -21,6 +21,8 @@ from wsitrain.sft.graph import ModelGraph
 from wsitrain.sft.in_place import may_run_in_place
 from wsitrain.sft.ops.barriers import mark_barriers
 from wsitrain.sft.ops.fused_pool import PoolFusion, pool_kind
+from wsitrain.sft.ops.linear_head import linear_head
+from wsitrain.sft.ops.masked_pool import AVG
 from wsitrain.sft.ops.registry import POINTWISE, OpSpec
 from wsitrain.sft.ops.space import can_checkpoint, ends_trunk, resolve_layouts
 
@@ -64,6 +66,9 @@ class GraphFacts:
     trainable_bytes: int  # parameters that receive gradients
     largest_param_bytes: int
     fusion: PoolFusion | None = None  # the global pool after the trunk, when it can fold tiles (see fused_pool)
+    # the Linear ending the model after a fused global mean whose pooled gradient has a direction known in forward
+    # (ops/linear_head.py): the last tiled segment may back-propagate in its forward pass (execution/one_pass.py)
+    one_pass_head: int | None = None
 
     @property
     def n(self) -> int:
@@ -132,6 +137,7 @@ def annotate(
         for g in graph.nodes
     )
     params = {id(p): p for p in graph.model.parameters()}.values()
+    fusion = _fusion(graph, trunk_end, nodes)
     return GraphFacts(
         nodes=nodes,
         input_shape=tuple(int(s) for s in input_shape),
@@ -144,7 +150,8 @@ def annotate(
         + sum(b.numel() * b.element_size() for b in graph.model.buffers()),
         trainable_bytes=sum(p.numel() * p.element_size() for p in params if p.requires_grad),
         largest_param_bytes=max((p.numel() * p.element_size() for p in params), default=0),
-        fusion=_fusion(graph, trunk_end, nodes),
+        fusion=fusion,
+        one_pass_head=linear_head(graph, fusion.node, input_shape[0]) if fusion and fusion.kind == AVG else None,
     )
 
 

@@ -38,6 +38,7 @@ def plan(
     target: TargetDevice | None = None,
     time_model: TimeModel | None = None,
     input_requires_grad: bool = False,
+    one_pass: bool = True,
 ) -> Plan:
     """Plan ``model`` on ``input_shape`` (B, C, H, W) within ``memory_budget``, on shapes only.
 
@@ -46,6 +47,7 @@ def plan(
     Returns a plan with ``fits=False`` when nothing fits; raises PlanError for layers that cannot
     be tiled where tiling is needed. ``target``: the device's planning facts (default: detected, ``target_for``).
     ``input_requires_grad``: plan for an image that wants its gradient (saliency; SFT plans so for such an x).
+    ``one_pass``: as ``SFT``'s (planning/one_pass.py).
     """
     dev = _device_str(device)
     dtype = dtype or _param_dtype(model)
@@ -70,6 +72,7 @@ def plan(
             host_checkpoints=host_checkpoints,
             target=target,
             time_model=time_model,
+            one_pass=one_pass,
         )
     return p
 

@@ -46,6 +46,8 @@ class SegmentPlan:
     forward_tile_shape: tuple[int, ...] = ()  # its largest tile's input region incl. halo, segment-input pixels
     forward_tile_edge: int = 0  # its tile edge in the segment's output pixels; 0: the recompute's
     forward_regions: SegmentRegions | None = field(default=None, repr=False, compare=False)
+    # each tile's forward and backward together, in forward (planning/one_pass.py): no forward sweep, no recompute
+    one_pass: bool = False
 
     @property
     def n_tiles(self) -> int:
@@ -230,6 +232,11 @@ class Plan:
                     desc += f"; forward sweep {own if (fr, fc) != (1, 1) else 'untiled (no autograd)'}"
                 if s.fused_pool:
                     desc += f"; global {s.fused_pool} pool fused (the last feature map never exists whole)"
+                if s.one_pass:
+                    desc += (
+                        "; one pass: each tile's backward runs in forward along the linear head's gradient "
+                        "direction (no forward sweep, no recompute)"
+                    )
             else:
                 desc = "plain autograd (activations kept, no recompute)"
             lines.append(

@@ -70,12 +70,18 @@ def batchnorm_note(model: nn.Module, freeze_bn: bool) -> str:
 
 
 def wrap_engine(
-    model: nn.Module, engine: EngineConfig, device: torch.device, budget_bytes: int, optimizer: str | None
+    model: nn.Module,
+    engine: EngineConfig,
+    device: torch.device,
+    budget_bytes: int,
+    optimizer: str | None,
+    one_pass: bool = True,
 ) -> SFT:
     """The SFT engine around ``model`` (moved to ``device``), planning every input shape within the run's one budget.
 
     ``budget_bytes`` is resolved once per run (``wsitrain.gpus.run_budget``), never re-detected per shape. The
-    time model is the device's calibration (``wsitrain doctor --calibrate``) when there is one.
+    time model is the device's calibration (``wsitrain doctor --calibrate``) when there is one. ``one_pass``: the
+    run's loss lets the last tiled segment back-propagate in forward where the head allows it (``one_pass_loss``).
     """
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     return SFT(
@@ -87,7 +93,16 @@ def wrap_engine(
         time_model=time_model_for(device.type, name),
         host_memory=host_memory_per_rank(engine),
         spill_dir=str(spill_folder(engine.spill_dir)),
+        one_pass=one_pass and engine.one_pass,
     )
+
+
+def one_pass_loss(n_outputs: int, softmax_loss: bool) -> bool:
+    """Does the run's loss give the pooled gradient the direction a one-pass segment back-propagates in forward
+    (``wsitrain/sft/ops/linear_head.py``)? One output under any loss; two under a softmax loss (classification's
+    cross-entropy, weighted or not). Two outputs under another loss (MSE on logits, two regression targets or
+    labels) would recompute every step after the one pass: the engine is told not to try."""
+    return n_outputs == 1 or (n_outputs == 2 and softmax_loss)
 
 
 def check_spill_room(engine: EngineConfig, plans: list[Plan], slides_on_disk: int = 0) -> None:

@@ -47,6 +47,7 @@ from wsitrain.train.engine import (
     build_model,
     check_spill_room,
     host_memory_per_rank,
+    one_pass_loss,
     resolve_device,
     seed_everything,
     slide_spill,
@@ -200,7 +201,10 @@ class FitRecipe:
 
         seed_everything(cfg.seed, cfg.deterministic)
         self.model = build_model(cfg.model, n_outputs)
-        self.engine = wrap_engine(self.model, cfg.engine, self.device, self.budget.bytes, t.optimizer)
+        softmax_loss = self.objective is None and str(t.loss) == "cross_entropy"
+        self.engine = wrap_engine(
+            self.model, cfg.engine, self.device, self.budget.bytes, t.optimizer, one_pass_loss(n_outputs, softmax_loss)
+        )
         if self.objective is not None and t.class_balance != "none":
             raise WsiTrainError(
                 f"train.class_balance: {t.class_balance} balances classification classes, but the task is "

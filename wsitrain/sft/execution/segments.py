@@ -11,6 +11,7 @@ import torch
 from wsitrain.sft.execution.autocast import AutocastState
 from wsitrain.sft.execution.hooks import ExecHooks
 from wsitrain.sft.execution.multipass import MultiPassSegment
+from wsitrain.sft.execution.one_pass import forward_one_pass
 from wsitrain.sft.execution.runner import NodeRunner
 from wsitrain.sft.execution.staging import HostStager
 from wsitrain.sft.execution.tiled import TiledSegment
@@ -53,12 +54,24 @@ class TiledFunction(torch.autograd.Function):
         ctx.autocast = AutocastState.capture(seg.device.type)
         _save_input(ctx, x)
         ctx.masks = seg.runner.masks.current  # the recompute replays this step's drop masks
+        ctx.held = None
+        if seg.head is not None:  # one pass: every tile's backward along the head's direction, now (one_pass.py)
+            need_x = isinstance(x, torch.Tensor) and x.requires_grad
+            with abandon_on_error(seg):
+                out, ctx.pool, ctx.held = forward_one_pass(seg, x, need_x, ctx.autocast)
+            return out
         with torch.no_grad(), ctx.autocast.forward_sweep(seg.cast_once), abandon_on_error(seg):
             out, ctx.pool = seg.forward_all(x)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        held, ctx.held = ctx.held, None
+        if held is not None:
+            done = held.scaled(ctx.pool.grad_view(grad_out))
+            if done is not None:
+                return (None, done[0], *done[1])
+            del held  # off the head's direction: the sums go before the recompute's own are built
         x = _saved_input(ctx)
         with ctx.seg.runner.masks.replaying(ctx.masks), abandon_on_error(ctx.seg):
             grad_x, grads = ctx.seg.backward_all(x, grad_out, ctx.needs_input_grad[1], ctx.autocast, ctx.pool)

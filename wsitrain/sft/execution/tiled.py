@@ -66,6 +66,8 @@ class TiledSegment(TileIO):
         self.runner = runner
         self.is_trunk_end = seg.end == facts.trunk_end
         self.fusion: PoolFusion | None = facts.fusion if seg.fused_pool else None
+        # the linear head whose gradient direction a one-pass segment back-propagates in forward (one_pass.py)
+        self.head = facts.one_pass_head if seg.one_pass else None
         self.nodes = list(range(seg.start + 1, seg.end + 1))
         self.specs = {i: facts.nodes[i].spec for i in [seg.start, *self.nodes]}
         self.inputs = {i: facts.nodes[i].inputs for i in self.nodes}

@@ -30,6 +30,8 @@ class SegOption:
     in_host: bool = False  # the input checkpoint (and its gradient buffer) live in pinned host memory
     # the forward sweep's own, larger tiles (forward.py); None: it runs on ``tile``'s
     fwd_tile: TileChoice | None = None
+    # each tile's forward and backward together, in forward (one_pass.py): no forward sweep, no recompute
+    one_pass: bool = False
 
     @property
     def sweep_tile(self) -> TileChoice | None:
@@ -42,6 +44,13 @@ class SegOption:
         t = self.sweep_tile
         assert t is not None
         return t.fwd_peak + (2 * t.out_tile_bytes if to_host else 0)
+
+
+def held_sums(sess: PlanSession, opt: SegOption) -> int:
+    """What a one-pass segment (one_pass.py) holds from its forward to its backward: the gradient sums it scales
+    then (its input's, when that is on the device and wants one, and its parameters')."""
+    grad_in = 0 if opt.in_host else sess.grad_bytes(opt.start)
+    return grad_in + sum(sess.facts.nodes[i].param_bytes for i in range(opt.start + 1, opt.end + 1))
 
 
 def segment_blocker(sess: PlanSession, start: int, end: int) -> int | None:
@@ -139,6 +148,8 @@ def path_ops(sess: PlanSession, path: tuple[SegOption, ...]) -> list[SimOp]:
             continue
         assert opt.tile is not None
         out = _output(sess, opt.start, opt.end) if opt.fused else opt.end
+        held = held_sums(sess, opt) if opt.one_pass else 0
+        reuse_y = opt.tile.out_tile_bytes if opt.one_pass and sess.reuse_tiles else 0  # a cached tile's output too
         ops.append(
             SimOp(
                 out=out,
@@ -147,8 +158,14 @@ def path_ops(sess: PlanSession, path: tuple[SegOption, ...]) -> list[SimOp]:
                 saved=(opt.start,),
                 # a host output: up to two output tiles in flight down (forward), and in backward the gradient
                 # tile in use and the next one being uploaded
-                fwd_extra=opt.fwd_peak_extra(to_host),
-                bwd_extra=opt.tile.bwd_peak + (2 * opt.tile.out_tile_bytes if to_host else 0),
+                # one pass (one_pass.py): the tile's backward working set in forward, and the gradient sums held
+                # from there into backward. Its backward only scales them; off the head's direction it frees them
+                # and recomputes, building the input and parameter gradients the replay counts anew (so the
+                # working set above them is the tile's less the sums)
+                extra_saved=held,
+                fwd_extra=opt.tile.bwd_peak + held + reuse_y if opt.one_pass else opt.fwd_peak_extra(to_host),
+                bwd_extra=max(0, opt.tile.bwd_peak - held) if opt.one_pass
+                else opt.tile.bwd_peak + (2 * opt.tile.out_tile_bytes if to_host else 0),
                 requires_grad=f.nodes[opt.end].requires_grad,
                 grad_inputs=(f.nodes[opt.start].requires_grad,),
                 param_grad_bytes=sum(f.nodes[i].param_bytes for i in range(opt.start + 1, opt.end + 1)),

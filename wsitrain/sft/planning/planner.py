@@ -52,6 +52,7 @@ def new_session(
     target: TargetDevice | None = None,
     time_model: TimeModel | None = None,
     reuse_tiles: bool = True,
+    one_pass: bool = True,
 ) -> PlanSession:
     """``target``: the device's planning facts (default: by ``device``'s kind, detected where it is a GPU here)."""
     if host_checkpoints not in ("auto", "always", "never"):
@@ -61,7 +62,7 @@ def new_session(
         raise PlanError(f"a {tgt.kind} target for a {device} plan", hint="plan for the target's own device kind")
     facts = annotate(graph, input_shape, act_dtype, input_dtype, input_requires_grad)
     terms = memory_terms(facts, tgt, optimizer)
-    return PlanSession(facts, terms, device, input_on_host, host_checkpoints, tgt, time_model, reuse_tiles)
+    return PlanSession(facts, terms, device, input_on_host, host_checkpoints, tgt, time_model, reuse_tiles, one_pass)
 
 
 def build_plan(
@@ -81,13 +82,14 @@ def build_plan(
     target: TargetDevice | None = None,
     time_model: TimeModel | None = None,
     reuse_tiles: bool = True,
+    one_pass: bool = True,
 ) -> tuple[Plan, GraphFacts]:
     """Plan ``graph`` on ``input_shape`` within ``budget`` bytes; also returns the facts it planned on."""
     if tile_size is not None and tile_size <= 0:
         raise PlanError(f"tile_size {tile_size} must be a positive number of pixels", hint="engine.tile_size")
     sess = new_session(
         graph, input_shape, act_dtype, input_dtype, device, input_on_host, input_requires_grad, optimizer,
-        host_checkpoints, target, time_model, reuse_tiles,
+        host_checkpoints, target, time_model, reuse_tiles, one_pass,
     )
     forced_cuts = _resolve_checkpoints(sess.facts, checkpoints) if checkpoints is not None else None
     state = fitting_plan(sess, budget, tile_size, forced_cuts)
@@ -100,7 +102,7 @@ def build_plan(
         # reports the budget it needs without the entry, the least that runs.
         sess = new_session(
             graph, input_shape, act_dtype, input_dtype, device, input_on_host, input_requires_grad, optimizer,
-            host_checkpoints, target, time_model, reuse_tiles=False,
+            host_checkpoints, target, time_model, reuse_tiles=False, one_pass=one_pass,
         )
         state = fitting_plan(sess, budget, tile_size, forced_cuts)
         if state is not None and worth_running(sess, state, tile_size):
@@ -259,7 +261,7 @@ def _assemble(
         checkpoint_segments=ck_segments,
         flops_plain=sess.plain_sim(0, f.trunk_end)[1] + head_flops,
         flops_sft=state.flops + head_flops,
-        recomputed_tiles=sum(s.n_tiles for s in tiled),
+        recomputed_tiles=sum(s.n_tiles for s in tiled if not s.one_pass),
         input_on_host=sess.input_on_host,
         feature_map_bytes=sum(n.nbytes for n in f.nodes if not (n.spec.inplace or n.spec.alias)),
         limiting_part=limiting,
@@ -354,6 +356,7 @@ def _segment_plans(sess: PlanSession, path: tuple[SegOption, ...], base_peak: in
                 forward_tile_shape=tf.tile_shape if tf is not None else (),
                 forward_tile_edge=tf.edge if tf is not None else 0,
                 forward_regions=fwd_regions,
+                one_pass=opt.one_pass,
             )
         )
     return tuple(segs)

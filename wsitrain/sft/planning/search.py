@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from wsitrain.sft.planning.conv_limit import edges_within_limit, plain_breaks_limit
 from wsitrain.sft.planning.forward import forward_may_widen, widest_fitting
+from wsitrain.sft.planning.one_pass import may_run_one_pass, one_pass_option
 from wsitrain.sft.planning.options import (
     TILED,
     SegOption,
@@ -198,12 +199,16 @@ def _options(
                 """The forward's output tiles in flight to the next checkpoint, where that may live on the host."""
                 return o.fwd_peak_extra(True) - o.fwd_peak_extra(False) if to_host else 0
 
+            one_pass = may_run_one_pass(sess, a, b)
             for k in (hi, hi + 2):
                 if k < len(edges):
                     opt = tiled_option(sess, a, b, edges[k], in_host)
                     if peak_of(opt) <= budget:
+                        single = one_pass_option(sess, opt) if one_pass else None
                         if widen:
                             opt = _widened(sess, opt, edges, in_host, lambda o: peak_of(o) + down(o) <= budget)
+                        if single is not None and single.cost < opt.cost and peak_of(single) <= budget:
+                            opt = single
                         found.append((opt, peak_of(opt)))
     if not found:
         return []

@@ -31,6 +31,8 @@ class PlanSession:
     time_model: TimeModel | None = None  # None: the device's default constants (costs.default_time_model)
     # the executor keeps one background tile per sweep (execution/reuse.py): its bytes count in each tile's peak
     reuse_tiles: bool = True
+    # the last tiled segment may run in one pass where its head allows it (one_pass.py); False: never
+    one_pass: bool = True
     _plain: dict[tuple[int, int], tuple[SimResult, float]] = field(default_factory=dict, repr=False)
     _tiles: dict[tuple[int, ...], object] = field(default_factory=dict, repr=False)  # memo of tile_memory
     _sweeps: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)  # memo of multipass
