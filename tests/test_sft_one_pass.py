@@ -122,7 +122,8 @@ def test_off_direction_gradient_recomputes_exactly() -> None:
 
 
 def test_dropout_in_the_head_recomputes_exactly() -> None:
-    """A dropout between the pool and the head is not a head one pass reads; with it in eval mode nothing changes."""
+    """A dropout between the pool and the head is no head one pass reads (its mask would turn the direction): the plan
+    recomputes, exact as ever."""
     torch.manual_seed(4)
     model = MODELS["resnet_basic"]()
     model.fc = nn.Sequential(nn.Dropout(0.5), nn.Linear(model.fc.in_features, 2))
@@ -167,3 +168,32 @@ def test_one_pass_halves_planned_extra_compute_at_100k() -> None:
     one = plan(m, (1, 3, 100_000, 100_000), "10.47GiB", device="cuda")
     assert one.fits and last(one).one_pass and one.estimated_peak_bytes <= one.budget_bytes
     assert one.overhead <= 0.65, one.describe()
+
+
+@pytest.mark.parametrize("name", ["torchvision/resnet18", "timm/resnet10t", "timm/resnext26ts"])
+def test_one_pass_on_the_backbones_users_bring(name: str) -> None:
+    """torchvision and timm backbones as wsitrain builds them (frozen BatchNorm statistics, average pool, a two-class
+    linear head): one pass, exact against plain autograd in float64."""
+    torch.manual_seed(6)
+    model = build(name, 2, pool="avg").double().eval()
+    x = torch.randn(1, 3, 150, 190, dtype=torch.float64)
+    p, visits = run(model, x, cross_entropy, tile_size=64)
+    s = last(p)
+    assert s.one_pass and s.n_tiles > 1 and (s.index, "backward") not in visits
+
+
+def test_bf16_one_pass_no_worse_than_plain_bf16() -> None:
+    """Under bf16 autocast the direction's shares are scaled near the map's positions before they are spread
+    (execution/one_pass.py): every parameter gradient of the one-pass step is as close to float64's as plain bf16's."""
+    from test_sft_multipass import assert_bf16_no_worse
+
+    model = with_head("resnet_basic", 2, seed=7).float()
+    plain, tiled, ref = copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(model).double()
+    x = torch.randn(*SHAPE)
+    cross_entropy(ref(x.double())).backward()
+    engine = SFT(tiled, tile_size=24, memory_budget="1GiB")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cross_entropy(plain(x).float()).backward()
+        cross_entropy(engine(x).float()).backward()
+    assert last(engine.plan_of(x, torch.bfloat16)).one_pass
+    assert_bf16_no_worse(ref, plain, tiled)
