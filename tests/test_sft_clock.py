@@ -185,3 +185,34 @@ def test_doctor_calibration_refines_the_preset(tmp_path) -> None:
     assert refined.bytes_per_second == pytest.approx(100e12 / 50.0)
     assert clock_speed("h200", "NVIDIA H100 80GB HBM3", tmp_path) == h200
     assert clock_speed("a6000", "NVIDIA RTX A6000", tmp_path) is None
+
+
+@pytest.mark.parametrize(
+    ("name", "preset"),
+    [
+        ("NVIDIA H200", "h200"),
+        ("NVIDIA H100 80GB HBM3", "h100"),
+        ("NVIDIA A100-SXM4-80GB", "a100-80"),
+        ("NVIDIA A100-PCIE-40GB", "a100-40"),
+        ("NVIDIA GeForce RTX 2080 Ti", "2080ti"),
+        ("NVIDIA GeForce RTX 4090", None),  # a preset without speed constants: the defaults
+        (None, None),
+    ],
+)
+def test_a_run_plans_with_the_clock_plan_printed_for_its_card(name: str | None, preset: str | None) -> None:
+    """fit on a GPU (train/engine.py) plans with the time model ``wsitrain plan --gpu`` prints for that card: the
+    clock's constants of the preset the device's name is, at the run's precision, where no calibration exists."""
+    from wsitrain.gpu_speed import speed_preset_of
+    from wsitrain.sft.planning.calibration import CLOCK_SOURCE, run_time_model
+    from wsitrain.sft.planning.costs import DEFAULT_TIME_MODEL
+
+    assert speed_preset_of(name) == preset
+    for low in (False, True):
+        run, speed = run_time_model("cuda", name, low)
+        if preset is None:
+            assert speed is None and run.source == DEFAULT_TIME_MODEL
+            continue
+        printed, _ = run_time_model("cuda", None, low, preset)  # `wsitrain plan --gpu <preset>` on another machine
+        assert run.source.startswith(CLOCK_SOURCE) and run == printed
+    cpu, speed = run_time_model("cpu", name, False)
+    assert speed is None and cpu.source == DEFAULT_TIME_MODEL

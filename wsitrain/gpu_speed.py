@@ -112,6 +112,21 @@ GPU_SPEEDS: dict[str, GpuSpeed] = {
 }
 
 
+# The presets with speed constants, by the name a card reports (``torch.cuda.get_device_name``): "NVIDIA H200",
+# "NVIDIA H100 80GB HBM3" (SXM; measured on our runs), "NVIDIA A100-SXM4-80GB", "NVIDIA A100-PCIE-40GB", "NVIDIA
+# GeForce RTX 2080 Ti". First match wins; an H100 PCIe or NVL is priced as the SXM part (the data sheets' rates).
+_NAMED_SPEEDS = (("H200", "h200"), ("H100", "h100"), ("A100 SXM4 80GB", "a100-80"), ("A100 PCIE 80GB", "a100-80"),
+                 ("A100 80GB", "a100-80"), ("A100", "a100-40"), ("2080 TI", "2080ti"))  # fmt: skip
+
+
+def speed_preset_of(device_name: str | None) -> str | None:
+    """The speed preset a CUDA device's reported name is (``GPU_SPEEDS``), or None for a card without constants."""
+    if not device_name:
+        return None
+    name = device_name.upper().replace("-", " ")
+    return next((preset for part, preset in _NAMED_SPEEDS if part in name), None)
+
+
 def gpu_speed(preset: str | None) -> GpuSpeed | None:
     """The speed constants of a preset, or None for a preset (or device) without them."""
     return GPU_SPEEDS.get(preset) if preset is not None else None

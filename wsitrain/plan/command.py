@@ -29,7 +29,7 @@ from wsitrain.precision import Precision, activation_dtype, check_precision
 from wsitrain.sft import Plan, max_square_size
 from wsitrain.sft import plan as plan_model
 from wsitrain.sft.plan_api import MAX_SQUARE_LIMIT
-from wsitrain.sft.planning.calibration import CLOCK_SOURCE, clock_speed, clock_time_model, cpu_name, time_model_for
+from wsitrain.sft.planning.calibration import CLOCK_SOURCE, cpu_name, run_time_model
 from wsitrain.sft.planning.costs import DEFAULT_TIME_MODEL, TimeModel
 from wsitrain.sft.planning.placement import place_host
 from wsitrain.sft.simulate import SimulatedStep, simulate_step, simulation_dict, simulation_text
@@ -377,12 +377,7 @@ def _flop_rate(tm: TimeModel, speed: GpuSpeed | None, prec: Precision) -> float 
 def _time_model(budget: Budget, prec: Precision) -> tuple[TimeModel, GpuSpeed | None]:
     """The planner's time model and the clock's constants: a calibration of this card where there is one, else a
     preset's clock constants (wsitrain/gpu_speed.py), else the device's defaults."""
-    name = _device_name(budget)
-    tm = time_model_for(budget.device, name)
-    speed = clock_speed(budget.gpu, name) if budget.gpu is not None else None
-    if speed is not None and tm.source == DEFAULT_TIME_MODEL:
-        tm = clock_time_model(speed, prec in LOW_PRECISION)
-    return tm, speed
+    return run_time_model(budget.device, _device_name(budget), prec in LOW_PRECISION, budget.gpu)
 
 
 def _device_name(budget: Budget) -> str | None:

@@ -16,7 +16,7 @@ from wsitrain.models import build
 from wsitrain.sft import SFT
 from wsitrain.sft.execution.spill import SpillFiles
 from wsitrain.sft.plan_types import Plan
-from wsitrain.sft.planning.calibration import cpu_name, time_model_for
+from wsitrain.sft.planning.calibration import cpu_name, run_time_model
 from wsitrain.sft.planning.placement import image_on_disk, place_host
 from wsitrain.spill_dir import check_spill_dir, default_host_memory, spill_folder
 from wsitrain.train.distributed import DistInfo
@@ -76,11 +76,14 @@ def wrap_engine(
     budget_bytes: int,
     optimizer: str | None,
     one_pass: bool = True,
+    low_precision: bool = False,
 ) -> SFT:
     """The SFT engine around ``model`` (moved to ``device``), planning every input shape within the run's one budget.
 
     ``budget_bytes`` is resolved once per run (``wsitrain.gpus.run_budget``), never re-detected per shape. The
-    time model is the device's calibration (``wsitrain doctor --calibrate``) when there is one. ``one_pass``: the
+    time model is the device's calibration (``wsitrain doctor --calibrate``) when there is one, else on a GPU with a
+    speed preset the simulated clock's constants for it and the run's precision (``low_precision``: bf16 or fp16), as
+    ``wsitrain plan --gpu`` plans with (``run_time_model``). ``one_pass``: the
     run's loss lets the last tiled segment back-propagate in forward where the head allows it (``one_pass_loss``).
     """
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
@@ -90,7 +93,7 @@ def wrap_engine(
         tile_size=engine.tile_size,
         checkpoints=engine.checkpoints,
         optimizer=optimizer,
-        time_model=time_model_for(device.type, name),
+        time_model=run_time_model(device.type, name, low_precision)[0],
         host_memory=host_memory_per_rank(engine),
         spill_dir=str(spill_folder(engine.spill_dir)),
         one_pass=one_pass and engine.one_pass,

@@ -140,7 +140,9 @@ def run_predict(
     device = resolve_device(cfg.engine.device)
     budget = run_budget(cfg.engine.memory_budget, device)
     tune_owned_process(device, budget.bytes)  # as fit: the budget is the CUDA allocator's limit too
-    engine = wrap_engine(model, cfg.engine, device, budget.bytes, optimizer=None)  # no optimizer state to plan for
+    engine = wrap_engine(  # no optimizer state to plan for
+        model, cfg.engine, device, budget.bytes, optimizer=None, low_precision=cfg.train.precision != "fp32"
+    )
     runner = Evaluator(engine, device=device, precision=cfg.train.precision, loss=cfg.train.loss, objective=objective)
     rk = read_kwargs(cfg, model.stride)
     console.print(f"memory budget: {budget.describe()}", markup=False, highlight=False)

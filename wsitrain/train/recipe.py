@@ -203,8 +203,9 @@ class FitRecipe:
         self.model = build_model(cfg.model, n_outputs)
         softmax_loss = self.objective is None and str(t.loss) == "cross_entropy"
         self.engine = wrap_engine(
-            self.model, cfg.engine, self.device, self.budget.bytes, t.optimizer, one_pass_loss(n_outputs, softmax_loss)
-        )
+            self.model, cfg.engine, self.device, self.budget.bytes, t.optimizer, one_pass_loss(n_outputs, softmax_loss),
+            low_precision=t.precision != "fp32",
+        )  # fmt: skip
         if self.objective is not None and t.class_balance != "none":
             raise WsiTrainError(
                 f"train.class_balance: {t.class_balance} balances classification classes, but the task is "

@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from wsitrain.errors import WsiTrainError
-from wsitrain.gpu_speed import GpuSpeed, gpu_speed, time_model_constants
-from wsitrain.sft.planning.costs import TimeModel, default_time_model, device_kind
+from wsitrain.gpu_speed import GpuSpeed, gpu_speed, speed_preset_of, time_model_constants
+from wsitrain.sft.planning.costs import DEFAULT_TIME_MODEL, TimeModel, default_time_model, device_kind
 
 CALIBRATION_ENV = "WSITRAIN_CALIBRATION_DIR"
 CALIBRATION_FORMAT = 1
@@ -146,3 +146,18 @@ def clock_time_model(speed: GpuSpeed, low_precision: bool) -> TimeModel:
     source = (f"{CLOCK_SOURCE}, {speed.name} preset ({speed.source}; `wsitrain doctor --calibrate` refines them "
               "on your card)")  # fmt: skip
     return TimeModel(byte_flops, call_flops, tile_call_flops, source, 1.0 / speed.tile_conv_efficiency)
+
+
+def run_time_model(
+    device: str, device_name: str | None, low_precision: bool, preset: str | None = None
+) -> tuple[TimeModel, GpuSpeed | None]:
+    """The planner's time model, and the clock's constants where a GPU has them: the card's calibration where there
+    is one (``wsitrain doctor --calibrate``), else the clock's constants of ``preset`` or of the preset the CUDA
+    device's name is (``speed_preset_of``), else the device's defaults. ``wsitrain plan`` and ``fit`` both ask here,
+    so a run plans with the constants ``plan`` printed for its card."""
+    tm = time_model_for(device, device_name)
+    key = preset if preset is not None else speed_preset_of(device_name) if device_kind(device) == "cuda" else None
+    speed = clock_speed(key, device_name) if key is not None else None
+    if speed is not None and tm.source == DEFAULT_TIME_MODEL:
+        tm = clock_time_model(speed, low_precision)
+    return tm, speed
