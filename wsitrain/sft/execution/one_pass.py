@@ -17,14 +17,14 @@ below float16's smallest); dividing the sums by it again is exact.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 from torch.autograd.profiler import record_function
 
 from wsitrain.sft.execution.autocast import AutocastState
-from wsitrain.sft.execution.reuse import ReuseCache
+from wsitrain.sft.execution.reuse import ReuseCache, has_content
 from wsitrain.sft.execution.tiled import JOIN, OVERLAP_ADD, TILE_BACKWARD, TiledSegment
 from wsitrain.sft.ops.fused_pool import Accumulator
 from wsitrain.sft.ops.linear_head import RESIDUAL_SHARE, coefficient, head_direction
@@ -43,16 +43,23 @@ class HeldSums:
     grad_x: torch.Tensor | None  # the segment input's gradient sum (None: the input wants none)
     grads: list[torch.Tensor | None]  # per parameter of the segment (None: no tile reached it)
 
-    def scaled(self, pooled_grad: torch.Tensor) -> tuple[torch.Tensor | None, list[torch.Tensor | None]] | None:
+    def scaled(
+        self, pooled_grad: torch.Tensor, on_sync: Callable[[str], None] | None = None
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]] | None:
         """The sums scaled to the gradient of ``pooled_grad`` (1, C), in place; None when it is off the direction
-        (then the caller recomputes)."""
+        (then the caller recomputes). ``on_sync``: told of the one host read of a device value this costs a step."""
         a, left = coefficient(pooled_grad, self.direction)
-        if not is_fake(left) and not bool(left <= RESIDUAL_SHARE):  # one host read a step
+        sums = [t for t in [self.grad_x, *self.grads] if t is not None]
+        if on_sync is not None and left.device.type != "cpu":
+            on_sync("one pass's coefficient")
+        if not has_content(left):  # the simulated or the meta device: nothing to read; the same launches as a GPU's
+            torch._foreach_mul_(sums, 1.0 / self.scale)
+            return self.grad_x, self.grads
+        share, k = torch.stack([left, a]).tolist()  # one read of the device for both
+        if not share <= RESIDUAL_SHARE:
             return None
-        k = a / self.scale
-        for t in [self.grad_x, *self.grads]:
-            if t is not None:
-                t.mul_(k.to(device=t.device, dtype=t.dtype))
+        # a Python float is cast to each tensor's dtype as a 0-d tensor of that dtype would be: one multi-tensor launch
+        torch._foreach_mul_(sums, k / self.scale)
         return self.grad_x, self.grads
 
 

@@ -68,7 +68,7 @@ class TiledFunction(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         held, ctx.held = ctx.held, None
         if held is not None:
-            done = held.scaled(ctx.pool.grad_view(grad_out))
+            done = held.scaled(ctx.pool.grad_view(grad_out), ctx.seg.hooks.on_sync)
             if done is not None:
                 return (None, done[0], *done[1])
             del held  # off the head's direction: the sums go before the recompute's own are built
