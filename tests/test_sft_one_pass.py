@@ -197,3 +197,26 @@ def test_bf16_one_pass_no_worse_than_plain_bf16() -> None:
         cross_entropy(engine(x).float()).backward()
     assert last(engine.plan_of(x, torch.bfloat16)).one_pass
     assert_bf16_no_worse(ref, plain, tiled)
+
+
+def test_background_tiles_are_computed_once_within_the_pass() -> None:
+    """Flat background tiles reuse the first one's output, share and results inside the one pass (reuse.py): the step
+    is bitwise the one that computes every tile, exact against plain autograd, and the reuse happened."""
+    from test_tile_reuse import BLOBS, masked_image, vgg
+
+    torch.manual_seed(9)
+    model = vgg("avg").double()
+    model.fc = nn.Linear(12, 2).double()
+    x = masked_image((1, 3, 200, 232), BLOBS)
+    ref = step(model, model, x, cross_entropy)
+    got: dict[bool, tuple] = {}
+    for reuse in (False, True):
+        twin = copy.deepcopy(model)
+        engine = SFT(twin, memory_budget="1GiB", tile_size=32, reuse_tiles=reuse)
+        got[reuse] = step(twin, engine, x, cross_entropy)
+        assert last(engine.plan_of(x)).one_pass
+        assert (engine.last_stats.reused_forward > 0) == reuse
+    assert torch.equal(got[True][0], got[False][0])
+    for a, b, r in zip(got[True][1], got[False][1], ref[1], strict=True):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, r, **F64)
