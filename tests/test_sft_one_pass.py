@@ -220,3 +220,13 @@ def test_background_tiles_are_computed_once_within_the_pass() -> None:
     for a, b, r in zip(got[True][1], got[False][1], ref[1], strict=True):
         assert torch.equal(a, b)
         torch.testing.assert_close(a, r, **F64)
+
+
+def test_one_pass_from_a_host_checkpoint() -> None:
+    """The segment's input checkpoint in host memory (its gradient sum too, filled through the stager and scaled
+    there): the image's gradient through it is exact."""
+    model = with_head("resnet_basic", 2, seed=10)
+    x = torch.randn(*SHAPE, dtype=torch.float64, requires_grad=True)
+    p, _ = run(model, x, cross_entropy, host_checkpoints="always")
+    s = last(p)
+    assert s.one_pass and s.start > 0 and s.checkpoint_location == "host", p.describe()

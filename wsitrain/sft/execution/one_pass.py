@@ -53,14 +53,23 @@ class HeldSums:
         if on_sync is not None and left.device.type != "cpu":
             on_sync("one pass's coefficient")
         if not has_content(left):  # the simulated or the meta device: nothing to read; the same launches as a GPU's
-            torch._foreach_mul_(sums, 1.0 / self.scale)
+            _scale_all(sums, 1.0 / self.scale)
             return self.grad_x, self.grads
         share, k = torch.stack([left, a]).tolist()  # one read of the device for both
         if not share <= RESIDUAL_SHARE:
             return None
-        # a Python float is cast to each tensor's dtype as a 0-d tensor of that dtype would be: one multi-tensor launch
-        torch._foreach_mul_(sums, k / self.scale)
+        _scale_all(sums, k / self.scale)
         return self.grad_x, self.grads
+
+
+def _scale_all(tensors: list[torch.Tensor], k: float) -> None:
+    """Multiply in place: one multi-tensor launch per device (an input-gradient sum may live in host memory). A
+    Python float is cast to each tensor's dtype as a 0-d tensor of that dtype would be."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_device.setdefault(t.device, []).append(t)
+    for group in by_device.values():
+        torch._foreach_mul_(group, k)
 
 
 def forward_one_pass(
