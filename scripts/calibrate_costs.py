@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from wsitrain.doctor.calibrate import calibrate
-from wsitrain.sft.planning.calibration import cpu_name
+from wsitrain.sft.planning.calibration import device_name
 
 
 def main() -> None:
@@ -29,7 +29,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    name = device_name(device)
     cal, rows = calibrate(device, name, runs=args.runs)
     print(f"{'micro-model':<24s} {'measured':>10s} {'model':>10s}  GFLOP   MB     calls")
     for r in rows:

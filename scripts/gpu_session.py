@@ -46,7 +46,7 @@ from wsitrain.models import build
 from wsitrain.sft import SFT
 from wsitrain.sft.execution.tile_io import STAGE
 from wsitrain.sft.execution.tiled import JOIN, OVERLAP_ADD, RECOMPUTE, TILE_BACKWARD
-from wsitrain.sft.planning.calibration import cpu_name, run_time_model
+from wsitrain.sft.planning.calibration import device_name, run_time_model
 from wsitrain.units import format_bytes, parse_bytes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -123,8 +123,7 @@ class Runner:
         self.model = model
         self.opt = torch.optim.AdamW(model.parameters(), foreach=True)
         if case.sft:
-            name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
-            tm = run_time_model(device.type, name, True)[0] if case.time_model == "run" else None
+            tm = run_time_model(device.type, device_name(device), True)[0] if case.time_model == "run" else None
             self.sft: SFT | None = SFT(model, memory_budget=case.budget, time_model=tm)
             x = torch.randint(0, 256, (1, 3, size, size), dtype=torch.uint8)  # (B, C, H, W) on the host, as fit
             self.x = x.pin_memory() if device.type == "cuda" else x

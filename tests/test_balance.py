@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from script_module import load_script
 from typer.testing import CliRunner
 
 from wsitrain.cli import app
@@ -168,11 +168,7 @@ def test_a_bad_balance_value_is_a_config_error(tmp_path: Path) -> None:
 
 def test_the_benchmarks_simulation_runs_and_favours_time() -> None:
     """scripts/bench_balance.py --simulate (docs/bench_balance.md's simulated table), on fewer slides."""
-    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_balance.py"
-    spec = importlib.util.spec_from_file_location("bench_balance", path)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_balance")
     rows = bench.simulate(n=512)
     share = {(r["world"], r["accumulate"], r["balance"]): r["wait_share"] for r in rows}
     for world, accumulate in ((2, 1), (4, 1), (2, 4)):

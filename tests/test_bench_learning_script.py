@@ -3,28 +3,21 @@ heatmaps) and the bad input of ``--rescore`` / ``--rerun-baseline`` (exit 2, one
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import numpy as np
 import pytest
+from script_module import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "bench_learning.py"
 LESION = {"kind": "lesion", "x0": 64, "y0": 32, "x1": 96, "y1": 64}
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_learning", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_learning"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_learning")
 
 
 def recorded(tmp_path: Path) -> tuple[Path, Path]:

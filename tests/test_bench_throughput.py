@@ -3,17 +3,14 @@ image), the synthetic masked slide, and a step that differs with reuse being ref
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import numpy as np
 import pytest
 import torch
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_throughput.py"
+from script_module import load_script
 
 STEP_KEYS = {
     "case", "model", "size", "pool", "tile_size", "grids", "tissue_pixel_fraction", "tiles_forward", "tiles_backward",
@@ -25,12 +22,7 @@ STEP_KEYS = {
 
 
 def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_throughput", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_throughput"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_throughput")
 
 
 @pytest.fixture(scope="module")

@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
+from script_module import load_script
 
 
 def _kit():
-    spec = importlib.util.spec_from_file_location("gpu_session", REPO / "scripts" / "gpu_session.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_session"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("gpu_session")
 
 
 def test_classify_names_the_parts_of_a_step() -> None:

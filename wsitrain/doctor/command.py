@@ -28,7 +28,7 @@ from wsitrain.doctor.checks import Check, exactness, not_run, peak_under_cap, wo
 from wsitrain.doctor.figure8 import FIG8_SIZES, SMOKE_SIZES, figure8_configs, run_figure8
 from wsitrain.doctor.gpu_tests import GPU_TESTS, run_gpu_tests
 from wsitrain.doctor.report import markdown, write_json
-from wsitrain.sft.planning.calibration import calibration_dir, cpu_name, time_model_for, write_calibration
+from wsitrain.sft.planning.calibration import calibration_dir, device_name, time_model_for, write_calibration
 from wsitrain.units import format_bytes, parse_bytes
 from wsitrain.write_errors import named_write_errors
 
@@ -58,7 +58,7 @@ def run_doctor(
     cap_bytes = parse_bytes(cap or (FAST_CAP if fast or not cuda else DEFAULT_CAP), what="--cap")
     out = Path(out) if out is not None else Path("doctor-out") / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
-    name = torch.cuda.get_device_name(device) if cuda else cpu_name()
+    name = device_name(device)
     meta: dict[str, Any] = {
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "device": device.type, "device_name": name,
         "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),

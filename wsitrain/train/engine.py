@@ -16,7 +16,7 @@ from wsitrain.models import build
 from wsitrain.sft import SFT
 from wsitrain.sft.execution.spill import SpillFiles
 from wsitrain.sft.plan_types import Plan
-from wsitrain.sft.planning.calibration import cpu_name, run_time_model
+from wsitrain.sft.planning.calibration import device_name, run_time_model
 from wsitrain.sft.planning.placement import image_on_disk, place_host
 from wsitrain.spill_dir import check_spill_dir, default_host_memory, spill_folder
 from wsitrain.train.distributed import DistInfo
@@ -86,14 +86,13 @@ def wrap_engine(
     ``wsitrain plan --gpu`` plans with (``run_time_model``). ``one_pass``: the
     run's loss lets the last tiled segment back-propagate in forward where the head allows it (``one_pass_loss``).
     """
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     return SFT(
         model.to(device),
         memory_budget=budget_bytes,
         tile_size=engine.tile_size,
         checkpoints=engine.checkpoints,
         optimizer=optimizer,
-        time_model=run_time_model(device.type, name, low_precision)[0],
+        time_model=run_time_model(device.type, device_name(device), low_precision)[0],
         host_memory=host_memory_per_rank(engine),
         spill_dir=str(spill_folder(engine.spill_dir)),
         one_pass=one_pass and engine.one_pass,

@@ -79,9 +79,8 @@ def coefficient(pooled_grad: torch.Tensor, direction: torch.Tensor) -> tuple[tor
     gradient (1, C), and the share of the gradient's norm left off it (0-d float64; 1 for a zero direction)."""
     g = pooled_grad.reshape(-1).double()
     u = direction.reshape(-1).double().to(g.device)
+    tiny = torch.finfo(torch.float64).tiny  # a zero denominator gives 0 / tiny = 0, not NaN, with no host read
     uu = (u * u).sum()
-    a = torch.where(uu > 0, (g * u).sum() / torch.where(uu > 0, uu, torch.ones_like(uu)), torch.zeros_like(uu))
-    gn = g.norm()
-    left = (g - a * u).norm()
-    share = torch.where(gn > 0, left / torch.where(gn > 0, gn, torch.ones_like(gn)), torch.zeros_like(gn))
+    a = (g * u).sum() / uu.clamp_min(tiny)
+    share = (g - a * u).norm() / g.norm().clamp_min(tiny)
     return a, torch.where(uu > 0, share, torch.ones_like(share))

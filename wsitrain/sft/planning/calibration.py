@@ -16,6 +16,8 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+
 from wsitrain.errors import WsiTrainError
 from wsitrain.gpu_speed import GpuSpeed, gpu_speed, speed_preset_of, time_model_constants
 from wsitrain.sft.planning.costs import DEFAULT_TIME_MODEL, TimeModel, default_time_model, device_kind
@@ -119,6 +121,12 @@ def cpu_name() -> str:
 
         model = platform.processor() or platform.machine() or "unknown"
     return f"cpu: {model}"
+
+
+def device_name(device: torch.device) -> str:
+    """The name a calibration and the speed presets know ``device`` by: the GPU's own (``NVIDIA H200``), or this
+    machine's CPU (``cpu_name``)."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
 
 
 def clock_speed(preset: str | None, device_name: str | None, folder: Path | None = None) -> GpuSpeed | None:

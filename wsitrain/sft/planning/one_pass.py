@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from wsitrain.sft.planning.forward import forward_may_widen
-from wsitrain.sft.planning.options import SegOption, fuses_pool, held_sums
+from wsitrain.sft.planning.options import SegOption, fuses_pool, held_sums, one_pass_forward_extra, output_node
 from wsitrain.sft.planning.session import PlanSession
 
 
@@ -40,16 +40,13 @@ def one_pass_option(sess: PlanSession, opt: SegOption) -> SegOption:
     the tile's backward working set and the gradient sums in forward."""
     t = opt.tile
     assert t is not None and opt.fwd_tile is None, "one pass replaces a forward sweep on the recompute's tiles"
-    # the segment's input and pooled output, the tile's recompute-and-backward working set, the sums. Backward keeps
-    # the usual segment's working set: a pooled gradient off the head's direction frees the sums and recomputes.
-    out = sess.facts.fusion.node if sess.facts.fusion is not None else opt.end
-    held = held_sums(sess, opt)
-    entry = t.out_tile_bytes if sess.reuse_tiles else 0
+    # the segment's input and pooled output, and the forward's working set above them. Backward keeps the usual
+    # segment's working set: a pooled gradient off the head's direction frees the sums and recomputes.
+    out = output_node(sess, opt.start, opt.end)
     return replace(
         opt,
-        # a background entry (execution/reuse.py) keeps the tile's output as well as its backward results
-        local_fwd=opt.retained_add + sess.nbytes(out) + t.bwd_peak + held + entry,
-        retained_add=opt.retained_add + held,
+        local_fwd=opt.retained_add + sess.nbytes(out) + one_pass_forward_extra(sess, opt),
+        retained_add=opt.retained_add + held_sums(sess, opt),
         flops=opt.flops - t.sweep.flops,
         cost=opt.cost - t.sweep.time,
         one_pass=True,

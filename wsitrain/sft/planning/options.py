@@ -53,6 +53,13 @@ def held_sums(sess: PlanSession, opt: SegOption) -> int:
     return grad_in + sum(sess.facts.nodes[i].param_bytes for i in range(opt.start + 1, opt.end + 1))
 
 
+def one_pass_forward_extra(sess: PlanSession, opt: SegOption) -> int:
+    """A one-pass segment's forward (one_pass.py) above its input and output: the tile's recompute-and-backward
+    working set, the gradient sums it holds, and a background entry's output tile (execution/reuse.py)."""
+    assert opt.tile is not None
+    return opt.tile.bwd_peak + held_sums(sess, opt) + (opt.tile.out_tile_bytes if sess.reuse_tiles else 0)
+
+
 def segment_blocker(sess: PlanSession, start: int, end: int) -> int | None:
     """The first node of (start, end] that cannot run on a tile, or None."""
     for i in range(start + 1, end + 1):
@@ -80,7 +87,7 @@ def fuses_pool(sess: PlanSession, start: int, end: int) -> bool:
     return end == sess.facts.trunk_end and sess.facts.fusion is not None
 
 
-def _output(sess: PlanSession, start: int, end: int) -> int:
+def output_node(sess: PlanSession, start: int, end: int) -> int:
     """The node whose value a tiled segment (start, end] leaves behind (the pool's, when fused)."""
     fusion = sess.facts.fusion
     return fusion.node if fuses_pool(sess, start, end) and fusion is not None else end
@@ -88,7 +95,7 @@ def _output(sess: PlanSession, start: int, end: int) -> int:
 
 def tiled_floor(sess: PlanSession, start: int, end: int, in_host: bool = False) -> int:
     """Local peak of a tiled segment before any tile: no tile size can go below it."""
-    in_dev, out = (0 if in_host else sess.device_bytes(start)), _output(sess, start, end)
+    in_dev, out = (0 if in_host else sess.device_bytes(start)), output_node(sess, start, end)
     grad_in = 0 if in_host else sess.grad_bytes(start)
     return max(in_dev + sess.nbytes(out), in_dev + sess.grad_bytes(out) + grad_in + sess.grads_after[end + 1])
 
@@ -121,7 +128,7 @@ def tiled_option(
     forward sweep's own edge (forward.py; a segment ``forward_may_widen`` allows), else it runs on ``edge``'s."""
     t = tile_choice(sess, start, end, edge, staged=in_host)
     tf = tile_choice(sess, start, end, fwd_edge, staged=in_host) if fwd_edge not in (None, edge) else None
-    in_dev, out = (0 if in_host else sess.device_bytes(start)), _output(sess, start, end)
+    in_dev, out = (0 if in_host else sess.device_bytes(start)), output_node(sess, start, end)
     grad_in = 0 if in_host else sess.grad_bytes(start)
     seg_param_grads = sum(sess.facts.nodes[i].param_bytes for i in range(start + 1, end + 1))
     local_fwd = in_dev + sess.nbytes(out) + (tf or t).fwd_peak
@@ -147,9 +154,8 @@ def path_ops(sess: PlanSession, path: tuple[SegOption, ...]) -> list[SimOp]:
             ops.extend(sess.sim_op(i, sess.nbytes(i)) for i in range(opt.start + 1, opt.end + 1))
             continue
         assert opt.tile is not None
-        out = _output(sess, opt.start, opt.end) if opt.fused else opt.end
+        out = output_node(sess, opt.start, opt.end) if opt.fused else opt.end
         held = held_sums(sess, opt) if opt.one_pass else 0
-        reuse_y = opt.tile.out_tile_bytes if opt.one_pass and sess.reuse_tiles else 0  # a cached tile's output too
         ops.append(
             SimOp(
                 out=out,
@@ -163,7 +169,7 @@ def path_ops(sess: PlanSession, path: tuple[SegOption, ...]) -> list[SimOp]:
                 # and recomputes, building the input and parameter gradients the replay counts anew (so the
                 # working set above them is the tile's less the sums)
                 extra_saved=held,
-                fwd_extra=opt.tile.bwd_peak + held + reuse_y if opt.one_pass else opt.fwd_peak_extra(to_host),
+                fwd_extra=one_pass_forward_extra(sess, opt) if opt.one_pass else opt.fwd_peak_extra(to_host),
                 bwd_extra=max(0, opt.tile.bwd_peak - held) if opt.one_pass
                 else opt.tile.bwd_peak + (2 * opt.tile.out_tile_bytes if to_host else 0),
                 requires_grad=f.nodes[opt.end].requires_grad,
