@@ -2,6 +2,13 @@
 
 PYTHONPATH=. python scripts/fit_clock.py           # ~3 min on one core: records four steps, fits, prints the table
 PYTHONPATH=. python scripts/fit_clock.py --host-op-us 8 27 80   # also: how the fit moves with the host's cost
+PYTHONPATH=. python scripts/fit_clock.py --kit docs/gpu_session.jsonl   # a GPU kit's cases, replayed and refitted
+
+With ``--kit``, the measured figures are the GPU kit's (scripts/gpu_session.py, whichever card ran it): every case
+it measured is replayed on the clock of the card's speed preset, with the plan's own budget, time model and target,
+and the replayed plan is checked against the plan the card ran. Both factors are then refitted, on the first
+model's plain NCHW step and its capped step (``cudnn.benchmark`` off, the run's constants), and every case is shown
+with the preset's constants and with the refitted ones.
 
 The H200 figures are *measured* (issue 36: one H200, torch 2.11.0+cu130, cuDNN 9.19, ResNet-50, 2 classes, batch
 1, bf16 autocast, AdamW foreach). The clock's steps are *simulated* (the real executor on fake tensors, priced by
@@ -14,12 +21,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
-from wsitrain.gpu_speed import GpuSpeed, gpu_speed
+from wsitrain.errors import PlanError
+from wsitrain.gpu_speed import GpuSpeed, gpu_speed, speed_preset_of
 from wsitrain.gpus import gpu_preset
 from wsitrain.models import build
+from wsitrain.sft.planning.costs import TimeModel
 from wsitrain.sft.simulate.clock import OpClock
 from wsitrain.sft.simulate.timing import clock_plain_step, clock_sft_step
 
@@ -52,8 +66,11 @@ def record() -> dict[str, OpClock]:
     return clocks
 
 
+FIT_BOUNDS = (0.01, 1.0)  # an efficiency fitted at either end: the clock cannot reach the measured time with it
+
+
 def fit(clock: OpClock, measured: float, speed: GpuSpeed, key: str = "conv_efficiency") -> float:
-    lo, hi = 0.01, 1.0  # time falls as the efficiency rises: bisect
+    lo, hi = FIT_BOUNDS  # time falls as the efficiency rises: bisect
     for _ in range(40):
         mid = (lo + hi) / 2
         t = clock.reading(dataclasses.replace(speed, **{key: mid}), "bf16").seconds
@@ -91,10 +108,142 @@ def host_sensitivity(clocks: dict[str, OpClock], base: GpuSpeed, host_op_us: lis
         print(f"| {us:g} us | {eff:.4f} | {tile:.3f} | {r.host_seconds:.3f} s, {r.host_bound_seconds:.3f} s |")
 
 
+# ---- a GPU kit's cases (scripts/gpu_session.py's JSONL) -----------------------------------------------------------
+
+KIT_CLASSES, KIT_PRECISION = 2, "bf16"  # as the kit runs every case
+
+
+@dataclass(frozen=True)
+class KitReplay:
+    """One measured case of the kit and its replay on the clock (``clock`` None: the replay's plan did not fit)."""
+
+    row: dict[str, Any]  # the kit's JSONL line
+    clock: OpClock | None
+    plan: str | None  # the replayed plan (SFT cases), to compare with row["plan"]
+    note: str = ""
+
+    @property
+    def measured(self) -> float:
+        return float(self.row["step_s"])
+
+    @property
+    def same_plan(self) -> bool:
+        return self.plan == self.row.get("plan")
+
+
+def kit_rows(path: Path) -> list[dict[str, Any]]:
+    """The cases a kit measured (status ok), without its breakdown line."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if "run" in r and r.get("status") == "ok"]
+
+
+def kit_speed(path: Path, rows: list[dict[str, Any]]) -> tuple[str, GpuSpeed]:
+    """The speed preset (and its constants) of the one card the kit ran on; SystemExit naming the file otherwise."""
+    names = sorted({str(r["device"]) for r in rows})
+    if len(names) != 1:
+        raise SystemExit(f"error: {path}: expected the cases of one card, found {names or 'no measured case'}")
+    preset = speed_preset_of(names[0])
+    speed = gpu_speed(preset)
+    if preset is None or speed is None:
+        raise SystemExit(f"error: {path}: the card {names[0]!r} matches no speed preset of wsitrain/gpu_speed.py "
+                         "(add its constants there first)")  # fmt: skip
+    return preset, speed
+
+
+def replay(row: dict[str, Any], preset: str, speed: GpuSpeed) -> KitReplay:
+    """The kit's case ``row`` on the simulated clock: plain PyTorch on the same input, or SFT planned with the same
+    budget, time model and target as on the card."""
+    with torch.device("meta"):
+        model = build(row["model"], KIT_CLASSES)
+    if "plan" not in row:
+        n, edge = (row["patches"], row["patch"]) if row["patches"] else (1, row["size"])
+        return KitReplay(row, clock_plain_step(model, (n, 3, edge, edge), speed, KIT_PRECISION)[1], None)
+    tm = TimeModel(**row["time_model"]) if row["time_model"] else None
+    target = gpu_preset(preset).target(row["large_conv"])
+    try:
+        _, sim, clock = clock_sft_step(model, (1, 3, row["size"], row["size"]), row["budget_bytes"], speed,
+                                       KIT_PRECISION, target=target, time_model=tm)  # fmt: skip
+    except PlanError as e:
+        return KitReplay(row, None, None, f"not replayed: {str(e).split('. ')[0]}")
+    return KitReplay(row, clock, sim.plan.brief)
+
+
+def _fit_rows(replays: list[KitReplay]) -> tuple[KitReplay, KitReplay | None]:
+    """The two cases the factors are fitted on: the first model's plain NCHW step and its capped step (benchmark
+    off, the run's constants); every other case is a check."""
+    first = replays[0].row["model"]
+    mine = [r for r in replays if r.row["model"] == first and r.clock is not None]
+    plain = [r for r in mine if r.plan is None and not r.row["patches"] and not r.row["channels_last"]]
+    capped = [r for r in mine if r.plan is not None and r.row.get("budget") and not r.row["cudnn_benchmark"]
+              and r.row["constants"] == "run"]  # fmt: skip
+    if not plain:
+        raise SystemExit(f"error: the kit has no plain NCHW step of {first} to fit the convolution rate on")
+    return plain[0], capped[0] if capped else None
+
+
+def _not_modelled(row: dict[str, Any]) -> str:
+    if row["channels_last"] and not row["patches"]:
+        return "the clock has no memory-format term"
+    if row["cudnn_benchmark"]:
+        return "the clock prices the heuristics' algorithms, not benchmark's"
+    return ""
+
+
+def kit_table(path: Path) -> str:
+    """Every measured case of the kit at ``path`` against the clock, with the preset's constants and refitted."""
+    rows = kit_rows(path)
+    preset, speed = kit_speed(path, rows)
+    replays = [replay(r, preset, speed) for r in rows]
+    plain, capped = _fit_rows(replays)
+    assert plain.clock is not None
+    refit = dataclasses.replace(speed, conv_efficiency=fit(plain.clock, plain.measured, speed))
+    if capped is not None and capped.clock is not None:
+        tile = fit(capped.clock, capped.measured, refit, "tile_conv_efficiency")
+        refit = dataclasses.replace(refit, tile_conv_efficiency=tile)
+    at_bound = [f"{k} {v:.4f}" for k, v in (("conv_efficiency", refit.conv_efficiency),
+                ("tile_conv_efficiency", refit.tile_conv_efficiency)) if min(abs(v - b) for b in FIT_BOUNDS) < 1e-3]
+    lines = [
+        f"Measured: {path} ({rows[0]['device']}). Simulated: the clock of preset {preset}, {KIT_PRECISION}, each case "
+        f"replayed (SFT: the plan's own budget, time model and target).",
+        "",
+        f"Preset constants: conv_efficiency {speed.conv_efficiency:.4f}, tile_conv_efficiency "
+        f"{speed.tile_conv_efficiency:.4f}. Refitted: conv_efficiency {refit.conv_efficiency:.4f} (on "
+        f"{plain.row['model']}, {plain.row['run']}), tile_conv_efficiency {refit.tile_conv_efficiency:.4f} "
+        + (f"(on {capped.row['model']}, {capped.row['run']})." if capped is not None else "(no capped case: kept)."),
+        *([f"At the end of its range, {', '.join(at_bound)}: the clock cannot reach that measured time."]
+          if at_bound else []),
+        "",
+        "| model | run | measured | simulated, preset | off | simulated, refitted | off | plan: measured / replayed |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in replays:
+        plan = "" if r.plan is None and "plan" not in r.row else (
+            r.row["plan"] if r.same_plan else f"{r.row['plan']} / **{r.plan or 'none'}**")
+        if r.clock is None:
+            lines.append(f"| {r.row['model']} | {r.row['run']} | {r.measured:.3f} s | {r.note} | | | | {plan} |")
+            continue
+        a, b = r.clock.reading(speed, KIT_PRECISION).seconds, r.clock.reading(refit, KIT_PRECISION).seconds
+        why = _not_modelled(r.row)
+        run = f"{r.row['run']} ({why})" if why else r.row["run"]
+        lines.append(f"| {r.row['model']} | {run} | {r.measured:.3f} s | {a:.3f} s | {a / r.measured - 1:+.1%} | "
+                     f"{b:.3f} s | {b / r.measured - 1:+.1%} | {plan} |")  # fmt: skip
+    if any(r.plan is not None and not r.same_plan for r in replays):
+        lines += ["", "A plan in **bold** differs from the one the card ran: that case's figures compare two plans."]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--host-op-us", type=float, nargs="*", default=[], help="host costs per operator to refit at")
+    parser.add_argument("--kit", type=Path, help="a GPU kit's JSONL (scripts/gpu_session.py): replay its cases")
     args = parser.parse_args()
+    if args.kit is not None:
+        if not args.kit.is_file():
+            print(f"error: --kit {args.kit}: no such file (scripts/gpu_session.py writes gpu_session.jsonl)",
+                  file=sys.stderr)  # fmt: skip
+            raise SystemExit(2)
+        print(kit_table(args.kit))
+        return
     base = gpu_speed("h200")
     assert base is not None
     clocks = record()

@@ -20,14 +20,18 @@ convolution forward and backward, recompute, copies, crops, pads, joins and over
 other kernels, and the device's idle time between kernels (from the kernel timeline). Every case is bounded: timed
 steps stop after ``--case-seconds``, and an out-of-memory marks the case and moves on. Writes
 ``gpu_session.md`` and ``gpu_session.jsonl`` (a line per case, then the breakdown) into ``--out`` (default docs/).
-Figures are *measured* on the device that ran them; a case's *simulated* step time is added where
-``wsitrain.sft.simulate`` offers a clock (``simulated_step_seconds``), else left out.
+Figures are *measured* on the device that ran them. Each row also records what a replay on the simulated clock needs
+(the case's shapes, the plan's budget and time model, the plan it ran); the clock runs afterwards, on any machine,
+so it costs no GPU time:
+
+    PYTHONPATH=. python scripts/fit_clock.py --kit docs/gpu_session.jsonl   # measured against simulated, per case
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import sys
@@ -47,6 +51,7 @@ from wsitrain.sft import SFT
 from wsitrain.sft.execution.tile_io import STAGE
 from wsitrain.sft.execution.tiled import JOIN, OVERLAP_ADD, RECOMPUTE, TILE_BACKWARD
 from wsitrain.sft.planning.calibration import device_name, run_time_model
+from wsitrain.sft.target import target_for
 from wsitrain.units import format_bytes, parse_bytes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -155,7 +160,10 @@ class Runner:
 
 
 def run_case(case: Case, device: torch.device, size: int, patch: int, steps: int, case_seconds: float) -> dict:
-    row: dict[str, Any] = {"model": case.model, "run": case.name, "size": size, "device": _device_name(device)}
+    row: dict[str, Any] = {"model": case.model, "run": case.name, "size": size, "device": _device_name(device),
+                           "patches": case.patches, "patch": patch, "channels_last": case.channels_last,
+                           "cudnn_benchmark": case.benchmark, "constants": case.time_model,
+                           "budget": case.budget}  # fmt: skip
     budget = parse_bytes(case.budget, "--budget") if case.budget else None
     if device.type == "cuda":
         cap_cuda_allocator(device, budget)
@@ -176,11 +184,13 @@ def run_case(case: Case, device: torch.device, size: int, patch: int, steps: int
             row["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
         if runner.sft is not None:
             plan = runner.sft.plan_of(runner.x, torch.bfloat16)
-            row["plan"] = " | ".join(_segment_text(s) for s in plan.segments)
+            row["plan"] = plan.brief
             row["planned_overhead"] = plan.slowdown - 1.0
-            sim = _simulated_seconds(runner, plan)
-            if sim is not None:
-                row["simulated_step_s"] = sim
+            # what the clock's replay (scripts/fit_clock.py --kit) plans with: the same budget, constants and target
+            row["budget_bytes"] = plan.budget_bytes
+            tm = runner.sft.time_model
+            row["time_model"] = None if tm is None else dataclasses.asdict(tm)
+            row["large_conv"] = target_for(device).large_conv
     except Exception as e:  # one case's failure is its row; the session goes on
         row["status"] = "oom" if _is_oom(e) else "error"
         row["note"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
@@ -190,27 +200,6 @@ def run_case(case: Case, device: torch.device, size: int, patch: int, steps: int
         del runner
         _release(device)
     return row
-
-
-def _segment_text(s: Any) -> str:
-    """"plain", "tiled 3x3", with the forward sweep on its own tiles "tiled 3x3 (forward 1x1)", in one pass "tiled 3x3
-    one pass": what a refit of the clock (scripts/fit_clock.py) must reproduce."""
-    if s.mode != "tiled":
-        return str(s.mode)
-    own = f" (forward {s.forward_grid[0]}x{s.forward_grid[1]})" if s.forward_grid else ""
-    own += " one pass" if getattr(s, "one_pass", False) else ""
-    return f"tiled {s.tile_grid[0]}x{s.tile_grid[1]}{own}"
-
-
-def _simulated_seconds(runner: Runner, plan: Any) -> float | None:
-    """The simulated clock's step time for this plan, where ``wsitrain.sft.simulate`` offers one (optional)."""
-    try:
-        from wsitrain.sft import simulate
-
-        clock = getattr(simulate, "simulated_step_seconds", None)
-        return None if clock is None else float(clock(plan))
-    except Exception:  # no clock yet, or none for this plan: the measured figures stand alone
-        return None
 
 
 def _device_name(device: torch.device) -> str:
@@ -348,21 +337,22 @@ def write_tables(out: Path, rows: list[dict[str, Any]], prof: dict[str, Any] | N
         "# GPU session: where a whole-slide step's time goes",
         "",
         f"*Measured* on {dev}, torch {torch.__version__}, by `python scripts/gpu_session.py {' '.join(argv)}`: "
-        "batch 1, bf16 autocast, cross entropy, AdamW (foreach), one warm-up step, the fastest timed step.",
+        "batch 1, bf16 autocast, cross entropy, AdamW (foreach), one warm-up step, the fastest timed step. The "
+        "simulated clock's figures for the same cases: `PYTHONPATH=. python scripts/fit_clock.py --kit "
+        "gpu_session.jsonl`.",
         "",
-        "| model | run | step | throughput | peak allocated | first step | plan | planned overhead | simulated |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| model | run | step | throughput | peak allocated | first step | plan | planned overhead |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['model']} | {r['run']} | {r['status']} | | | | | | {r.get('note', '')[:80]} |")
+            lines.append(f"| {r['model']} | {r['run']} | {r['status']} | | | | | {r.get('note', '')[:80]} |")
             continue
         peak = format_bytes(r["peak_allocated_bytes"]) if "peak_allocated_bytes" in r else "-"
         over = f"{r['planned_overhead']:+.1%}" if "planned_overhead" in r else ""
-        sim = f"{r['simulated_step_s']:.3f} s" if "simulated_step_s" in r else ""
         lines.append(
             f"| {r['model']} | {r['run']} | {r['step_s']:.3f} s | {r['mpx_per_s']:.3g} Mpx/s | {peak} | "
-            f"{r['first_step_s']:.1f} s | {r.get('plan', '')} | {over} | {sim} |"
+            f"{r['first_step_s']:.1f} s | {r.get('plan', '')} | {over} |"
         )
     if prof is not None:
         total = sum(prof["seconds"].values()) or 1.0

@@ -6,9 +6,9 @@ Trains wsitrain's ``tiny`` model (``wsitrain.models.zoo.build``, the same layers
 (no SFT engine, no data loader: the slides are small enough to hold whole) on a ``synth --lesions small`` cohort,
 one slide per step, AdamW, and logs per epoch: the mean train loss, the spread (std) of p(positive) over the training
 slides as seen in training, the held-out loss, AUC and spread, and for attention pools the attention mass on the
-lesion boxes of held-out positives. Each variant changes one thing against ``torch_init`` (PyTorch's default layer
-init, what ``tiny`` has) so the plateau's length can be compared variant by variant. Every figure it prints
-is *measured* on the machine that runs it.
+lesion boxes of held-out positives and the pointing game (hits on positives with a look-alike, and without). Each
+variant changes one thing against ``torch_init`` (PyTorch's default layer init, what ``tiny`` has) so the plateau's
+length can be compared variant by variant. Every figure it prints is *measured* on the machine that runs it.
 """
 
 from __future__ import annotations
@@ -48,11 +48,15 @@ VARIANTS = (
     "topk16",
     "topk64",
     "inst_aux",
+    "score_mil",
     "head_warmup",
     "head_warmup_patch",
 )
 # inst_aux: CLAM's bag / instance weighting (bag loss 0.7, instance loss 0.3) and the instance positions per slide
 INST_WEIGHT, INST_K = 0.3, 8
+# score_mil: the attention scores read as instance logits as well, their maximum pushed towards the slide's label (max-
+# pooling MIL on the scores: a softmax ignores the scores' level, so this only adds what a level means); its weight
+SCORE_MIL_WEIGHT = 0.5
 # head_warmup: head-only AdamW steps on the frozen initial trunk's maps before end-to-end training (the frozen-feature
 # baseline's head made 5,816 in its budget, docs/plateau.md section 5)
 WARMUP_STEPS = 2000
@@ -169,6 +173,23 @@ def instance_loss(cam: torch.Tensor, y: int, k: int = INST_K) -> torch.Tensor:
     return F.binary_cross_entropy_with_logits(z, torch.cat([torch.ones_like(top), torch.zeros_like(bottom)]))
 
 
+def score_mil_loss(model: nn.Module, x: torch.Tensor, y: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slide's logits (1, 2) and the max-instance loss of its attention scores: BCE(max_p s_p, y)."""
+    hs = model[:3](x)  # normalize, features, attention: (1, C + 1, h, w)
+    top = hs[:, -1].amax((1, 2))  # (1,): the highest score on the map
+    return model[3:](hs), F.binary_cross_entropy_with_logits(top, torch.full_like(top, float(y)))
+
+
+def pointing(model: nn.Module, x: torch.Tensor, boxes: list[dict[str, Any]]) -> bool:
+    """Whether the highest attention cell lies in a lesion box (the pointing game, as the benchmark scores it)."""
+    hs = model[:3](x)
+    a = model.pool.weights(hs)[0, 0]  # (h, w)
+    r, c = divmod(int(a.flatten().argmax()), a.shape[1])
+    s = model.stride
+    return any(b["kind"] == "lesion" and b["y0"] // s <= r < -(-b["y1"] // s) and b["x0"] // s <= c < -(-b["x1"] // s)
+               for b in boxes)  # fmt: skip
+
+
 def auc(y: list[int], p: list[float]) -> float:
     pos = [q for q, t in zip(p, y, strict=True) if t]
     neg = [q for q, t in zip(p, y, strict=True) if not t]
@@ -248,10 +269,14 @@ def run(variant: str, pool: str, seed: int, args: argparse.Namespace, data: tupl
                 loss = F.cross_entropy(logits, torch.tensor([ys[i]]))
                 aux = instance_loss(cam, ys[i])
                 ((1 - INST_WEIGHT) * loss + INST_WEIGHT * aux).backward()  # the logged loss stays the bag's
+            elif variant == "score_mil":
+                logits, aux = score_mil_loss(model, x, ys[i])
+                loss = F.cross_entropy(logits, torch.tensor([ys[i]]))
+                (loss + SCORE_MIL_WEIGHT * aux).backward()
             else:
                 logits = model(x)
                 loss = F.cross_entropy(logits, torch.tensor([ys[i]]))
-            if variant != "inst_aux":
+            if variant not in ("inst_aux", "score_mil"):
                 (loss / accumulate).backward()  # as train.accumulate: the mean gradient of ``accumulate`` slides a step
             if (k + 1) % accumulate == 0 or k + 1 == len(order):
                 opt.step()
@@ -263,17 +288,25 @@ def run(variant: str, pool: str, seed: int, args: argparse.Namespace, data: tupl
             hp = [float(torch.softmax(model(images[i].float() / 255), 1)[0, 1]) for i in held]
             hy = [ys[i] for i in held]
             hl = float(np.mean([-np.log(max(p if y else 1 - p, 1e-12)) for p, y in zip(hp, hy, strict=True)]))
-            mass = None
+            mass, hits = None, None
             if pool in zoo.ATTENTION_POOLS:
                 mass = float(np.mean([lesion_mass(model, images[i].float() / 255, side[names[i]]["boxes"])
                                       for i in held if ys[i]]))  # fmt: skip
+                # pointing hits on held-out positives that carry a look-alike too / that do not
+                split = {True: [0, 0], False: [0, 0]}
+                for i in (i for i in held if ys[i]):
+                    boxes = side[names[i]]["boxes"]
+                    cell = split[any(b["kind"] != "lesion" for b in boxes)]
+                    cell[0] += pointing(model, images[i].float() / 255, boxes)
+                    cell[1] += 1
+                hits = {"with_lookalike": split[True], "without": split[False]}
         # "steps": slides seen (one optimizer step per slide unless accumulating)
         row = {"epoch": epoch + 1, "steps": (epoch + 1) * len(order), "train_loss": round(float(np.mean(losses)), 4),
                "train_p_spread": round(float(np.std(ps)), 4), "held_loss": round(hl, 4),
                "held_auc": round(auc(hy, hp), 3), "held_acc": round(float(np.mean([(p > 0.5) == y for p, y in
                                                                                    zip(hp, hy, strict=True)])), 3),
                "held_p_spread": round(float(np.std(hp)), 4), "lesion_mass": None if mass is None else round(mass, 4),
-               "wall_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
+               "pointing": hits, "wall_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
         out["epochs"].append(row)
         print(variant, pool, seed, json.dumps(row), flush=True)
     out["plateau_steps"] = plateau_steps(out["epochs"])

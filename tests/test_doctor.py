@@ -77,6 +77,8 @@ def test_doctor_without_calibrate_on_cpu_says_it_is_behind_the_flag(
     report = json.loads((tmp_path / "doctor.json").read_text())
     cal = [c for c in report["checks"] if c["name"] == "time model calibration"][0]
     assert cal["status"] == "not run: no CUDA device; CPU calibration is behind --calibrate"
+    used = [c for c in report["checks"] if c["name"] == "time model plan and fit use"][0]
+    assert used["figures"]["source"] == DEFAULT_TIME_MODEL and used["detail"].startswith(DEFAULT_TIME_MODEL)
     failing = checks.Check("exactness on cpu (float64, tiled vs plain)", "failed", "outputs differ")
     monkeypatch.setattr("wsitrain.doctor.command.exactness", lambda device, size=128: failing)
     assert run_doctor(out=tmp_path / "2", cpu=True, fast=True) == 1  # a failed check is exit 1
@@ -94,6 +96,18 @@ def test_calibration_round_trips_and_matches_only_its_device(cal_dir: Path) -> N
     assert time_model_for("cuda", "nvidia h100 80gb hbm3") == default_time_model("cuda")  # same file, other name
     assert time_model_for("cpu", H100) == default_time_model("cpu")  # a GPU's constants never plan a CPU
     assert time_model_for("cuda", None).source == DEFAULT_TIME_MODEL
+
+
+def test_doctor_names_the_time_model_plan_and_fit_use_on_a_card(cal_dir: Path) -> None:
+    from wsitrain.doctor.command import time_model_in_use
+
+    preset = time_model_in_use(torch.device("cuda"), H100)  # a device object only: no CUDA call
+    assert preset.figures["source"].startswith(CLOCK_SOURCE) and "h100 preset" in preset.figures["source"]
+    assert "simulated clock: the h100 preset's constants" in preset.detail
+    write_calibration(cal_for(H100))
+    calibrated = time_model_in_use(torch.device("cuda"), H100)
+    assert calibrated.figures["source"] == f"calibrated on {H100} on 2026-11-23"
+    assert calibrated.figures["byte_flops"] == 40.0 and "byte = 40 FLOPs" in calibrated.detail
 
 
 def test_plan_uses_the_calibration_of_the_card_it_plans_for(cal_dir: Path) -> None:

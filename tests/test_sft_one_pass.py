@@ -98,6 +98,8 @@ def test_one_pass_is_exact_on_other_grids(tile: int) -> None:
     x = torch.randn(1, 3, 97, 71, dtype=torch.float64)
     p, _ = run(model, x, cross_entropy, tile_size=tile)
     assert last(p).one_pass and last(p).n_tiles > 1
+    g = last(p).tile_grid
+    assert p.brief.endswith(f"tiled {g[0]}x{g[1]} one pass")  # what the GPU kit records and fit_clock.py replays
 
 
 def test_input_gradient_through_a_one_pass_segment() -> None:

@@ -28,7 +28,13 @@ from wsitrain.doctor.checks import Check, exactness, not_run, peak_under_cap, wo
 from wsitrain.doctor.figure8 import FIG8_SIZES, SMOKE_SIZES, figure8_configs, run_figure8
 from wsitrain.doctor.gpu_tests import GPU_TESTS, run_gpu_tests
 from wsitrain.doctor.report import markdown, write_json
-from wsitrain.sft.planning.calibration import calibration_dir, device_name, time_model_for, write_calibration
+from wsitrain.sft.planning.calibration import (
+    calibration_dir,
+    device_name,
+    run_time_model,
+    time_model_for,
+    write_calibration,
+)
 from wsitrain.units import format_bytes, parse_bytes
 from wsitrain.write_errors import named_write_errors
 
@@ -99,6 +105,7 @@ def run_doctor(
     else:
         why = "no CUDA device; CPU calibration is behind --calibrate" if not cuda else "--no-calibrate given"
         add(not_run("time model calibration", why))
+    add(time_model_in_use(device, name))
     if figure8:
         _figure8(device, fast, cap_bytes, meta, out, extra, say)
     meta["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
@@ -146,6 +153,17 @@ def _calibrate(device: torch.device, name: str, fast: bool, out: Path, extra: di
     return Check("time model calibration", status, f"byte = {cal.byte_flops:.3g} FLOPs, call = {cal.call_flops:.3g} "
                  f"FLOPs, {cal.flops_per_second:.3g} FLOP/s; {where} ({path})",
                  {"path": str(path), "dir": str(calibration_dir())}, time.perf_counter() - t0)  # fmt: skip
+
+
+def time_model_in_use(device: torch.device, name: str) -> Check:
+    """The constants ``plan`` and ``fit`` plan with on this device now (after a calibration installed above): a
+    calibration, the clock's constants of the speed preset the card's name matches, or the device's defaults."""
+    tm, speed = run_time_model(device.type, name, True)
+    clock = f"; simulated clock: the {speed.name} preset's constants" if speed is not None else ""
+    return Check("time model plan and fit use", "passed", f"{tm.source}: byte = {tm.byte_flops:.3g} FLOPs, call = "
+                 f"{tm.call_flops:.3g} FLOPs, tiled FLOPs x {tm.tile_flop_factor:.3g}{clock}",
+                 {"source": tm.source, "byte_flops": tm.byte_flops, "call_flops": tm.call_flops,
+                  "tile_flop_factor": tm.tile_flop_factor})  # fmt: skip
 
 
 def _figure8(

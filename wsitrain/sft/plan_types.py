@@ -75,6 +75,15 @@ class SegmentPlan:
         return self.forward_regions or self.regions
 
     @property
+    def brief(self) -> str:
+        """"plain", "tiled 3x3", "tiled 3x3 (forward 1x1)" (the forward sweep on its own tiles), "tiled 3x3 one pass":
+        what a replay of the plan on the simulated clock must reproduce (scripts/gpu_session.py, fit_clock.py)."""
+        if self.mode != "tiled":
+            return self.mode
+        own = f" (forward {self.forward_grid[0]}x{self.forward_grid[1]})" if self.forward_grid else ""
+        return f"tiled {self.tile_grid[0]}x{self.tile_grid[1]}{own}{' one pass' if self.one_pass else ''}"
+
+    @property
     def checkpoint_home(self) -> str:
         """Where the segment's input lives: "device", "host" (RAM) or "disk" (a mapped file in engine.spill_dir)."""
         if self.checkpoint_location == "host" and self.spilled:
@@ -156,6 +165,11 @@ class Plan:
         if not self.time_plain:
             return 1.0
         return (self.time_sft - (1.0 - min(1.0, max(0.0, tissue))) * self.time_tiles) / self.time_plain
+
+    @property
+    def brief(self) -> str:
+        """Each segment's ``brief``, in order: "plain, tiled 2x2 (forward 1x1), plain" (no "|": it goes into tables)."""
+        return ", ".join(s.brief for s in self.segments)
 
     @property
     def tiled_segments(self) -> tuple[SegmentPlan, ...]:

@@ -50,7 +50,7 @@ def held_sums(sess: PlanSession, opt: SegOption) -> int:
     """What a one-pass segment (one_pass.py) holds from its forward to its backward: the gradient sums it scales
     then (its input's, when that is on the device and wants one, and its parameters')."""
     grad_in = 0 if opt.in_host else sess.grad_bytes(opt.start)
-    return grad_in + sum(sess.facts.nodes[i].param_bytes for i in range(opt.start + 1, opt.end + 1))
+    return grad_in + sess.param_bytes_between(opt.start, opt.end)
 
 
 def one_pass_forward_extra(sess: PlanSession, opt: SegOption) -> int:
@@ -130,7 +130,7 @@ def tiled_option(
     tf = tile_choice(sess, start, end, fwd_edge, staged=in_host) if fwd_edge not in (None, edge) else None
     in_dev, out = (0 if in_host else sess.device_bytes(start)), output_node(sess, start, end)
     grad_in = 0 if in_host else sess.grad_bytes(start)
-    seg_param_grads = sum(sess.facts.nodes[i].param_bytes for i in range(start + 1, end + 1))
+    seg_param_grads = sess.param_bytes_between(start, end)
     local_fwd = in_dev + sess.nbytes(out) + (tf or t).fwd_peak
     local_bwd = in_dev + sess.grad_bytes(out) + grad_in + t.bwd_peak + seg_param_grads
     moved = 5 * sess.nbytes(start) if in_host else 0  # out and grad down, tiles up twice, grad tiles up
@@ -174,7 +174,7 @@ def path_ops(sess: PlanSession, path: tuple[SegOption, ...]) -> list[SimOp]:
                 else opt.tile.bwd_peak + (2 * opt.tile.out_tile_bytes if to_host else 0),
                 requires_grad=f.nodes[opt.end].requires_grad,
                 grad_inputs=(f.nodes[opt.start].requires_grad,),
-                param_grad_bytes=sum(f.nodes[i].param_bytes for i in range(opt.start + 1, opt.end + 1)),
+                param_grad_bytes=sess.param_bytes_between(opt.start, opt.end),
                 label=f"segment {f.name(opt.start + 1)}..{f.name(opt.end)}",
             )
         )

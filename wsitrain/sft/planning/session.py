@@ -54,6 +54,10 @@ class PlanSession:
         self.grads_after = after
 
     # ---- basic facts ---------------------------------------------------------------------------
+    def param_bytes_between(self, start: int, end: int) -> int:
+        """The parameter bytes of nodes start+1..end (segment (start, end]'s), from the suffix sums."""
+        return self.grads_after[start + 1] - self.grads_after[end + 1]
+
     def nbytes(self, i: int) -> int:
         return self.facts.nodes[i].nbytes
 

@@ -144,12 +144,16 @@ def tile_choice(sess: PlanSession, start: int, end: int, edge: int, staged: bool
     nodes = list(range(start + 1, end + 1))
     geo = tile_geometry(sess, start, end, edge)
     at_segment(start, end)
-    rows, cols = geo.rows, geo.cols
-    # the largest tile's working set: per node the largest extent along each axis
-    mx_h = {i: max(_extent(t, i) for t, _ in rows) for i in [start, *nodes]}
-    mx_w = {i: max(_extent(t, i) for t, _ in cols) for i in [start, *nodes]}
-    elem = {i: f.nodes[i].nbytes // max(1, math.prod(f.nodes[i].shape)) for i in [start, *nodes]}
-    tb = {i: tile_numel(f.nodes[i].spec, f.nodes[i].shape, mx_h[i], mx_w[i]) * elem[i] for i in [start, *nodes]}
+    # per node: the largest tile's bytes (its working set) and the elements over all tiles (halos included); a
+    # node after the start has the same tiles whatever the start (_planning_axis_tile), so segments sharing an end
+    # and edge share these (planning FBNetV3 at 45% of its plain memory: 8,263 tile choices, 101 ends and edges)
+    shared = _node_tiles(sess, end, edge)
+    for i in nodes:
+        if i not in shared:
+            shared[i] = _tiles_of(f, geo, i)
+    own = _tiles_of(f, geo, start)  # the start's region is what its segment needs, not what an earlier one computed
+    tb = {start: own.largest_bytes, **{i: shared[i].largest_bytes for i in nodes}}
+    total = {start: own.numel_all, **{i: shared[i].numel_all for i in nodes}}
 
     # the image crop is staged to the device, and an integer image is converted per tile
     image_staged = start == 0 and (sess.input_on_host or not f.input_dtype.is_floating_point)
@@ -175,22 +179,46 @@ def tile_choice(sess: PlanSession, start: int, end: int, edge: int, staged: bool
     casts = cast_bytes(f, nodes)  # held through every tile of a sweep
     fwd, bwd = fwd + casts, bwd + casts
     work = sweep = alone = Work()
-    sums = {i: (sum(_extent(t, i) * m for t, m in rows), sum(_extent(t, i) * m for t, m in cols)) for i in tb}
-
-    def numel(i: int) -> int:  # elements of node i over all tiles (halos included)
-        return tile_numel(f.nodes[i].spec, f.nodes[i].shape, *sums[i])
-
     for i in nodes:
-        ins = sum(numel(v) for v in f.nodes[i].inputs if v in sums)
-        out_n = numel(i)
+        ins = sum(total[v] for v in f.nodes[i].inputs if v in total)
+        out_n = total[i]
         both, recompute = sess.tile_node_work(i, out_n, ins, geo.n_tiles)
         work = work + both + recompute
         sweep = sweep + recompute
         alone = alone + (recompute if geo.n_tiles > 1 else forward_work(f, i, out_n, ins, 1, sess.tm, tiled=False))
-    choice = TileChoice(edge, fwd, bwd, work.flops, work.time, (mx_h[start], mx_w[start]), geo.halo, geo.core, tb[end],
-                        sweep, alone, geo.grid)  # fmt: skip
+    choice = TileChoice(edge, fwd, bwd, work.flops, work.time, own.largest_hw, geo.halo, geo.core, tb[end], sweep,
+                        alone, geo.grid)  # fmt: skip
     sess._tiles[key] = choice
     return choice
+
+
+@dataclass(frozen=True)
+class NodeTiles:
+    """One node's share of a segment's tiles."""
+
+    largest_hw: tuple[int, int]  # the largest tile's extent along H and W (each axis's largest)
+    largest_bytes: int  # that tile's bytes
+    numel_all: int  # elements over all tiles, halos included
+
+
+def _tiles_of(f: GraphFacts, geo: TileGeometry, i: int) -> NodeTiles:
+    spec, shape = f.nodes[i].spec, f.nodes[i].shape
+    h = max(_extent(t, i) for t, _ in geo.rows)
+    w = max(_extent(t, i) for t, _ in geo.cols)
+    elem = f.nodes[i].nbytes // max(1, math.prod(shape))
+    all_h = sum(_extent(t, i) * m for t, m in geo.rows)
+    all_w = sum(_extent(t, i) * m for t, m in geo.cols)
+    return NodeTiles((h, w), tile_numel(spec, shape, h, w) * elem, tile_numel(spec, shape, all_h, all_w))
+
+
+def _node_tiles(sess: PlanSession, end: int, edge: int) -> dict[int, NodeTiles]:
+    """The per-node tiles segments ending at ``end`` with ``edge`` share (nodes after their start; memoized in the
+    session, which lives for one plan)."""
+    key = ("nodes", end, edge)
+    memo = sess._tiles.get(key)
+    if not isinstance(memo, dict):
+        memo = sess._tiles[key] = {}
+    return memo
 
 
 def cast_bytes(f: GraphFacts, nodes: list[int]) -> int:
@@ -210,7 +238,7 @@ def reuse_bytes(sess: PlanSession, start: int, end: int, tb: dict[int, int], cro
     staged from host memory).
     """
     f = sess.facts
-    params = sum(f.nodes[i].param_bytes for i in range(start + 1, end + 1))
+    params = sess.param_bytes_between(start, end)
     fused = end == f.trunk_end and f.fusion is not None
     kind = f.fusion.kind if fused and f.fusion is not None else None
     g = 0 if kind == AVG else 2 * tb[end] if kind == AMAX else tb[end]

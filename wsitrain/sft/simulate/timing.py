@@ -13,6 +13,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from wsitrain.gpu_speed import GpuSpeed
+from wsitrain.sft.planning.costs import TimeModel
 from wsitrain.sft.simulate.clock import ClockReading, OpClock
 from wsitrain.sft.simulate.fast_ops import FAST_OPS
 from wsitrain.sft.simulate.runtime import DEVICE_TYPE
@@ -38,14 +39,16 @@ def clock_sft_step(
     target: TargetDevice | None = None,
     every_tile: bool = False,
     tile_size: int | None = None,
+    time_model: TimeModel | None = None,
 ) -> tuple[ClockReading, SimulatedStep, OpClock]:
     """One ``SFT`` step (the image a uint8 host tensor, as ``fit`` feeds it) on the simulated device, timed for
     ``speed``'s card in ``precision``. The step's memory figures are valid in fp32 only (see simulate_step). The
-    clock is returned too: ``clock.reading(other_speed, precision)`` prices the same step with other constants."""
+    clock is returned too: ``clock.reading(other_speed, precision)`` prices the same step with other constants.
+    ``time_model``: the planner's constants (None: the device's defaults), as ``SFT(time_model=...)``."""
     clock = OpClock(precision in LOW_PRECISION)
     sim = simulate_step(
         model, shape, memory_budget, optimizer=optimizer, target=target, every_tile=every_tile, clock=clock,
-        act_dtype=_act(precision), tile_size=tile_size,
+        act_dtype=_act(precision), tile_size=tile_size, time_model=time_model,
     )  # fmt: skip
     return clock.reading(speed, precision), sim, clock
 

@@ -1,0 +1,81 @@
+"""scripts/fit_clock.py --kit: a GPU kit's measured cases replayed on the simulated clock, and both factors refitted.
+
+The kit's JSONL is written here by hand, as scripts/gpu_session.py writes it on a card (its CPU run is tested in
+test_gpu_session.py); the "measured" seconds are made up, so what is checked is the replay and the refit, not a card.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import pytest
+from script_module import load_script
+
+from wsitrain.sft.planning.calibration import run_time_model
+
+H200 = "NVIDIA H200"
+CAPPED_PLAN = "tiled 3x3 (forward 2x2), tiled 2x2 (forward 1x1), plain"  # tiny, 1024 px, 175 MiB, the H200 preset
+
+
+def _row(run: str, step_s: float, **kw: object) -> dict[str, object]:
+    base = {"model": "tiny", "run": run, "size": 1024, "device": H200, "patches": 0, "patch": 64,
+            "channels_last": False, "cudnn_benchmark": False, "constants": "run", "budget": None, "status": "ok",
+            "step_s": step_s, "mpx_per_s": 1.0, "first_step_s": 1.0}  # fmt: skip
+    return {**base, **kw}
+
+
+def _kit(path: Path, device: str = H200) -> Path:
+    tm = dataclasses.asdict(run_time_model("cuda", H200, True)[0])
+    sft = {"budget": "175MiB", "budget_bytes": 175 * 2**20, "time_model": tm, "large_conv": False}
+    rows = [
+        _row("plain, 4 patches of 64 px, channels_last", 0.001, patches=4, channels_last=True),
+        _row("plain, one image, NCHW", 0.0008),
+        _row("plain, one image, channels_last", 0.003, channels_last=True),
+        _row("SFT, capped at 175MiB, cudnn.benchmark off", 0.005, plan=CAPPED_PLAN, **sft),
+        # the kit recorded another plan than the replay makes: flagged, not hidden
+        _row("SFT, capped at 175MiB, default constants' plan", 0.008, plan="plain",
+             **{**sft, "time_model": None}, constants="default"),  # fmt: skip
+        _row("SFT, capped at 10MiB", 0.5, plan="plain", **{**sft, "budget": "10MiB", "budget_bytes": 10 * 2**20}),
+        {**_row("SFT, capped at 1KiB", 0.0), "status": "oom"},  # not measured: not replayed
+    ]
+    for r in rows:
+        r["device"] = device
+    path.write_text("\n".join(json.dumps(r) for r in [*rows, {"breakdown": {"seconds": {}}}]) + "\n")
+    return path
+
+
+def _off(cell: str) -> float:
+    return float(cell.rstrip("%"))
+
+
+def _cells(table: str, run: str) -> list[str]:
+    line = next(x for x in table.splitlines() if x.startswith(f"| tiny | {run}"))
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
+def test_every_measured_case_is_replayed_and_the_two_fit_cases_are_met(tmp_path: Path) -> None:
+    fc = load_script("fit_clock")
+    table = fc.kit_table(_kit(tmp_path / "kit.jsonl"))
+    rows = [x for x in table.splitlines() if x.startswith("| tiny |")]
+    assert len(rows) == 6  # the oom row and the breakdown line are not cases
+    plain = _cells(table, "plain, one image, NCHW")
+    capped = _cells(table, "SFT, capped at 175MiB, cudnn.benchmark off")
+    assert plain[2] == "0.001 s" and abs(_off(plain[6])) < 0.05  # refitted on it
+    assert abs(_off(capped[6])) < 0.05 and capped[7] == CAPPED_PLAN  # refitted on it, with the plan the card ran
+    assert abs(_off(capped[4])) > 1  # the preset's constants do not meet made-up figures
+    fitted = re.search(r"Refitted: conv_efficiency ([0-9.]+) .* tile_conv_efficiency ([0-9.]+) \(on tiny", table)
+    assert fitted is not None and 0 < float(fitted[1]) < 1 and 0 < float(fitted[2]) < 1
+    default = _cells(table, "SFT, capped at 175MiB, default constants' plan")
+    assert default[7].startswith("plain / **tiled") and "differs from the one the card ran" in table
+    assert "not replayed" in _cells(table, "SFT, capped at 10MiB")[3]
+    assert "memory-format" in _cells(table, "plain, one image, channels_last (")[1]
+
+
+def test_a_card_without_speed_constants_is_refused_naming_the_file(tmp_path: Path) -> None:
+    fc = load_script("fit_clock")
+    path = _kit(tmp_path / "kit.jsonl", device="Some Future GPU")
+    with pytest.raises(SystemExit, match=r"kit\.jsonl: the card 'Some Future GPU' matches no speed preset"):
+        fc.kit_table(path)
