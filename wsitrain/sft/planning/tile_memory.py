@@ -146,7 +146,8 @@ def tile_choice(sess: PlanSession, start: int, end: int, edge: int, staged: bool
     at_segment(start, end)
     # per node: the largest tile's bytes (its working set) and the elements over all tiles (halos included); a
     # node after the start has the same tiles whatever the start (_planning_axis_tile), so segments sharing an end
-    # and edge share these (planning FBNetV3 at 45% of its plain memory: 8,263 tile choices, 101 ends and edges)
+    # and edge share these (timm EfficientNet-B0 at 8192 px, 2080 Ti preset: planned in 44.9 s against 56.0 s
+    # computing them per choice, the same plan; measured on one thread of the 2-core CPU)
     shared = _node_tiles(sess, end, edge)
     for i in nodes:
         if i not in shared:
