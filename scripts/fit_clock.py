@@ -131,21 +131,47 @@ class KitReplay:
         return self.plan == self.row.get("plan")
 
 
+# what every measured case of the kit records, and what its SFT cases add (scripts/gpu_session.py, run_case)
+KIT_KEYS = ("model", "run", "size", "device", "patches", "patch", "channels_last", "cudnn_benchmark", "constants",
+            "step_s")  # fmt: skip
+KIT_SFT_KEYS = ("budget", "budget_bytes", "time_model", "large_conv")
+
+
+class KitError(Exception):
+    """A kit file the replay cannot use; the message names the file (and line) and how to fix it."""
+
+
 def kit_rows(path: Path) -> list[dict[str, Any]]:
-    """The cases a kit measured (status ok), without its breakdown line."""
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in rows if "run" in r and r.get("status") == "ok"]
+    """The cases a kit measured (status ok), without its breakdown line; KitError for a line that is not a case of
+    the kit's format (not JSON, or written by a kit older than the replay)."""
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise KitError(f"{path}:{n}: not JSON ({e.msg}); pass the gpu_session.jsonl scripts/gpu_session.py "
+                           "wrote") from None  # fmt: skip
+        if not isinstance(row, dict) or "run" not in row or row.get("status") != "ok":
+            continue
+        missing = [k for k in KIT_KEYS + (KIT_SFT_KEYS if "plan" in row else ()) if k not in row]
+        if missing:
+            raise KitError(f"{path}:{n}: case {row['run']!r} lacks {', '.join(missing)}: written by a kit older than "
+                           "the replay; run scripts/gpu_session.py again")  # fmt: skip
+        rows.append(row)
+    return rows
 
 
 def kit_speed(path: Path, rows: list[dict[str, Any]]) -> tuple[str, GpuSpeed]:
-    """The speed preset (and its constants) of the one card the kit ran on; SystemExit naming the file otherwise."""
+    """The speed preset (and its constants) of the one card the kit ran on; KitError naming the file otherwise."""
     names = sorted({str(r["device"]) for r in rows})
     if len(names) != 1:
-        raise SystemExit(f"error: {path}: expected the cases of one card, found {names or 'no measured case'}")
+        raise KitError(f"{path}: expected the cases of one card, found {names or 'no measured case'}")
     preset = speed_preset_of(names[0])
     speed = gpu_speed(preset)
     if preset is None or speed is None:
-        raise SystemExit(f"error: {path}: the card {names[0]!r} matches no speed preset of wsitrain/gpu_speed.py "
+        raise KitError(f"{path}: the card {names[0]!r} matches no speed preset of wsitrain/gpu_speed.py "
                          "(add its constants there first)")  # fmt: skip
     return preset, speed
 
@@ -177,7 +203,8 @@ def _fit_rows(replays: list[KitReplay]) -> tuple[KitReplay, KitReplay | None]:
     capped = [r for r in mine if r.plan is not None and r.row.get("budget") and not r.row["cudnn_benchmark"]
               and r.row["constants"] == "run"]  # fmt: skip
     if not plain:
-        raise SystemExit(f"error: the kit has no plain NCHW step of {first} to fit the convolution rate on")
+        raise KitError(f"the kit has no measured plain NCHW step of {first} to fit the convolution rate on; run "
+                       "scripts/gpu_session.py with its default cases")
     return plain[0], capped[0] if capped else None
 
 
@@ -232,17 +259,21 @@ def kit_table(path: Path) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--host-op-us", type=float, nargs="*", default=[], help="host costs per operator to refit at")
     parser.add_argument("--kit", type=Path, help="a GPU kit's JSONL (scripts/gpu_session.py): replay its cases")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.kit is not None:
-        if not args.kit.is_file():
-            print(f"error: --kit {args.kit}: no such file (scripts/gpu_session.py writes gpu_session.jsonl)",
-                  file=sys.stderr)  # fmt: skip
-            raise SystemExit(2)
-        print(kit_table(args.kit))
+        try:
+            if not args.kit.is_file():
+                raise KitError(f"--kit {args.kit}: no such file (scripts/gpu_session.py writes gpu_session.jsonl)")
+            rows = kit_rows(args.kit)  # every line checked before the first (minutes long) replay
+            kit_speed(args.kit, rows)
+            print(kit_table(args.kit))
+        except KitError as e:
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
         return
     base = gpu_speed("h200")
     assert base is not None

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import re
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from script_module import load_script
@@ -74,8 +75,35 @@ def test_every_measured_case_is_replayed_and_the_two_fit_cases_are_met(tmp_path:
     assert "memory-format" in _cells(table, "plain, one image, channels_last (")[1]
 
 
-def test_a_card_without_speed_constants_is_refused_naming_the_file(tmp_path: Path) -> None:
+def _exit_2(fc: ModuleType, path: Path, capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as e:
+        fc.main(["--kit", str(path)])
+    assert e.value.code == 2
+    out = capsys.readouterr()
+    assert out.out == ""  # no table, nothing half written
+    return out.err
+
+
+def test_a_card_without_speed_constants_is_refused_naming_the_file(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     fc = load_script("fit_clock")
     path = _kit(tmp_path / "kit.jsonl", device="Some Future GPU")
-    with pytest.raises(SystemExit, match=r"kit\.jsonl: the card 'Some Future GPU' matches no speed preset"):
+    with pytest.raises(fc.KitError, match=r"kit\.jsonl: the card 'Some Future GPU' matches no speed preset"):
         fc.kit_table(path)
+    assert "the card 'Some Future GPU' matches no speed preset" in _exit_2(fc, path, capsys)
+
+
+def test_a_kit_file_the_replay_cannot_read_is_exit_2_naming_file_and_line(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    fc = load_script("fit_clock")
+    assert "no such file" in _exit_2(fc, tmp_path / "absent.jsonl", capsys)
+    path = _kit(tmp_path / "kit.jsonl")
+    lines = path.read_text().splitlines()
+    (tmp_path / "cut.jsonl").write_text("\n".join(lines[:2] + ['{"run": "SFT', *lines[2:]]) + "\n")
+    assert "cut.jsonl:3: not JSON" in _exit_2(fc, tmp_path / "cut.jsonl", capsys)
+    old = [json.loads(x) for x in lines]
+    del old[3]["time_model"]  # the capped SFT case, as a kit before the replay wrote it
+    (tmp_path / "old.jsonl").write_text("\n".join(json.dumps(r) for r in old) + "\n")
+    err = _exit_2(fc, tmp_path / "old.jsonl", capsys)
+    assert "old.jsonl:4: case 'SFT, capped at 175MiB, cudnn.benchmark off' lacks time_model" in err
+    assert "run scripts/gpu_session.py again" in err
