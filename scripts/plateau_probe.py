@@ -29,7 +29,7 @@ from torch import nn
 from wsitrain.models import zoo
 from wsitrain.sft.ops.topk_pool import MaskedTopKMean
 from wsitrain.slides.synth import write_synthetic_dataset
-from wsitrain.slides.synth.lesions import read_sidecar
+from wsitrain.slides.synth.lesions import LESION_MODES, read_sidecar
 
 # The plateau ends at the first epoch whose mean training loss is <= 0.6 (chance is ln 2 = 0.693; on the plateau it
 # stays 0.68-0.72, measured, docs/plateau.md). Not the spread of p: a large init starts with a spread it has not learnt.
@@ -62,13 +62,13 @@ SCORE_MIL_WEIGHT = 0.5
 WARMUP_STEPS = 2000
 
 
-def load_cohort(cohort: Path, n: int, size: int, crop: int | None = None
+def load_cohort(cohort: Path, n: int, size: int, crop: int | None = None, lesions: str = "small"
                 ) -> tuple[list[torch.Tensor], list[int], list[str], dict[str, Any]]:  # fmt: skip
     """The cohort's level-0 images; with ``crop``, a ``crop`` px window around each slide's first structure (a
     lesion on positives, a look-alike distractor on negatives: no shortcut), its boxes moved into the window."""
     import openslide
 
-    labels_csv = write_synthetic_dataset(cohort, n=n, size=size, seed=0, lesions="small")
+    labels_csv = write_synthetic_dataset(cohort, n=n, size=size, seed=0, lesions=lesions)
     side = read_sidecar(cohort)["slides"]
     rows = list(csv.DictReader(labels_csv.open()))
     images, ys, names = [], [], []
@@ -333,13 +333,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default="torch_init,he_init")
     ap.add_argument("--crop", type=int, default=None, help="a window around each slide's first structure, px")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--lesions", choices=[m for m in LESION_MODES if m != "none"], default="small",
+                    help="the cohort's kind (wsitrain synth --lesions)")
     args = ap.parse_args(argv)
     unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
     if unknown:
         print(f"error: unknown --variants {unknown}; choose from {', '.join(VARIANTS)}", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
-    data = load_cohort(args.cohort, args.n, args.size, args.crop)
+    data = load_cohort(args.cohort, args.n, args.size, args.crop, args.lesions)
     with args.out.open("a") as f:
         for seed in (int(s) for s in args.seeds.split(",")):
             for pool in args.pools.split(","):

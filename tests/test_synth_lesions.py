@@ -58,6 +58,32 @@ def test_lesions_on_positives_only_one_to_three() -> None:
     assert counts[True] == {1, 2, 3}  # the range is used, not one fixed count
 
 
+def test_paired_puts_a_look_alike_on_every_slide() -> None:
+    """``--lesions paired``: two or three structures on every slide, at least one a look-alike in both classes, so a
+    look-alike's presence says nothing of the label; positives keep one or two lesions."""
+    counts: dict[bool, set[tuple[int, int]]] = {True: set(), False: set()}
+    for seed in range(12):
+        for positive in (True, False):
+            kinds = _kinds(LesionScene(1024, 1024, positive, seed, paired=True))
+            counts[positive].add((len(kinds), kinds.count("lesion")))
+            assert 2 <= len(kinds) <= 3 and kinds.count("distractor") >= 1
+    assert {n for n, _ in counts[True]} == {n for n, _ in counts[False]} == {2, 3}  # same structure counts
+    assert {k for _, k in counts[True]} == {1, 2} and {k for _, k in counts[False]} == {0}
+    # the default mode's draws are untouched: the same seed gives the same scene as before the mode existed
+    assert _kinds(LesionScene(1024, 1024, True, 3)) == _kinds(LesionScene(1024, 1024, True, 3, paired=False))
+
+
+def test_paired_dataset_is_its_own_cache(tmp_path: Path) -> None:
+    write_synthetic_dataset(tmp_path, n=4, size=512, seed=1, lesions="paired")
+    assert json.loads((tmp_path / MANIFEST).read_text())["params"]["lesions"] == "paired"
+    side = read_sidecar(tmp_path)
+    assert all(any(b["kind"] == "distractor" for b in e["boxes"]) for e in side["slides"].values())
+    stamp = (tmp_path / "slide_000.svs").stat().st_mtime_ns
+    write_synthetic_dataset(tmp_path, n=4, size=512, seed=1, lesions="small")  # another cohort: rewritten
+    assert (tmp_path / "slide_000.svs").stat().st_mtime_ns != stamp
+    assert json.loads((tmp_path / MANIFEST).read_text())["params"]["lesions"] == "small"
+
+
 def test_lesions_are_small_and_inside_the_slide() -> None:
     for seed in range(6):
         scene = LesionScene(2048, 2048, True, seed)
@@ -129,7 +155,7 @@ def test_default_mode_manifest_unchanged(tmp_path: Path) -> None:
 def test_bad_lesion_input_exits_2(tmp_path: Path) -> None:
     runner = CliRunner()
     r = runner.invoke(app, ["synth", str(tmp_path / "a"), "--lesions", "big"], env={"COLUMNS": "200"})
-    assert r.exit_code == 2 and "none, small" in r.output
+    assert r.exit_code == 2 and "none, small, paired" in r.output
     r = runner.invoke(app, ["synth", str(tmp_path / "b"), "--size", "256", "--lesions", "small"])
     assert r.exit_code == 2 and "too small" in r.output
     assert not (tmp_path / "b").exists()  # checked before any folder is made

@@ -464,8 +464,9 @@ def synth(
         "the rest val).",
     ),
     lesions: str = typer.Option(
-        "none", "--lesions", metavar="[none|small]",
-        help="small: 1-3 small lesions per positive slide and look-alike distractors, at 2.5 um/px (lesions.json).",
+        "none", "--lesions", metavar="[none|small|paired]",
+        help="small: 1-3 small lesions per positive slide and look-alike distractors, at 2.5 um/px (lesions.json); "
+        "paired: the same with a look-alike on every slide of either class.",
     ),  # fmt: skip
 ) -> None:
     """Write a synthetic labelled dataset of pyramidal SVS slides (for demos and tests).
@@ -477,10 +478,12 @@ def synth(
 
       wsitrain synth data/survival --task survival --n 48 --size 1024 --test-fraction 0.25
     """
-    if lesions not in ("none", "small"):
-        raise typer.BadParameter(f"{lesions!r} is not one of none, small", param_hint="'--lesions'")
+    from wsitrain.slides.synth.lesions import LESION_MODES
+
+    if lesions not in LESION_MODES:
+        raise typer.BadParameter(f"{lesions!r} is not one of {', '.join(LESION_MODES)}", param_hint="'--lesions'")
     if lesions != "none" and task != "classification":
-        raise typer.BadParameter("--lesions small makes classification slides; leave out --task",
+        raise typer.BadParameter(f"--lesions {lesions} makes classification slides; leave out --task",
                                  param_hint="'--lesions'")
     if task != "classification":
         write_task = _entry("wsitrain.slides.synth.targets", "write_task_dataset", "synth")

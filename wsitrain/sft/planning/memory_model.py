@@ -64,39 +64,45 @@ def simulate(
     gsize = grad_bytes or {}
     root: dict[int, int] = {v: v for v in initial}
     size: dict[int, int] = dict(initial)
-    for op in ops:
-        root[op.out] = root[op.alias_of] if op.alias_of is not None else op.out
-        if op.alias_of is None:
-            size[op.out] = op.out_bytes
     last_use: dict[int, int] = {}
     saved_first: dict[int, int] = {}  # storage -> earliest op saving it (freed after that op's backward)
-    for i, op in enumerate(ops):
+    for i, op in enumerate(ops):  # in topological order: an op's inputs and saved values have their roots already
+        if op.alias_of is None:
+            root[op.out] = op.out
+            size[op.out] = op.out_bytes
+        else:
+            root[op.out] = root[op.alias_of]
         for v in op.inputs:
             last_use[root[v]] = i
         if op.requires_grad:
             for v in op.saved:
                 saved_first.setdefault(root[v], i)
+    n = len(ops)
     for v in keep:
-        last_use[root[v]] = len(ops)
+        last_use[root[v]] = n
     for op in ops:  # an output nobody reads stays until the end (it is the result)
-        last_use.setdefault(root[op.out], len(ops))
+        last_use.setdefault(root[op.out], n)
 
+    # a running total of the live bytes: a replay of a tile's segment keeps every saved value live, so summing the
+    # live set per op made the replay quadratic in the segment's length (the planner replays tens of thousands)
     live: dict[int, int] = {root[v]: b for v, b in initial.items()}
+    live_total = sum(live.values())
     extras = 0
-    fpeak, flabel = fixed + sum(live.values()), "input"
+    fpeak, flabel = fixed + live_total, "input"
     for i, op in enumerate(ops):
         r = root[op.out]
         if op.alias_of is None:
+            live_total += op.out_bytes - live.get(r, 0)
             live[r] = op.out_bytes
-        cur = fixed + sum(live.values()) + extras + op.fwd_extra
+        cur = fixed + live_total + extras + op.fwd_extra
         if cur > fpeak:
             fpeak, flabel = cur, op.label
         if op.requires_grad:
             extras += op.extra_saved
-        for v in set(op.inputs) | {op.out}:
+        for v in (*op.inputs, op.out):  # a storage read twice is freed once: it is no longer live the second time
             s = root[v]
-            if last_use.get(s, -1) <= i and s not in saved_first and s in live:
-                del live[s]
+            if s in live and last_use.get(s, -1) <= i and s not in saved_first:
+                live_total -= live.pop(s)
     saved_bytes = sum(b for s, b in live.items() if s in saved_first) + extras
     if not backward:
         return SimResult(fpeak, 0, saved_bytes, flabel)

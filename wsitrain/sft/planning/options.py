@@ -8,7 +8,7 @@ from wsitrain.sft.ops.registry import SPATIAL_KINDS
 from wsitrain.sft.planning.memory_model import SimOp, SimResult, simulate
 from wsitrain.sft.planning.session import PlanSession
 from wsitrain.sft.planning.sweeps import sweep_flops_factor
-from wsitrain.sft.planning.tile_memory import TileChoice, tile_choice
+from wsitrain.sft.planning.tile_memory import ForwardTile, TileChoice, forward_tile, tile_choice
 from wsitrain.sft.trail import at_segment
 
 PLAIN = "plain"
@@ -29,14 +29,16 @@ class SegOption:
     fused: bool = False  # the global pool after the trunk folds this segment's tiles (its output never exists whole)
     in_host: bool = False  # the input checkpoint (and its gradient buffer) live in pinned host memory
     # the forward sweep's own, larger tiles (forward.py); None: it runs on ``tile``'s
-    fwd_tile: TileChoice | None = None
+    fwd_tile: ForwardTile | None = None
     # each tile's forward and backward together, in forward (one_pass.py): no forward sweep, no recompute
     one_pass: bool = False
 
     @property
-    def sweep_tile(self) -> TileChoice | None:
+    def sweep_tile(self) -> ForwardTile | None:
         """The tiles the forward sweep runs on."""
-        return self.fwd_tile or self.tile
+        if self.fwd_tile is not None:
+            return self.fwd_tile
+        return self.tile.forward if self.tile is not None else None
 
     def fwd_peak_extra(self, to_host: bool) -> int:
         """The forward sweep's working set above the segment's input and output: one tile, and with a host
@@ -125,9 +127,14 @@ def tiled_option(
 ) -> SegOption:
     """Tile (start, end] with ``edge``; with ``in_host`` its input checkpoint and that checkpoint's gradient
     buffer live in host memory (tiles are staged in, gradient tiles added back on the host). ``fwd_edge``: the
-    forward sweep's own edge (forward.py; a segment ``forward_may_widen`` allows), else it runs on ``edge``'s."""
+    forward sweep's own edge (forward.py; a segment ``forward_may_widen`` allows), else it runs on ``edge``'s.
+    Memoized in the session: the search asks again for every state that reaches ``start``."""
+    key = ("option", start, end, edge, in_host, fwd_edge)
+    memo = sess._tiles.get(key)
+    if isinstance(memo, SegOption):
+        return memo
     t = tile_choice(sess, start, end, edge, staged=in_host)
-    tf = tile_choice(sess, start, end, fwd_edge, staged=in_host) if fwd_edge not in (None, edge) else None
+    tf = forward_tile(sess, start, end, fwd_edge, staged=in_host) if fwd_edge not in (None, edge) else None
     in_dev, out = (0 if in_host else sess.device_bytes(start)), output_node(sess, start, end)
     grad_in = 0 if in_host else sess.grad_bytes(start)
     seg_param_grads = sess.param_bytes_between(start, end)
@@ -141,7 +148,9 @@ def tiled_option(
         time += tf.sweep_alone.time - t.sweep.time
     cost = sweeps * time + sess.target.host_byte_flops * moved
     fused = fuses_pool(sess, start, end)
-    return SegOption(start, end, TILED, t, local_fwd, local_bwd, in_dev, sweeps * flops, cost, fused, in_host, tf)
+    opt = SegOption(start, end, TILED, t, local_fwd, local_bwd, in_dev, sweeps * flops, cost, fused, in_host, tf)
+    sess._tiles[key] = opt
+    return opt
 
 
 def path_ops(sess: PlanSession, path: tuple[SegOption, ...]) -> list[SimOp]:

@@ -34,7 +34,8 @@ class PlanSession:
     # the last tiled segment may run in one pass where its head allows it (one_pass.py); False: never
     one_pass: bool = True
     _plain: dict[tuple[int, int], tuple[SimResult, float]] = field(default_factory=dict, repr=False)
-    _tiles: dict[tuple[int, ...], object] = field(default_factory=dict, repr=False)  # memo of tile_memory
+    # memo of tile_memory (tiles, their parts, geometry) and options.tiled_option, for the one plan this session makes
+    _tiles: dict[tuple[object, ...], object] = field(default_factory=dict, repr=False)
     _sweeps: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)  # memo of multipass
     _work: dict[tuple[int, int], Work] = field(default_factory=dict, repr=False)  # memo of plain_work
     # memos of tile replay steps and per-node work: a node's tile extents depend on the segment's end and tile

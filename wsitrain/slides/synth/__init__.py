@@ -231,7 +231,8 @@ def write_synthetic_dataset(
     """Write ``out_dir/slide_000.svs ...`` and ``out_dir/labels.csv`` (slide,label); return the CSV path.
 
     ``lesions="small"``: the scenes of ``synth.lesions`` (small lesions and look-alike distractors, at its own mpp
-    and magnification unless given), with their boxes in ``lesions.json``; ``"none"``: the scenes above.
+    and magnification unless given), with their boxes in ``lesions.json``; ``"paired"``: the same with a look-alike
+    on every slide of either class; ``"none"``: the scenes above.
 
     Labels are "negative"/"positive", ``round(n * positive_fraction)`` positives in a seeded order. A folder that
     already holds a dataset with the same parameters (``synth_manifest.json``) and all its files is reused.
@@ -240,10 +241,12 @@ def write_synthetic_dataset(
         raise SlideError(f"synth: n={n} must be at least 1", hint="e.g. --n 8")
     if not 0.0 <= positive_fraction <= 1.0:
         raise SlideError(f"synth: positive_fraction {positive_fraction} must be within 0..1", hint="e.g. 0.5")
-    if lesions not in ("none", "small"):
-        raise WsiTrainError(f"synth: lesions {lesions!r} is not one of none, small", hint="e.g. --lesions small")
+    import wsitrain.slides.synth.lesions as SL
+
+    if lesions not in SL.LESION_MODES:
+        raise WsiTrainError(f"synth: lesions {lesions!r} is not one of {', '.join(SL.LESION_MODES)}",
+                            hint="e.g. --lesions small")  # fmt: skip
     if lesions != "none":
-        import wsitrain.slides.synth.lesions as SL
 
         mpp, app_mag = mpp or SL.LESION_MPP, app_mag or SL.LESION_APP_MAG
         SL.check_size(*_as_wh(size), mpp)  # before any folder is made
@@ -314,7 +317,8 @@ def _write_dataset(out: Path, params: dict[str, object], names: list[str], csv_p
         if lesions != "none":
             import wsitrain.slides.synth.lesions as SL
 
-            scene = SL.LesionScene(*_as_wh(size), bool(lab), seed * 100_003 + i, mpp)  # type: ignore[arg-type]
+            scene = SL.LesionScene(*_as_wh(size), bool(lab), seed * 100_003 + i, mpp,  # type: ignore[arg-type]
+                                   paired=lesions == "paired")  # fmt: skip
             boxes[name] = {"label": "positive" if lab else "negative", "tissue_px": scene.tissue_px,
                            "boxes": scene.boxes}  # fmt: skip
         write_synthetic_slide(

@@ -32,7 +32,10 @@ import numpy as np
 from wsitrain.errors import WsiTrainError
 from wsitrain.slides.synth.fields import add_lobe, coarse_grid, smooth_noise, upsample
 
-LESION_MODES = ("none", "small")
+# none: the default scenes; small: lesions on positives, look-alikes where a slide has fewer lesions than structures
+# (every negative, about 2 in 5 positives); paired: as small, but every slide of either class carries a look-alike,
+# so a look-alike's presence says nothing of the label and only the lesion's own nuclei do.
+LESION_MODES = ("none", "small", "paired")
 LESION_MPP = 2.5  # um per level-0 pixel (a 4x scan): a 2048 px slide is 5 mm of tissue, nuclei are 3-8 px
 LESION_APP_MAG = 4.0
 LESION_UM = 200.0  # lesion (and distractor) diameter
@@ -50,7 +53,9 @@ _NUCLEOLUS = np.array([60, 25, 110])
 class LesionScene:
     """One slide's scene; ``band(y0, y1)`` renders level-0 rows, as ``synth._Scene`` does for the default mode."""
 
-    def __init__(self, width: int, height: int, positive: bool, seed: int, mpp: float = LESION_MPP) -> None:
+    def __init__(
+        self, width: int, height: int, positive: bool, seed: int, mpp: float = LESION_MPP, paired: bool = False
+    ) -> None:
         check_size(width, height, mpp)
         rng = np.random.default_rng(seed)
         self.w, self.h, self.positive, self.mpp = width, height, positive, mpp
@@ -60,9 +65,10 @@ class LesionScene:
         # Stamps: (y0, x0, rgb (h, w, 3) int16, mask (h, w) bool) pasted over the tissue colour before the noise.
         self._stamps: list[tuple[int, int, np.ndarray, np.ndarray]] = []
         self.boxes: list[dict[str, Any]] = []
-        # Same number of structures in both classes: the count says nothing about the label.
-        n_struct = int(rng.integers(1, 4))
-        n_lesions = int(rng.integers(1, n_struct + 1)) if positive else 0
+        # Same number of structures in both classes: the count says nothing about the label. Paired: two or three,
+        # at least one of them a look-alike on a positive slide too.
+        n_struct = int(rng.integers(2, 4)) if paired else int(rng.integers(1, 4))
+        n_lesions = int(rng.integers(1, n_struct + 1 - paired)) if positive else 0
         kinds = ["lesion"] * n_lesions + ["distractor"] * (n_struct - n_lesions)
         rng.shuffle(kinds)
         radius = LESION_UM / 2 / mpp
