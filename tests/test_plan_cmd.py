@@ -83,6 +83,26 @@ def test_does_not_fit_exit_code_and_json_agree() -> None:
     assert "budget source: --memory 100KiB" in text
 
 
+def test_no_max_size_skips_the_largest_square_search(monkeypatch) -> None:  # noqa: ANN001
+    import wsitrain.plan.command as command
+
+    def refuse(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("the largest-square search ran")
+
+    monkeypatch.setattr(command, "max_square_size", refuse)
+    code, out = _run(True, model="tiny", size="1024", gpu=None, memory="100KiB", with_max_size=False)
+    assert code == 1 and json.loads(out)["max_size"] is None  # the plan's own answer stands: it does not fit
+    code, text = _run(False, model="tiny", size="1024", gpu=None, memory="2GiB", with_max_size=False)
+    assert code == 0 and "square image" not in text
+    from typer.testing import CliRunner
+
+    from wsitrain.cli import app
+
+    r = CliRunner().invoke(app, ["plan", "--model", "tiny", "--size", "1024", "--memory", "2GiB", "--no-max-size",
+                                 "--json"])  # fmt: skip
+    assert r.exit_code == 0 and json.loads(r.output)["max_size"] is None
+
+
 def test_rectangular_size_and_memory_override() -> None:
     code, out = _run(True, model="tiny", size="256x512", gpu=None, memory="2GiB")
     facts = json.loads(out)["plan"]

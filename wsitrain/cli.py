@@ -293,6 +293,10 @@ def plan(
         None, "--host-memory", help="Host RAM per rank for host checkpoints and the image (engine.host_memory), e.g. "
         "16GiB; what it does not hold spills to disk. Default: this node's RAM over its ranks.",
     ),
+    max_size: bool = typer.Option(
+        True, "--max-size/--no-max-size", help="Also search the largest square image that fits (plans about 16 "
+        "sizes: a minute more for EfficientNet-class models).",
+    ),
 ) -> None:
     """Show how the SFT engine would tile a model for an image size and memory budget (allocates nothing).
 
@@ -331,6 +335,7 @@ def plan(
         pool=pool,
         freeze=freeze,
         host_memory=host_memory,
+        with_max_size=max_size,
     )
     if code:
         raise typer.Exit(int(code))

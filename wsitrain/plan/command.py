@@ -457,6 +457,7 @@ def run_plan(
     pool: str = AVG,
     freeze: str | None = None,
     host_memory: str | None = None,
+    with_max_size: bool = True,
 ) -> int:
     """``wsitrain plan``: print the plan (readable, or one JSON object); exit code 0 when it fits, 1 when not.
 
@@ -465,7 +466,7 @@ def run_plan(
     report = make_plan(
         model=model, size=size, gpu=gpu, memory=memory, batch=batch, precision=precision, tile=tile,
         optimizer=optimizer, simulate=simulate, progress=_progress_bar(console) if simulate and not as_json else None,
-        every_tile=every_tile, pool=pool, freeze=freeze, host_memory=host_memory,
+        every_tile=every_tile, pool=pool, freeze=freeze, host_memory=host_memory, with_max_size=with_max_size,
     )  # fmt: skip
     if as_json:
         d = report.to_dict()
