@@ -118,8 +118,7 @@ def simulate(
     freed_at: dict[int, list[int]] = {}
     for st, first in saved_first.items():
         freed_at.setdefault(first, []).append(st)
-    grad_total = sum(grads.values())
-    live_total = sum(live.values())
+    grad_total = sum(grads.values())  # live_total carries on from forward: the saved storages and the result
     for i in range(len(ops) - 1, -1, -1):
         op = ops[i]
         if op.requires_grad and op.out in grads:

@@ -160,9 +160,7 @@ class _TileParts:
     flops: float
     time: float
     sweep: Work
-    halo: tuple[int, int]
-    core: tuple[int, int]
-    grid: tuple[int, int]
+    geo: TileGeometry
     ops: Callable[[bool], list[SimOp]]  # the segment's replay steps on the largest tile, with or without grad
     tb: dict[int, int]  # per node (the start included): the largest tile's bytes
     crop: int  # the staged input region's bytes (0: the tile's input is a view of its checkpoint)
@@ -184,8 +182,9 @@ def tile_choice(sess: PlanSession, start: int, end: int, edge: int, staged: bool
     # down are done
     bwd += crop + (2 * tb[start] if staged and f.nodes[start].requires_grad else 0) + parts.bwd_extra
     fw = parts.forward
-    choice = TileChoice(edge, fw.fwd_peak, bwd, parts.flops, parts.time, fw.tile_shape, parts.halo, parts.core,
-                        fw.out_tile_bytes, parts.sweep, fw.sweep_alone, parts.grid)  # fmt: skip
+    geo = parts.geo
+    choice = TileChoice(edge, fw.fwd_peak, bwd, parts.flops, parts.time, fw.tile_shape, geo.halo, geo.core,
+                        fw.out_tile_bytes, parts.sweep, fw.sweep_alone, geo.grid)  # fmt: skip
     sess._tiles[key] = choice
     return choice
 
@@ -250,7 +249,7 @@ def _tile_parts(sess: PlanSession, start: int, end: int, edge: int, staged: bool
         one = recompute if geo.n_tiles > 1 else forward_work(f, i, out_n, ins, 1, sess.tm, tiled=False)
         af, at = af + one.flops, at + one.time
     forward = ForwardTile(edge, fwd, own.largest_hw, tb[end], Work(af, at))
-    parts = _TileParts(forward, wf, wt, Work(sf, st), geo.halo, geo.core, geo.grid, ops, tb, crop, kept_bwd + casts)
+    parts = _TileParts(forward, wf, wt, Work(sf, st), geo, ops, tb, crop, kept_bwd + casts)
     sess._tiles[key] = parts
     return parts
 
