@@ -33,7 +33,9 @@ import argparse
 import contextlib
 import dataclasses
 import gc
+import gzip
 import json
+import shutil
 import sys
 import time
 import traceback
@@ -96,6 +98,32 @@ def cases(models: list[str], budget: str, patches: int, patch: int = 224) -> lis
             out.append(Case(m, f"SFT, capped at {budget}, default constants' plan", True, budget=budget,
                             time_model="default"))  # fmt: skip
     return out
+
+
+@dataclass(frozen=True)
+class Profile:
+    """The profiled step of ``case``."""
+
+    case: Case
+
+
+def session_order(all_cases: list[Case]) -> list[Case | Profile]:
+    """The order a session runs in, most telling first, so a session cut short keeps what matters most.
+
+    The first model's cases (less its cudnn.benchmark case), the profile of its capped step, the other models' cases,
+    and last the benchmark case, whose first step searches algorithms for every tile shape (61.6 s on an H200,
+    measured).
+    """
+    first = all_cases[0].model
+    bench = [c for c in all_cases if c.benchmark]
+    head = [c for c in all_cases if c.model == first and not c.benchmark]
+    rest = [c for c in all_cases if c.model != first and not c.benchmark]
+    capped = next(c for c in head if c.sft and c.budget and c.time_model == "run")
+    # the plain step and the default constants' plan profiled too: the same convolutions on whole images and on
+    # other tiles, kernel by kernel (what a tile's convolution costs against the whole image's)
+    others = [c for c in head if (not c.sft and not c.patches and not c.channels_last)
+              or c.time_model == "default"]  # fmt: skip
+    return [*head, Profile(capped), *[Profile(c) for c in others], *rest, *bench]
 
 
 def _sync(device: torch.device) -> None:
@@ -207,8 +235,13 @@ def _device_name(device: torch.device) -> str:
 
 
 # ---- the profile and its breakdown --------------------------------------------------------------
-def profile_step(case: Case, device: torch.device, size: int, patch: int) -> dict[str, Any]:
-    """One capped SFT step under ``torch.profiler`` (after a warm-up step), broken down by ``breakdown``."""
+def profile_step(case: Case, device: torch.device, size: int, patch: int, trace: Path | None = None
+                 ) -> dict[str, Any]:  # fmt: skip
+    """One step of ``case`` under ``torch.profiler`` (after a warm-up step), broken down by ``breakdown``.
+
+    ``trace``: also write the profiler's Chrome trace there, gzipped (every kernel with its launching operator and
+    input shapes, for reading offline).
+    """
     budget = parse_bytes(case.budget, "--budget") if case.budget else None
     if device.type == "cuda":
         cap_cuda_allocator(device, budget)
@@ -219,10 +252,17 @@ def profile_step(case: Case, device: torch.device, size: int, patch: int) -> dic
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        with torch.profiler.profile(activities=activities) as prof:
+        with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
             seconds = runner.step(ranges=True)
         out = breakdown(prof.events(), device.type == "cuda")
         out.update(model=case.model, run=case.name, size=size, step_s=seconds, device=_device_name(device))
+        if trace is not None:
+            raw = trace.with_suffix("")  # trace is NAME.json.gz
+            prof.export_chrome_trace(str(raw))
+            with raw.open("rb") as src, gzip.open(trace, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            raw.unlink()
+            out["trace"] = trace.name
         return out
     finally:
         del runner
@@ -260,42 +300,69 @@ def classify(name: str, ranges: Iterable[str]) -> str:
     return "other kernels"
 
 
-def breakdown(events: Any, device_timeline: bool) -> dict[str, Any]:
-    """Seconds per category of one profiled step, and the idle time between kernels.
+def breakdown(events: Any, device_timeline: bool, top: int = 40) -> dict[str, Any]:
+    """Seconds per category of one profiled step, the idle time between kernels, and the costliest work.
 
-    ``device_timeline``: attribute the device's kernel time to the operator that launched each kernel (CUDA); else
-    the operators' own CPU time (a CPU step). Idle: the step's span on that timeline minus the union of its busy
-    intervals (kernels on CUDA, top-level operators on a CPU).
+    ``device_timeline``: attribute the device's kernel time to the operator that launched each kernel (the kernels
+    the profiler links to each operator; CUDA); else the operators' own CPU time (a CPU step). Idle: the step's span
+    on that timeline minus the union of its busy intervals (kernels on CUDA, top-level operators on a CPU); the
+    device's copies of the profiler's ranges (user annotations) are not kernels. ``top``: how many rows of
+    ``kernels`` (seconds by category, operator and kernel name) and ``convolutions`` (seconds by category and input
+    shapes) to keep, costliest first.
     """
     seconds = dict.fromkeys(CATEGORIES, 0.0)
+    by_kernel: dict[tuple[str, str, str], list[float]] = {}
+    by_shape: dict[tuple[str, str], list[float]] = {}
     busy: list[tuple[float, float]] = []
+
+    def count(table: dict, key: tuple, s: float) -> None:
+        acc = table.setdefault(key, [0.0, 0])
+        acc[0] += s
+        acc[1] += 1
+
     for e in events:
-        ranges = _enclosing_ranges(e)
-        if device_timeline:
-            if _is_device(e):
+        if _is_device(e):
+            if device_timeline and not getattr(e, "is_user_annotation", False) and e.name not in _RANGES:
                 busy.append((e.time_range.start, e.time_range.end))
-                parent = _launcher(e)
-                cat = classify(f"{e.name} {parent.name if parent is not None else ''}",
-                               _enclosing_ranges(parent) if parent is not None else [])  # fmt: skip
-                seconds[cat] += (e.time_range.end - e.time_range.start) / 1e6
             continue
         if e.name in _RANGES or not e.name.startswith("aten::"):
             continue
-        seconds[classify(e.name, ranges)] += e.self_cpu_time_total / 1e6
-        if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"):
+        ranges = _enclosing_ranges(e)
+        if device_timeline:
+            for k in getattr(e, "kernels", []):
+                cat = classify(f"{k.name} {e.name}", ranges)
+                s = k.duration / 1e6
+                seconds[cat] += s
+                count(by_kernel, (cat, e.name, k.name[:120]), s)
+                if e.name == "aten::cudnn_convolution" or e.name.startswith("aten::convolution_backward"):
+                    count(by_shape, (cat, f"{e.name} {_shapes(e)}"), s)
+        else:
+            cat = classify(e.name, ranges)
+            s = e.self_cpu_time_total / 1e6
+            seconds[cat] += s
+            count(by_kernel, (cat, e.name, ""), s)
+            if e.name in ("aten::convolution", "aten::convolution_backward"):
+                count(by_shape, (cat, f"{e.name} {_shapes(e)}"), s)
+        if not device_timeline and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")):
             busy.append((e.time_range.start, e.time_range.end))
     span, union = _span_and_union(busy)
     seconds["idle between kernels"] = max(0.0, span - union) / 1e6
-    return {"seconds": seconds, "span_s": span / 1e6, "busy_s": union / 1e6, "intervals": len(busy)}
+
+    def rows(table: dict, names: tuple[str, ...]) -> list[dict[str, Any]]:
+        ranked = sorted(table.items(), key=lambda kv: -kv[1][0])[:top]
+        return [{**dict(zip(names, key, strict=True)), "seconds": v[0], "calls": v[1]} for key, v in ranked]
+
+    return {"seconds": seconds, "span_s": span / 1e6, "busy_s": union / 1e6, "intervals": len(busy),
+            "kernels": rows(by_kernel, ("part", "op", "kernel")),
+            "convolutions": rows(by_shape, ("part", "op_shapes"))}  # fmt: skip
+
+
+def _shapes(e: Any) -> str:
+    return str([list(x) for x in (getattr(e, "input_shapes", None) or [])[:2]])
 
 
 def _is_device(e: Any) -> bool:
     return str(getattr(e, "device_type", "")).endswith(("CUDA", "PrivateUse1")) and e.time_range.end > 0
-
-
-def _launcher(e: Any) -> Any:
-    """The CPU operator that launched a kernel event (its linked correlation parent), where the profiler kept it."""
-    return getattr(e, "cpu_parent", None) or getattr(e, "linked_cpu_event", None)
 
 
 def _enclosing_ranges(e: Any) -> list[str]:
@@ -325,14 +392,14 @@ def _span_and_union(intervals: list[tuple[float, float]]) -> tuple[float, float]
 
 
 # ---- tables -------------------------------------------------------------------------------------
-def write_tables(out: Path, rows: list[dict[str, Any]], prof: dict[str, Any] | None, argv: list[str]) -> None:
+def write_tables(out: Path, rows: list[dict[str, Any]], profs: list[dict[str, Any]], argv: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     with (out / "gpu_session.jsonl").open("w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
-        if prof is not None:
+        for prof in profs:
             f.write(json.dumps({"breakdown": prof}) + "\n")
-    dev = rows[0]["device"] if rows else "?"
+    dev = next((r["device"] for r in rows if "device" in r), "?")
     lines = [
         "# GPU session: where a whole-slide step's time goes",
         "",
@@ -354,7 +421,7 @@ def write_tables(out: Path, rows: list[dict[str, Any]], prof: dict[str, Any] | N
             f"| {r['model']} | {r['run']} | {r['step_s']:.3f} s | {r['mpx_per_s']:.3g} Mpx/s | {peak} | "
             f"{r['first_step_s']:.1f} s | {r.get('plan', '')} | {over} |"
         )
-    if prof is not None:
+    for prof in profs:
         total = sum(prof["seconds"].values()) or 1.0
         lines += [
             "",
@@ -368,7 +435,11 @@ def write_tables(out: Path, rows: list[dict[str, Any]], prof: dict[str, Any] | N
         lines.append(
             f"Timeline: span {prof['span_s']:.4f} s, busy {prof['busy_s']:.4f} s over {prof['intervals']} "
             "intervals (kernels on a GPU; top-level operators on a CPU)."
+            + (f" Chrome trace: `{prof['trace']}`." if "trace" in prof else "")
         )
+        lines += ["", "| part | operator | kernel | seconds | calls |", "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {r['part']} | {r['op']} | {r['kernel'][:60]} | {r['seconds']:.4f} | {r['calls']} |"
+                  for r in prof["kernels"][:12]]  # fmt: skip
     (out / "gpu_session.md").write_text("\n".join(lines) + "\n")
 
 
@@ -384,6 +455,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--case-seconds", type=float, default=20.0, help="stop timing a case after this (default 20)")
     ap.add_argument("--quick", action="store_true", help="one timed step, 4 patches of 64 px: the code path only")
     ap.add_argument("--out", type=Path, default=REPO / "docs")
+    ap.add_argument("--deadline", type=float, default=420.0,
+                    help="start no case after this many seconds (default 420: the whole kit within 8 minutes)")
+    ap.add_argument("--trace", action="store_true", help="also write each profiled step's Chrome trace (gzipped)")
     a = ap.parse_args(argv)
     device = torch.device(a.device)
     if device.type == "cuda":
@@ -393,20 +467,30 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cuda", torch.cuda.current_device())
     models = [m.strip() for m in a.models.split(",") if m.strip()]
     steps, patches, patch = (1, 4, 64) if a.quick else (a.steps, a.patches, 224)
-    rows = []
+    rows: list[dict[str, Any]] = []
+    profs: list[dict[str, Any]] = []
     t0 = time.perf_counter()
-    for case in cases(models, a.budget, patches, patch):
-        row = run_case(case, device, a.size, patch, steps, a.case_seconds)
-        rows.append(row)
-        step = f"{row['step_s']:.3f} s" if row["status"] == "ok" else row["status"]
-        print(f"[{time.perf_counter() - t0:6.1f} s] {case.model}: {case.name}: {step}", flush=True)
-    capped = next(c for c in cases(models, a.budget, patches, patch) if c.sft and c.budget and not c.benchmark)
-    try:
-        prof: dict[str, Any] | None = profile_step(capped, device, a.size, patch)
-    except Exception as e:  # the table stands without the profile
-        print(f"profile failed: {type(e).__name__}: {e}", file=sys.stderr)
-        prof = None
-    write_tables(a.out, rows, prof, argv)
+    for item in session_order(cases(models, a.budget, patches, patch)):
+        if time.perf_counter() - t0 > a.deadline:  # what ran is kept; what did not is a row that says so
+            if isinstance(item, Case):
+                rows.append({"model": item.model, "run": item.name, "size": a.size, "status": "skipped",
+                             "note": f"past --deadline {a.deadline:.0f} s"})  # fmt: skip
+            continue
+        if isinstance(item, Case):
+            row = run_case(item, device, a.size, patch, steps, a.case_seconds)
+            rows.append(row)
+            step = f"{row['step_s']:.3f} s" if row["status"] == "ok" else row["status"]
+            print(f"[{time.perf_counter() - t0:6.1f} s] {item.model}: {item.name}: {step}", flush=True)
+        else:
+            try:
+                trace = a.out / f"trace_{len(profs)}.json.gz" if a.trace else None
+                profs.append(profile_step(item.case, device, a.size, patch, trace))
+                print(f"[{time.perf_counter() - t0:6.1f} s] profile: {item.case.model}: {item.case.name}: "
+                      f"{profs[-1]['step_s']:.3f} s", flush=True)  # fmt: skip
+            except Exception as e:  # the table stands without the profile
+                print(f"profile failed: {type(e).__name__}: {e}", file=sys.stderr)
+        # written after every case: a session cut short (a lease's end, a timeout) keeps what it measured
+        write_tables(a.out, rows, profs, argv)
     print(f"wrote {a.out / 'gpu_session.md'} and gpu_session.jsonl in {time.perf_counter() - t0:.0f} s")
     return 0
 

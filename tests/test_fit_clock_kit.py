@@ -57,7 +57,10 @@ def _cells(table: str, run: str) -> list[str]:
     return [c.strip() for c in line.strip("|").split("|")]
 
 
-def test_every_measured_case_is_replayed_and_the_two_fit_cases_are_met(tmp_path: Path) -> None:
+def test_every_measured_case_is_replayed_and_the_plain_fit_case_is_met(tmp_path: Path) -> None:
+    """The plain case refits conv_efficiency; the capped case refits unaligned_conv_efficiency only where its tiles
+    run unaligned 1x1 layers in half precision (what the H200's profile named), which the tiny model has none of:
+    the factor is kept and the capped case stays off."""
     fc = load_script("fit_clock")
     table = fc.kit_table(_kit(tmp_path / "kit.jsonl"))
     rows = [x for x in table.splitlines() if x.startswith("| tiny |")]
@@ -65,10 +68,12 @@ def test_every_measured_case_is_replayed_and_the_two_fit_cases_are_met(tmp_path:
     plain = _cells(table, "plain, one image, NCHW")
     capped = _cells(table, "SFT, capped at 175MiB, cudnn.benchmark off")
     assert plain[2] == "0.001 s" and abs(_off(plain[6])) < 0.05  # refitted on it
-    assert abs(_off(capped[6])) < 0.05 and capped[7] == CAPPED_PLAN  # refitted on it, with the plan the card ran
+    assert capped[7] == CAPPED_PLAN  # replayed with the plan the card ran
     assert abs(_off(capped[4])) > 1  # the preset's constants do not meet made-up figures
-    fitted = re.search(r"Refitted: conv_efficiency ([0-9.]+) .* tile_conv_efficiency ([0-9.]+) \(on tiny", table)
-    assert fitted is not None and 0 < float(fitted[1]) < 1 and 0 < float(fitted[2]) < 1
+    fitted = re.search(r"Refitted: conv_efficiency ([0-9.]+) .* unaligned_conv_efficiency ([0-9.]+) \(kept: no capped "
+                       r"case with unaligned 1x1 layers", table)  # fmt: skip
+    assert fitted is not None and 0 < float(fitted[1]) < 1 and float(fitted[2]) == pytest.approx(
+        fc.GpuSpeed.__dataclass_fields__["unaligned_conv_efficiency"].default, abs=1e-4)
     default = _cells(table, "SFT, capped at 175MiB, default constants' plan")
     assert default[7].startswith("plain / **tiled") and "differs from the one the card ran" in table
     assert "not replayed" in _cells(table, "SFT, capped at 10MiB")[3]

@@ -34,7 +34,8 @@ def test_cpu_quick_session_writes_the_tables(tmp_path: Path) -> None:
                    "--out", str(tmp_path)])  # fmt: skip
     assert code == 0
     lines = [json.loads(x) for x in (tmp_path / "gpu_session.jsonl").read_text().splitlines()]
-    rows, prof = lines[:-1], lines[-1]["breakdown"]
+    rows = [x for x in lines if "breakdown" not in x]
+    prof = next(x["breakdown"] for x in lines if "breakdown" in x)
     assert [r["run"] for r in rows][:2] == ["plain, 4 patches of 64 px, channels_last", "plain, one image, NCHW"]
     assert all(r["status"] == "ok" for r in rows), rows
     capped = [r for r in rows if "capped" in r["run"]]
@@ -55,3 +56,53 @@ def test_a_case_that_cannot_fit_is_a_row_not_a_crash(tmp_path: Path, budget: str
 
     row = k.run_case(k.Case("tiny", "SFT capped", True, budget=budget), torch.device("cpu"), 128, 64, 1, 1.0)
     assert row["status"] in ("oom", "error") and "fit" in row["note"]
+
+
+def _event(name: str, start: float, end: float, device: str = "DeviceType.CPU", parent=None, kernels=(),
+           annotation: bool = False, shapes=()):  # fmt: skip
+    from types import SimpleNamespace
+
+    return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end),
+                           cpu_parent=parent, kernels=list(kernels), is_user_annotation=annotation,
+                           self_cpu_time_total=end - start, input_shapes=list(shapes))  # fmt: skip
+
+
+def test_device_breakdown_charges_kernels_to_their_launchers_and_skips_annotations() -> None:
+    """On a GPU the profiler links each kernel to the operator that launched it (``kernels``) and copies the
+    record_function ranges onto the device timeline (user annotations): the kernels are charged to their
+    operators' parts, the annotations are neither kernels nor busy time (they made the first H200 profile's parts
+    sum to twice its span)."""
+    from types import SimpleNamespace
+
+    k = _kit()
+    rec = _event(k.RECOMPUTE, 0, 100)
+    bwd = _event(k.BACKWARD, 0, 100)
+    rec.cpu_parent = bwd
+    conv = _event("aten::cudnn_convolution", 10, 20, parent=rec, shapes=[[1, 8, 9, 9], [8, 8, 1, 1]],
+                  kernels=[SimpleNamespace(name="sm90_xmma_fprop", duration=30.0)])  # fmt: skip
+    grad = _event("aten::convolution_backward", 30, 40, parent=bwd,
+                  kernels=[SimpleNamespace(name="dgrad", duration=20.0)])  # fmt: skip
+    events = [
+        bwd, rec, conv, grad,
+        _event("sm90_xmma_fprop", 100, 130, device="DeviceType.CUDA"),
+        _event("dgrad", 140, 160, device="DeviceType.CUDA"),
+        _event(k.BACKWARD, 100, 200, device="DeviceType.CUDA", annotation=True),
+    ]  # fmt: skip
+    out = k.breakdown(events, device_timeline=True)
+    assert out["seconds"]["recompute"] == 30e-6 and out["seconds"]["conv backward"] == 20e-6
+    assert sum(out["seconds"].values()) == 30e-6 + 20e-6 + 10e-6  # the idle gap 130..140 and nothing else
+    assert out["span_s"] == 60e-6 and out["busy_s"] == 50e-6 and out["intervals"] == 2
+    assert out["kernels"][0] == {"part": "recompute", "op": "aten::cudnn_convolution", "kernel": "sm90_xmma_fprop",
+                                 "seconds": 30e-6, "calls": 1}  # fmt: skip
+    assert out["convolutions"][0]["op_shapes"] == "aten::cudnn_convolution [[1, 8, 9, 9], [8, 8, 1, 1]]"
+
+
+def test_a_session_runs_what_matters_most_first() -> None:
+    k = _kit()
+    order = k.session_order(k.cases(["a", "b"], "1GiB", 4))
+    names = [(type(x).__name__, x.case.model if isinstance(x, k.Profile) else x.model) for x in order]
+    first_profile = names.index(("Profile", "a"))
+    assert all(m == "a" for _, m in names[:first_profile])  # the first model's cases, then its profiles
+    assert names[-1] == ("Case", "a") and order[-1].benchmark  # the benchmark case's minute-long first step last
+    profiled = [x.case for x in order if isinstance(x, k.Profile)]
+    assert profiled[0].budget and profiled[0].sft and profiled[0].time_model == "run"  # the capped step first

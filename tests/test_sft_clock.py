@@ -156,18 +156,49 @@ def test_representative_weights_cover_the_axis() -> None:
                 assert sum(representative_weights(axis).values()) == len(axis)
 
 
-def test_tile_convolutions_cost_more_where_fitted() -> None:
-    net = _tiny()
-    _, _, clock = clock_sft_step(net, (1, 3, 512, 512), "1GiB", H100, tile_size=128, every_tile=True)
-    full = clock.reading(dataclasses.replace(H100, tile_conv_efficiency=1.0), "fp32")
-    assert clock.reading(H100, "fp32").gpu_seconds > full.gpu_seconds
+def _pointwise() -> nn.Module:
+    with torch.device("meta"):
+        return nn.Sequential(nn.Conv2d(3, 64, 3, padding=1), nn.Conv2d(64, 256, 1), nn.ReLU(),
+                             nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(256, 2))  # fmt: skip
+
+
+@pytest.mark.parametrize(("size", "unaligned"), [((1, 3, 263, 263), True), ((1, 3, 264, 263), False),
+                                                  ((8, 3, 263, 263), False)])  # fmt: skip
+def test_half_precision_1x1_layers_on_unaligned_maps_run_slower(size: tuple[int, ...], unaligned: bool) -> None:
+    """A 1x1 convolution whose batch times pixels is not a multiple of 8 (a tile's halo) runs at
+    ``unaligned_conv_efficiency`` in bf16 (cuDNN's fallback kernels, measured on an H200); a 3x3 one, float32 or an
+    aligned map does not."""
+    _, clock = clock_plain_step(_pointwise(), size, H100, "bf16")
+    flagged = [o for w in clock.windows for o in w.ops if o.unaligned]
+    assert bool(flagged) == unaligned
+    assert all(o.conv_px and o.op.startswith("convolution") for o in flagged)
+    assert len({o.op for o in flagged}) == (2 if unaligned else 0)  # forward and backward
+    fast = clock.reading(dataclasses.replace(H100, unaligned_conv_efficiency=1.0), "bf16").gpu_seconds
+    assert (clock.reading(H100, "bf16").gpu_seconds > fast) == unaligned
+    _, fp32 = clock_plain_step(_pointwise(), size, H100, "fp32")
+    assert not any(o.unaligned for w in fp32.windows for o in w.ops)
+
+
+def test_batch_norm_runs_at_its_own_share_of_the_bandwidth() -> None:
+    """BatchNorm's kernels are priced at NORM_EFFICIENCY / NORM_BACKWARD_EFFICIENCY (measured on an H200), not at
+    the element-wise rate: at the element-wise rate the step is faster by BatchNorm's difference alone."""
+    reading, clock = clock_plain_step(_meta_net(), (1, 3, 1024, 1024), H100, "bf16")
+    assert reading.by_kind["batch norm"] > 0
+    same = dataclasses.replace(H100, norm_efficiency=H100.memory_efficiency,
+                               norm_backward_efficiency=H100.memory_efficiency)  # fmt: skip
+    fast = clock.reading(same, "bf16")
+    assert fast.by_kind["batch norm"] < reading.by_kind["batch norm"]
+    others = {k: v for k, v in reading.by_kind.items() if k != "batch norm"}
+    assert others == {k: v for k, v in fast.by_kind.items() if k != "batch norm"}
 
 
 def test_planner_time_model_uses_the_clock_constants() -> None:
-    """The same constants: a byte costs FLOP rate / byte rate; tiled FLOPs cost 1 / tile_conv_efficiency."""
+    """A byte costs the planner's FLOP rate / byte rate; tiled FLOPs cost 1 / tile_conv_efficiency; the planner's
+    rate is PLAN_CONV_EFFICIENCY's (gpu_speed.py: the constants that chose the plan measured fastest)."""
     h200 = GPU_SPEEDS["h200"]
     tm = clock_time_model(h200, True)
-    assert tm.byte_flops == pytest.approx(h200.conv_rate(True) / h200.bytes_per_second)
+    assert tm.byte_flops == pytest.approx(h200.plan_conv_rate(True) / h200.bytes_per_second)
+    assert h200.plan_conv_rate(True) == pytest.approx(1e12 * h200.tensor_tflops * h200.plan_conv_efficiency)
     assert tm.tile_flop_factor == pytest.approx(1.0 / h200.tile_conv_efficiency)
     assert tm.tile_flop_factor > 1.0
     assert gpu_preset("h200").host_link_gb_s == h200.link_gb_s
@@ -182,6 +213,9 @@ def test_doctor_calibration_refines_the_preset(tmp_path) -> None:
     refined = clock_speed("h200", "NVIDIA H200", tmp_path)
     assert refined is not None and "doctor" in refined.source
     assert refined.conv_efficiency == pytest.approx(100e12 / (1e12 * h200.tf32_tflops))
+    # the planner's factor moves by the same ratio
+    assert refined.plan_conv_efficiency / refined.conv_efficiency == pytest.approx(
+        h200.plan_conv_efficiency / h200.conv_efficiency)
     assert refined.bytes_per_second == pytest.approx(100e12 / 50.0)
     assert clock_speed("h200", "NVIDIA H100 80GB HBM3", tmp_path) == h200
     assert clock_speed("a6000", "NVIDIA RTX A6000", tmp_path) is None

@@ -15,13 +15,27 @@ from dataclasses import dataclass, replace
 
 # --- efficiency factors, shared by every preset (none is per card) -------------------------------------------------
 # Share of the tensor-core rate cuDNN reaches on ResNet-50's convolutions at 8192 px in eager PyTorch (NCHW,
-# bf16, one image): FITTED to the one measured plain step (H200, 0.419 s; docs/simulated-clock.md). It is low
-# (~0.2) because eager bf16 NCHW convolutions of a 1-image batch run far below the data sheet's dense rate: the
-# same card's patch training reached 84 TFLOP/s of ResNet-50 arithmetic (measured, 256 x 224 px, 0.075 s).
-CONV_EFFICIENCY = 0.1039
+# bf16, one image): FITTED to the plain step measured on an H200 (0.414 s, 2026-11-27; docs/simulated-clock.md),
+# with BatchNorm priced at its own measured rate (NORM_EFFICIENCY). The profile of that step (docs/traces) puts its
+# convolutions at 130 ms for 33 TFLOP, 0.25 of the data sheet's rate.
+CONV_EFFICIENCY = 0.2413
+# The planner's time model ranks plans with the constants of the clock before BatchNorm and unaligned 1x1 layers had
+# rates of their own (conv 0.1039, TILE_CONV_EFFICIENCY below): its shapes-only costs price every byte alike and
+# tiles by one factor, so with the refitted CONV_EFFICIENCY it chose a plan the clock prices 20% slower (1.04
+# against 0.86 s, ResNet-50 8192 px capped, simulated), while these chose the plan measured fastest on the H200
+# (0.86 s against 1.35 s for the default constants' plan). FITTED on the H200 step of 2026-11-24 (0.419 s).
+PLAN_CONV_EFFICIENCY = 0.1039
 # Share of the data sheet's memory bandwidth that element-wise kernels (BatchNorm, ReLU, adds, copies) reach:
 # ASSUMED, not fitted: 0.8 is what STREAM-like copies reach on HBM cards (public reports for A100/H100: 80-90%).
 MEMORY_EFFICIENCY = 0.8
+# Share of the bandwidth BatchNorm's own kernels reach, forward and backward: FITTED to the kernels of the plain
+# 8192 px ResNet-50 step profiled on an H200 (bf16, NCHW, one image; docs/traces, ``scripts/trace_tables.py
+# --bandwidth 4800``): 834 and 626 GB/s of the bytes the clock counts, where ReLU's kernels reach 0.90 of the
+# bandwidth. The capped SFT step's tiles gave 0.207 and 0.141 (a check, not fitted). Half of that plain step's
+# device time is BatchNorm (214 of 415 ms), so pricing it at MEMORY_EFFICIENCY had put its time into
+# CONV_EFFICIENCY, and convolution-heavy models (VGG-16) were priced four times too slow.
+NORM_EFFICIENCY = 0.174
+NORM_BACKWARD_EFFICIENCY = 0.130
 # A kernel occupies the GPU for at least this long (launch latency, tail of the grid), microseconds: ASSUMED,
 # the usual 2-5 us of a small CUDA kernel.
 KERNEL_FLOOR_US = 3.0
@@ -37,13 +51,18 @@ TILE_HOST_US = 0.0
 # a convolution whose output has ``p`` pixels per channel runs at p / (p + SMALL_MAP_PX) of the large-map
 # rate. FITTED with TILE_HOST_US (see above).
 SMALL_MAP_PX = 0.0
-# Convolutions the tile executor runs reach this share of the rate the same layer reaches on the whole map: tiles
-# carry halos, so their maps have odd shapes (2,062 x 2,062 px where the whole map is 2,048 x 2,048) for which
-# cuDNN's heuristics choose slower algorithms (measured on the H200: the capped step took 0.699 s with
-# ``cudnn.benchmark`` on, 0.766 s off). FITTED to the capped SFT step, the one measured tiled step
-# (docs/simulated-clock.md); it also absorbs whatever else tiles cost that the operator stream does not show
-# (the content checks of background reuse synchronize on a real GPU and are skipped on fake tensors).
+# The planner's factor for tiled FLOPs (its time model's ``tile_flop_factor`` is 1 / this): the average slowdown
+# of a tile's work against the whole map's, FITTED to the capped SFT step of 2026-11-24 (0.766 s). The clock no
+# longer uses it: the profile (docs/traces) showed the tiles' 3x3 layers at the whole map's rate and named the
+# slowdown, unaligned 1x1 layers (UNALIGNED_CONV_EFFICIENCY), plus the recompute's BatchNorm.
 TILE_CONV_EFFICIENCY = 0.663
+# 1x1 convolutions in half precision on maps whose pixel count is not a multiple of 8 (a tile's halo makes
+# 263 x 263, 129 x 129): cuDNN cannot use Hopper's matrix kernels on them and runs old generic ones
+# (``cutlass_75_tensorop_s1688gemm``) with layout transforms, at this share of the rate the same layers reach on
+# aligned maps. FITTED to the capped SFT step on an H200 (docs/simulated-clock.md); the profile of that step
+# (docs/traces) shows it directly: the tiles' large 1x1 layers ran at 55-180 TFLOP/s where the whole image's same
+# layers ran at 520-710 (``scripts/trace_tables.py ... --against``).
+UNALIGNED_CONV_EFFICIENCY = 0.0881
 # Share of the plain fp32 rate (CUDA cores, no tensor cores) that convolutions reach on cards without TF32 (the
 # 2080 Ti in float32): ASSUMED, the usual 50-70% of cuDNN's implicit-GEMM kernels on large maps.
 SIMT_EFFICIENCY = 0.6
@@ -62,13 +81,17 @@ class GpuSpeed:
     memory_gb_s: float  # memory bandwidth, GB/s
     link_gb_s: float  # host link (pinned copies), GB/s
     conv_efficiency: float = CONV_EFFICIENCY
+    plan_conv_efficiency: float = PLAN_CONV_EFFICIENCY
     memory_efficiency: float = MEMORY_EFFICIENCY
+    norm_efficiency: float = NORM_EFFICIENCY
+    norm_backward_efficiency: float = NORM_BACKWARD_EFFICIENCY
     kernel_floor_us: float = KERNEL_FLOOR_US
     host_op_us: float = HOST_OP_US
     view_host_us: float = VIEW_HOST_US
     tile_host_us: float = TILE_HOST_US
     small_map_px: float = SMALL_MAP_PX
     tile_conv_efficiency: float = TILE_CONV_EFFICIENCY
+    unaligned_conv_efficiency: float = UNALIGNED_CONV_EFFICIENCY
     host_copy_gb_s: float = HOST_COPY_GB_S
     source: str = "published rates, shared efficiency factors (docs/simulated-clock.md)"
 
@@ -81,6 +104,10 @@ class GpuSpeed:
             return 1e12 * self.tf32_tflops * self.conv_efficiency
         return 1e12 * self.fp32_tflops * SIMT_EFFICIENCY
 
+    def plan_conv_rate(self, low_precision: bool) -> float:
+        """The convolution rate the planner's time model counts in (``PLAN_CONV_EFFICIENCY``)."""
+        return self.conv_rate(low_precision) * self.plan_conv_efficiency / self.conv_efficiency
+
     def matmul_rate(self, low_precision: bool) -> float:
         """Matrix products: tensor cores in bf16/fp16; float32 ones on CUDA cores (PyTorch's default: no TF32)."""
         if low_precision:
@@ -91,9 +118,16 @@ class GpuSpeed:
     def bytes_per_second(self) -> float:
         return 1e9 * self.memory_gb_s * self.memory_efficiency
 
+    def norm_bytes_per_second(self, backward: bool) -> float:
+        """What BatchNorm's kernels move per second (``NORM_EFFICIENCY``, ``NORM_BACKWARD_EFFICIENCY``)."""
+        return 1e9 * self.memory_gb_s * (self.norm_backward_efficiency if backward else self.norm_efficiency)
+
     def refined(self, conv_efficiency: float, memory_efficiency: float, source: str) -> GpuSpeed:
-        """These rates with factors measured on a real card (``wsitrain doctor --calibrate``)."""
-        return replace(self, conv_efficiency=conv_efficiency, memory_efficiency=memory_efficiency, source=source)
+        """These rates with factors measured on a real card (``wsitrain doctor --calibrate``); the planner's
+        convolution factor moves with the clock's by the same ratio."""
+        plan = self.plan_conv_efficiency * conv_efficiency / self.conv_efficiency
+        return replace(self, conv_efficiency=conv_efficiency, plan_conv_efficiency=plan,
+                       memory_efficiency=memory_efficiency, source=source)  # fmt: skip
 
 
 # Published dense rates (TFLOP/s: tensor bf16, TF32, fp32) and bandwidth (GB/s). H100/H200: SXM data sheets
@@ -136,7 +170,7 @@ def time_model_constants(speed: GpuSpeed, low_precision: bool) -> tuple[float, f
     """The planner's time model from the clock's constants (costs.TimeModel's three FLOP-equivalents): a byte
     moved costs FLOP-rate / byte-rate, an operator call its kernel floor plus (host-bound tiles) its host time,
     an executor call the tile's extra host time."""
-    rate = speed.conv_rate(low_precision)
+    rate = speed.plan_conv_rate(low_precision)
     byte_flops = rate / speed.bytes_per_second
     call_flops = rate * 1e-6 * max(speed.kernel_floor_us, speed.host_op_us)
     return byte_flops, call_flops, rate * 1e-6 * speed.tile_host_us

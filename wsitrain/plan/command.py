@@ -371,7 +371,9 @@ def _plan_net(
 
 def _flop_rate(tm: TimeModel, speed: GpuSpeed | None, prec: Precision) -> float | None:
     """The FLOP rate that turns the time model's FLOP-equivalents into seconds, when the model is the clock's."""
-    return speed.conv_rate(prec in LOW_PRECISION) if speed is not None and tm.source.startswith(CLOCK_SOURCE) else None
+    if speed is None or not tm.source.startswith(CLOCK_SOURCE):
+        return None
+    return speed.plan_conv_rate(prec in LOW_PRECISION)
 
 
 def _time_model(budget: Budget, prec: Precision) -> tuple[TimeModel, GpuSpeed | None]:

@@ -52,6 +52,14 @@ NO_KERNEL = {
     aten._has_compatible_shallow_copy_type, aten.sym_size, aten.sym_stride, aten.sym_numel, aten.sym_storage_offset,
 }  # fmt: skip
 CONVS = {aten.convolution, aten.convolution_backward}
+# a 1x1 convolution's map must hold a multiple of this many pixels for cuDNN's fast kernels (16 bytes of bf16;
+# gpu_speed.UNALIGNED_CONV_EFFICIENCY)
+POINTWISE_ALIGN = 8
+# BatchNorm's own kernels, priced at their measured share of the bandwidth (gpu_speed.NORM_EFFICIENCY)
+NORMS = {"native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
+         "_native_batch_norm_legit_functional", "cudnn_batch_norm", "batch_norm_stats", "batch_norm_elemt"}  # fmt: skip
+NORM_BACKWARDS = {"native_batch_norm_backward", "cudnn_batch_norm_backward", "batch_norm_backward_reduce",
+                  "batch_norm_backward_elemt"}  # fmt: skip
 # Tensors a multi-tensor (foreach) kernel takes per launch (PyTorch's multi_tensor_apply: up to 110 tensors of
 # its depth-1 lists, fewer for deeper ones); a round figure for the optimizer's lists.
 FOREACH_TENSORS = 64
@@ -71,6 +79,8 @@ class OpRecord:
     conv_px: float  # output pixels per channel of a convolution (its small-map factor); 0 for other operators
     low_precision: bool  # tensor-core (bf16/fp16) arithmetic
     op: str = ""  # the aten operator's name
+    # a 1x1 convolution in half precision on a map whose pixels are not a multiple of 8 (gpu_speed.UNALIGNED_...)
+    unaligned: bool = False
 
 
 @dataclass
@@ -210,10 +220,14 @@ class OpClock(TorchDispatchMode):
         flops = float(flop_registry[packet](*args, **kwargs, out_val=out)) if packet in flop_registry else 0.0
         kernels = self._kernels(func, args, kwargs)
         px = 0.0
+        unaligned = False
         low = self.low_precision and not self.optimizer_phase
         if packet in CONVS:
             ref = out if packet is aten.convolution else args[0]  # the output (its gradient, in backward)
             px = float(ref.shape[-1] * ref.shape[-2])
+            kernel = (args[1] if packet is aten.convolution else args[2]).shape[-2:]
+            # the matrix product's rows: every pixel of every image in the batch
+            unaligned = low and tuple(kernel) == (1, 1) and int(px) * ref.shape[0] % POINTWISE_ALIGN != 0
             kind = "convolution backward" if packet is aten.convolution_backward else "convolution forward"
             if low:  # autocast's weight cast (and the weight gradient's, back): element-wise kernels
                 weight = args[1] if packet is aten.convolution else args[2]
@@ -231,9 +245,10 @@ class OpClock(TorchDispatchMode):
                     w.host_ops += 1
         else:
             kind = ("optimizer" if self.optimizer_phase else
+                    "batch norm" if name in NORMS or name in NORM_BACKWARDS else
                     "copies, crops, pads, joins" if name.rstrip("_") in JOINS or name in JOINS else
                     "matrix products" if flops else "element-wise and reductions")  # fmt: skip
-        w.ops.append(OpRecord(kind, flops, moved, kernels, px, low, name))
+        w.ops.append(OpRecord(kind, flops, moved, kernels, px, low, name, unaligned))
 
     def _kernels(self, func: Any, args: Any, kwargs: dict[str, Any]) -> int:
         packet = func._overloadpacket
@@ -256,10 +271,14 @@ class OpClock(TorchDispatchMode):
             for o in w.ops:
                 if o.conv_px:
                     rate = s.conv_rate(o.low_precision) * o.conv_px / (o.conv_px + s.small_map_px)
-                    rate *= s.tile_conv_efficiency if w.tile else 1.0
+                    # the tiles' own penalty is their unaligned 1x1 layers' (measured, docs/traces): a tile's 3x3
+                    # layers ran at the whole map's rate
+                    rate *= s.unaligned_conv_efficiency if o.unaligned else 1.0
                 else:
                     rate = s.matmul_rate(o.low_precision)
-                t = max(o.flops / rate, o.bytes / s.bytes_per_second) + o.kernels * 1e-6 * s.kernel_floor_us
+                norm = o.op in NORMS or o.op in NORM_BACKWARDS
+                byte_rate = s.norm_bytes_per_second(o.op in NORM_BACKWARDS) if norm else s.bytes_per_second
+                t = max(o.flops / rate, o.bytes / byte_rate) + o.kernels * 1e-6 * s.kernel_floor_us
                 gpu += t
                 kinds[o.kind] = kinds.get(o.kind, 0.0) + w.weight * t
                 flops += w.weight * o.flops
