@@ -36,6 +36,7 @@ from wsitrain.models import build
 from wsitrain.sft.planning.costs import TimeModel
 from wsitrain.sft.simulate.clock import OpClock
 from wsitrain.sft.simulate.timing import clock_plain_step, clock_sft_step
+from wsitrain.sft.target import TargetDevice
 
 # (case, measured seconds on the H200, what the case is)
 MEASURED = {
@@ -186,7 +187,8 @@ def replay(row: dict[str, Any], preset: str, speed: GpuSpeed) -> KitReplay:
         n, edge = (row["patches"], row["patch"]) if row["patches"] else (1, row["size"])
         return KitReplay(row, clock_plain_step(model, (n, 3, edge, edge), speed, KIT_PRECISION)[1], None)
     tm = TimeModel(**row["time_model"]) if row["time_model"] else None
-    target = gpu_preset(preset).target(row["large_conv"])
+    # the card's own target where the kit recorded it (host link, nominal rate, usable memory), else the preset's
+    target = TargetDevice(**row["target"]) if row.get("target") else gpu_preset(preset).target(row["large_conv"])
     try:
         _, sim, clock = clock_sft_step(model, (1, 3, row["size"], row["size"]), row["budget_bytes"], speed,
                                        KIT_PRECISION, target=target, time_model=tm)  # fmt: skip

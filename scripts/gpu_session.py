@@ -191,7 +191,7 @@ def run_case(case: Case, device: torch.device, size: int, patch: int, steps: int
     row: dict[str, Any] = {"model": case.model, "run": case.name, "size": size, "device": _device_name(device),
                            "patches": case.patches, "patch": patch, "channels_last": case.channels_last,
                            "cudnn_benchmark": case.benchmark, "constants": case.time_model,
-                           "budget": case.budget}  # fmt: skip
+                           "budget": case.budget, "torch": torch.__version__}  # fmt: skip
     budget = parse_bytes(case.budget, "--budget") if case.budget else None
     if device.type == "cuda":
         cap_cuda_allocator(device, budget)
@@ -218,7 +218,11 @@ def run_case(case: Case, device: torch.device, size: int, patch: int, steps: int
             row["budget_bytes"] = plan.budget_bytes
             tm = runner.sft.time_model
             row["time_model"] = None if tm is None else dataclasses.asdict(tm)
-            row["large_conv"] = target_for(device).large_conv
+            target = target_for(device)
+            row["large_conv"] = target.large_conv
+            # the whole target the card planned for: a replay that plans for the preset's can choose another plan
+            # (2026-11-27: every capped case's replay on the h200 preset differed from the H200's own plan)
+            row["target"] = dataclasses.asdict(target)
     except Exception as e:  # one case's failure is its row; the session goes on
         row["status"] = "oom" if _is_oom(e) else "error"
         row["note"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]

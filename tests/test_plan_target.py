@@ -122,3 +122,21 @@ def test_preset_budget_is_usable_memory() -> None:
     assert b.bytes == GPU_PRESETS["t4"].usable_bytes < 15 * GiB and b.target.generation == "volta-turing"
     assert "usable" in b.source and "nominal 16.00 GiB" in b.source
     assert resolve_budget("cpu", "1GiB").target.kind == "cpu"
+
+
+@pytest.mark.parametrize(("name", "preset"), [("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"),
+                                              ("NVIDIA A100-SXM4-80GB", "a100-80"), ("NVIDIA RTX A6000", None)])
+def test_a_detected_card_prices_host_transfers_as_its_preset(monkeypatch: pytest.MonkeyPatch, name: str,
+                                                             preset: str | None) -> None:  # fmt: skip
+    """A run on a card `plan --gpu` knows prices a host byte as the preset does, so it runs the plan printed for it
+    (the H200 of 2026-11-27 planned with a 2080 Ti's rates and chose another plan); other cards keep the defaults."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev: name)
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91900)
+    t = detected_target(torch.device("cuda", 0))
+    if preset is None:
+        assert t.host_link_gb_s == 0.0 and t.tflops == 0.0
+        return
+    p = GPU_PRESETS[preset].target(t.large_conv)
+    assert t.host_byte_flops == p.host_byte_flops and (t.host_link_gb_s, t.tflops) == (p.host_link_gb_s, p.tflops)

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from wsitrain.gpu_speed import gpu_speed, speed_preset_of
 from wsitrain.units import format_bytes
 
 MiB = 2**20
@@ -179,12 +180,18 @@ def detected_target(device: torch.device) -> TargetDevice:
     name = torch.cuda.get_device_name(device)
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     ok = large_conv_supported(torch.__version__, cudnn)
+    # a card with speed constants plans its host transfers at its preset's rates, as `plan --gpu` does for it: with
+    # the defaults' (a 2080 Ti's 13.4 TFLOP/s on PCIe 3.0) an H200 priced a byte to or from the host 20% cheaper and
+    # chose another plan than `plan --gpu h200` printed (measured, 2026-11-27: docs/gpu_time_breakdown.md)
+    speed = gpu_speed(speed_preset_of(name))
     return TargetDevice(
         "cuda",
         f"{device} {name} (detected)",
         generation_of(cap),
         ok,
         f"torch {torch.__version__.split('+')[0]}, cuDNN {cudnn} on this machine",
+        speed.link_gb_s if speed is not None else 0.0,
+        speed.fp32_tflops if speed is not None else 0.0,
     )
 
 

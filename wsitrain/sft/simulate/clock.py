@@ -5,7 +5,10 @@ executor, or plain PyTorch) and prices it with a preset's constants (``wsitrain.
 
 - on the device, an operator takes max(FLOPs / convolution rate, bytes read and written / memory rate) plus a
   kernel floor per kernel it launches (FLOPs from ``torch.utils.flop_counter``'s formulas; views and
-  allocations launch nothing). Convolutions on small maps run below the large-map rate (``small_map_px``);
+  allocations launch nothing). Convolutions on small maps run below the large-map rate (``small_map_px``); 1x1
+  ones in half precision on maps whose pixels are not a multiple of 8 at ``unaligned_conv_efficiency`` of it (a
+  tile's halo; cuDNN's fallback kernels); BatchNorm's kernels move their bytes at their own measured share of the
+  bandwidth (``norm_efficiency``, ``norm_backward_efficiency``; docs/gpu_time_breakdown.md);
 - on the host, each operator costs its dispatch time (eager PyTorch's Python and autograd work), views less, and
   host-side copies (cropping the uint8 image) their bytes at one thread's copy rate; each tile visit adds the
   executor's own bookkeeping (``tile_host_us``);
