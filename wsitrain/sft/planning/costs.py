@@ -69,8 +69,8 @@ class TimeModel:
     call_flops: float
     tile_call_flops: float
     source: str = DEFAULT_TIME_MODEL  # or "calibrated on <GPU> on <date>" (wsitrain doctor --calibrate)
-    # FLOPs the tile executor runs cost this many times a whole map's (the simulated clock's tile convolutions run
-    # at 1 / this of the rate; wsitrain/gpu_speed.py TILE_CONV_EFFICIENCY); 1.0 where not known
+    # FLOPs the tile executor runs cost this many times a whole map's (on average: wsitrain/gpu_speed.py
+    # TILE_CONV_EFFICIENCY, the planner's own factor); 1.0 where not known
     tile_flop_factor: float = 1.0
 
 
