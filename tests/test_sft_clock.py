@@ -250,3 +250,16 @@ def test_a_run_plans_with_the_clock_plan_printed_for_its_card(name: str | None, 
         assert run.source.startswith(CLOCK_SOURCE) and run == printed
     cpu, speed = run_time_model("cpu", name, False)
     assert speed is None and cpu.source == DEFAULT_TIME_MODEL
+
+
+def test_the_planners_rate_is_its_own_factor_on_every_kind_of_card() -> None:
+    """Tensor cores and TF32 count in PLAN_CONV_EFFICIENCY; a card without either (the 2080 Ti in float32) runs on its
+    CUDA cores at SIMT_EFFICIENCY for the clock and the planner alike."""
+    from wsitrain.gpu_speed import SIMT_EFFICIENCY
+
+    for name, s in GPU_SPEEDS.items():
+        assert s.plan_conv_rate(True) == pytest.approx(1e12 * s.tensor_tflops * s.plan_conv_efficiency), name
+        if s.tf32_tflops > s.fp32_tflops:
+            assert s.plan_conv_rate(False) == pytest.approx(1e12 * s.tf32_tflops * s.plan_conv_efficiency), name
+        else:
+            assert s.plan_conv_rate(False) == s.conv_rate(False) == 1e12 * s.fp32_tflops * SIMT_EFFICIENCY, name

@@ -98,15 +98,18 @@ class GpuSpeed:
     def conv_rate(self, low_precision: bool) -> float:
         """FLOP/s a large convolution reaches: tensor cores in bf16/fp16, TF32 in float32 where the card has it,
         else its CUDA cores."""
-        if low_precision:
-            return 1e12 * self.tensor_tflops * self.conv_efficiency
-        if self.tf32_tflops > self.fp32_tflops:
-            return 1e12 * self.tf32_tflops * self.conv_efficiency
-        return 1e12 * self.fp32_tflops * SIMT_EFFICIENCY
+        return self._conv_rate(low_precision, self.conv_efficiency)
 
     def plan_conv_rate(self, low_precision: bool) -> float:
         """The convolution rate the planner's time model counts in (``PLAN_CONV_EFFICIENCY``)."""
-        return self.conv_rate(low_precision) * self.plan_conv_efficiency / self.conv_efficiency
+        return self._conv_rate(low_precision, self.plan_conv_efficiency)
+
+    def _conv_rate(self, low_precision: bool, efficiency: float) -> float:
+        if low_precision:
+            return 1e12 * self.tensor_tflops * efficiency
+        if self.tf32_tflops > self.fp32_tflops:
+            return 1e12 * self.tf32_tflops * efficiency
+        return 1e12 * self.fp32_tflops * SIMT_EFFICIENCY
 
     def matmul_rate(self, low_precision: bool) -> float:
         """Matrix products: tensor cores in bf16/fp16; float32 ones on CUDA cores (PyTorch's default: no TF32)."""
