@@ -160,7 +160,9 @@ class Runner:
         self.opt = torch.optim.AdamW(model.parameters(), foreach=True)
         if case.sft:
             tm = run_time_model(device.type, device_name(device), True)[0] if case.time_model == "run" else None
-            self.sft: SFT | None = SFT(model, memory_budget=case.budget, time_model=tm)
+            # planned for the AdamW it trains with, as fit plans (without it, the H200's plan of 2026-11-27 left out
+            # the optimizer's state and differed from every replay)
+            self.sft: SFT | None = SFT(model, memory_budget=case.budget, time_model=tm, optimizer="adamw")
             x = torch.randint(0, 256, (1, 3, size, size), dtype=torch.uint8)  # (B, C, H, W) on the host, as fit
             self.x = x.pin_memory() if device.type == "cuda" else x
             self.forward: Callable[[torch.Tensor], torch.Tensor] = self.sft

@@ -250,3 +250,25 @@ def test_does_not_fit_names_a_budget_that_fits(model: str, size: str, gpu: str |
     assert json.loads(out)["plan"]["min_budget_bytes"] == parse_bytes(m.group(1))
     code, text = _run(False, model=model, size=size, gpu=gpu, memory=m.group(1))
     assert code == 0 and ": fits" in text
+
+
+def test_plan_holds_the_optimizer_fit_trains_with() -> None:
+    """`wsitrain plan` plans AdamW's state and step as `fit` (and `plan --simulate`) do: the plan printed is the plan
+    a run executes. Before, it planned without an optimizer, and an H200 ran another plan than the one printed."""
+    from wsitrain.plan.command import DEFAULT_OPTIMIZER, make_plan
+    from wsitrain.sft.plan_api import plan as plan_model
+
+    report = make_plan(model="tiny", size="512", gpu=None, memory="64MiB", with_max_size=False)
+    assert DEFAULT_OPTIMIZER == "adamw" and report.plan.breakdown["optimizer"] > 0
+    import torch
+
+    from wsitrain.models import build
+
+    with torch.device("meta"):
+        net = build("tiny", 2)
+    budget = resolve_budget(None, "64MiB")
+    kw = {"input_shape": (1, 3, 512, 512), "memory_budget": budget.bytes, "device": budget.device,
+          "target": budget.target}  # fmt: skip
+    with_adamw = plan_model(net, optimizer="adamw", **kw)
+    assert report.plan.breakdown == with_adamw.breakdown
+    assert plan_model(net, **kw).breakdown["optimizer"] == 0  # the library's own default stays "no optimizer"

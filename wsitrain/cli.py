@@ -483,10 +483,10 @@ def synth(
 
       wsitrain synth data/survival --task survival --n 48 --size 1024 --test-fraction 0.25
     """
-    from wsitrain.slides.synth.lesions import LESION_MODES
-
-    if lesions not in LESION_MODES:
-        raise typer.BadParameter(f"{lesions!r} is not one of {', '.join(LESION_MODES)}", param_hint="'--lesions'")
+    # through _entry: an installation without the synthetic slides says so (exit 3), whatever was imported before
+    modes = _entry("wsitrain.slides.synth.lesions", "LESION_MODES", "synth")
+    if lesions not in modes:
+        raise typer.BadParameter(f"{lesions!r} is not one of {', '.join(modes)}", param_hint="'--lesions'")
     if lesions != "none" and task != "classification":
         raise typer.BadParameter(f"--lesions {lesions} makes classification slides; leave out --task",
                                  param_hint="'--lesions'")

@@ -268,9 +268,10 @@ def make_plan(
 ) -> PlanReport:
     """Validate the inputs, plan on the meta device, and return the plan with the command's envelope.
 
-    ``simulate``: also run one training step of the real executor on the simulated CUDA device
-    (``wsitrain.sft.simulate``); the plan shown is then the one that step ran (with ``optimizer``, default adamw,
-    as ``wsitrain fit`` trains), for the GPU preset's generation. bf16/fp16 are planned but not simulated (the
+    ``optimizer``: the one whose state and step the plan holds (default adamw, as ``wsitrain fit`` trains), with
+    and without ``simulate``. ``simulate``: also run one training step of the real executor on the simulated CUDA
+    device (``wsitrain.sft.simulate``); the plan shown is then the one that step ran, for the GPU preset's
+    generation. bf16/fp16 are planned but not simulated (the
     simulated device has no autocast). ``every_tile``: simulate every tile, not only the representative ones.
     ``pool``: the head's pooling (wsitrain.models.heads.POOLS; attention with its default settings).
     ``freeze``: ``--freeze`` (``parse_freeze``): plan with those layers frozen, and the same plan unfrozen beside it.
@@ -340,9 +341,11 @@ def _plan_net(
     batch = shape[0]
     dtype = activation_dtype(prec)
     tm, speed = _time_model(budget, prec)
+    # the optimizer fit trains with: its state and step temporaries are in the plan fit runs (planned without them,
+    # `plan` printed another plan than the one an H200 ran for the same budget: 2026-11-27)
+    optimizer = optimizer or DEFAULT_OPTIMIZER
     if simulate:
-        opt = optimizer or DEFAULT_OPTIMIZER
-        return _simulated(net, shape, budget, prec, opt, tile, progress, every_tile, speed, tm, host_budget)
+        return _simulated(net, shape, budget, prec, optimizer, tile, progress, every_tile, speed, tm, host_budget)
     p = plan_model(
         net, input_shape=shape, memory_budget=budget.bytes, dtype=dtype, tile_size=tile,
         optimizer=optimizer, device=budget.device, target=budget.target, time_model=tm,
