@@ -190,8 +190,10 @@ def replay(row: dict[str, Any], preset: str, speed: GpuSpeed) -> KitReplay:
     # the card's own target where the kit recorded it (host link, nominal rate, usable memory), else the preset's
     target = TargetDevice(**row["target"]) if row.get("target") else gpu_preset(preset).target(row["large_conv"])
     try:
+        # the optimizer the card's plan held: a kit of before 2026-11-27 planned with none (and trained AdamW)
         _, sim, clock = clock_sft_step(model, (1, 3, row["size"], row["size"]), row["budget_bytes"], speed,
-                                       KIT_PRECISION, target=target, time_model=tm)  # fmt: skip
+                                       KIT_PRECISION, target=target, time_model=tm,
+                                       plan_optimizer=row.get("plan_optimizer"))  # fmt: skip
     except PlanError as e:
         return KitReplay(row, None, None, f"not replayed: {str(e).split('. ')[0]}")
     return KitReplay(row, clock, sim.plan.brief)

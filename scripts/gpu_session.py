@@ -221,6 +221,7 @@ def run_case(case: Case, device: torch.device, size: int, patch: int, steps: int
             row["planned_overhead"] = plan.slowdown - 1.0
             # what the clock's replay (scripts/fit_clock.py --kit) plans with: the same budget, constants and target
             row["budget_bytes"] = plan.budget_bytes
+            row["plan_optimizer"] = runner.sft.optimizer  # whose state the plan holds (fit_clock.py replays it)
             tm = runner.sft.time_model
             row["time_model"] = None if tm is None else dataclasses.asdict(tm)
             target = target_for(device)

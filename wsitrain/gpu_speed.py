@@ -21,9 +21,9 @@ from dataclasses import dataclass, replace
 CONV_EFFICIENCY = 0.2413
 # The planner's time model ranks plans with the constants of the clock before BatchNorm and unaligned 1x1 layers had
 # rates of their own (conv 0.1039, TILE_CONV_EFFICIENCY below): its shapes-only costs price every byte alike and
-# tiles by one factor, so with the refitted CONV_EFFICIENCY it chose a plan the clock prices 20% slower (1.04
-# against 0.86 s, ResNet-50 8192 px capped, simulated), while these chose the plan measured fastest on the H200
-# (0.86 s against 1.35 s for the default constants' plan). FITTED on the H200 step of 2026-11-24 (0.419 s).
+# tiles by one factor, so with the refitted CONV_EFFICIENCY it chose a plan the clock prices 14% slower (0.879
+# against 0.769 s, ResNet-50 8192 px capped under 10.47 GiB, simulated), while these chose the plan measured fastest
+# of two on the H200 (0.86 s against 1.35 s for the default constants'). FITTED on the H200 step of 2026-11-24.
 PLAN_CONV_EFFICIENCY = 0.1039
 # Share of the data sheet's memory bandwidth that element-wise kernels (BatchNorm, ReLU, adds, copies) reach:
 # ASSUMED, not fitted: 0.8 is what STREAM-like copies reach on HBM cards (public reports for A100/H100: 80-90%).
@@ -62,7 +62,7 @@ TILE_CONV_EFFICIENCY = 0.663
 # aligned maps. FITTED to the capped SFT step on an H200 (docs/simulated-clock.md); the profile of that step
 # (docs/traces) shows it directly: the tiles' large 1x1 layers ran at 55-180 TFLOP/s where the whole image's same
 # layers ran at 520-710 (``scripts/trace_tables.py ... --against``).
-UNALIGNED_CONV_EFFICIENCY = 0.0881
+UNALIGNED_CONV_EFFICIENCY = 0.1262
 # Share of the plain fp32 rate (CUDA cores, no tensor cores) that convolutions reach on cards without TF32 (the
 # 2080 Ti in float32): ASSUMED, the usual 50-70% of cuDNN's implicit-GEMM kernels on large maps.
 SIMT_EFFICIENCY = 0.6

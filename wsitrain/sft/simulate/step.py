@@ -14,6 +14,7 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
@@ -118,6 +119,7 @@ def simulate_step(
     act_dtype: torch.dtype | None = None,
     time_model: TimeModel | None = None,
     host_memory: int | str | None = None,
+    plan_optimizer: str | None | Literal["same"] = "same",
 ) -> SimulatedStep:
     """Run one training step of ``SFT(model)`` on the simulated CUDA device (see the module doc).
 
@@ -134,6 +136,8 @@ def simulate_step(
     no autocast): only the clock's figures mean anything then (it counts two bytes per element), not the peaks.
     ``time_model``: the planner's (None: the device's defaults). ``host_memory``: the host RAM budget per rank
     (``SFT``'s): host checkpoints past it, and the image when the plan spills it, are counted as disk.
+    ``plan_optimizer``: the optimizer the plan holds the state of, when it is not the one the step runs (a GPU kit's
+    ``SFT`` of before 2026-11-27 planned with none and trained with AdamW: its replay plans so).
     """
     if any(t.device.type != DEVICE_TYPE for t in [*model.parameters(), *model.buffers()]):
         raise PlanError(
@@ -144,7 +148,8 @@ def simulate_step(
         raise PlanError(f"optimizer {optimizer!r} is not simulated", hint=f"use one of: {', '.join(OPTIMIZERS)}")
     rt = SimRuntime()
     sft = SFT(
-        model, memory_budget=memory_budget, tile_size=tile_size, checkpoints=checkpoints, optimizer=optimizer,
+        model, memory_budget=memory_budget, tile_size=tile_size, checkpoints=checkpoints,
+        optimizer=optimizer if plan_optimizer == "same" else plan_optimizer,
         collect_stats=False, host_checkpoints=host_checkpoints, runtime=rt, target=target, time_model=time_model,
         host_memory=host_memory,
     )  # fmt: skip
