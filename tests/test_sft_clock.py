@@ -263,3 +263,14 @@ def test_the_planners_rate_is_its_own_factor_on_every_kind_of_card() -> None:
             assert s.plan_conv_rate(False) == pytest.approx(1e12 * s.tf32_tflops * s.plan_conv_efficiency), name
         else:
             assert s.plan_conv_rate(False) == s.conv_rate(False) == 1e12 * s.fp32_tflops * SIMT_EFFICIENCY, name
+
+
+def test_a_replay_plans_the_optimizer_the_cards_plan_held() -> None:
+    """``plan_optimizer``: the plan holds that optimizer's state (a GPU kit of before 2026-11-27 planned with none)
+    while the simulated step still runs the step's own optimizer."""
+    net = _tiny()
+    none, sim_none, _ = clock_sft_step(net, (1, 3, 256, 256), "1GiB", H100, "bf16", plan_optimizer=None,
+                                       optimizer="adamw")  # fmt: skip
+    same, sim_same, _ = clock_sft_step(_tiny(), (1, 3, 256, 256), "1GiB", H100, "bf16", optimizer="adamw")
+    assert sim_none.plan.breakdown["optimizer"] == 0 < sim_same.plan.breakdown["optimizer"]
+    assert none.by_kind.get("optimizer", 0) > 0 and same.by_kind.get("optimizer", 0) > 0
