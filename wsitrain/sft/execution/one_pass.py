@@ -27,7 +27,7 @@ from wsitrain.sft.execution.autocast import AutocastState
 from wsitrain.sft.execution.reuse import ReuseCache, has_content
 from wsitrain.sft.execution.tiled import JOIN, OVERLAP_ADD, TILE_BACKWARD, TiledSegment
 from wsitrain.sft.ops.fused_pool import Accumulator
-from wsitrain.sft.ops.linear_head import RESIDUAL_SHARE, coefficient, head_direction
+from wsitrain.sft.ops.linear_head import RESIDUAL_SHARE, coefficient, head_direction, residual_share
 from wsitrain.sft.ops.masked_pool import AVG
 
 # a cached background tile: its output (B, C, th, tw) and autograd's results for its share (none off the mask)
@@ -42,6 +42,7 @@ class HeldSums:
     scale: float  # a power of two
     grad_x: torch.Tensor | None  # the segment input's gradient sum (None: the input wants none)
     grads: list[torch.Tensor | None]  # per parameter of the segment (None: no tile reached it)
+    tolerance: float = RESIDUAL_SHARE  # the share off the direction still taken as on it (linear_head.residual_share)
 
     def scaled(
         self, pooled_grad: torch.Tensor, on_sync: Callable[[str], None] | None = None
@@ -56,7 +57,7 @@ class HeldSums:
             _scale_all(sums, 1.0 / self.scale)
             return self.grad_x, self.grads
         share, k = torch.stack([left, a]).tolist()  # one read of the device for both
-        if not share <= RESIDUAL_SHARE:
+        if not share <= self.tolerance:
             return None
         _scale_all(sums, k / self.scale)
         return self.grad_x, self.grads
@@ -140,4 +141,6 @@ def forward_one_pass(
     seg.stager.drain()  # every input-gradient tile is added into a host grad_x before it is scaled
     if not any(g is not None for g in grads):  # no tile held gradient: plain autograd's would be zeros
         grads = [torch.zeros_like(p) if p.requires_grad else None for p in seg.params]
-    return acc.result(dtype), acc, HeldSums(direction, scale, grad_x, grads)
+    # the dtype the head multiplies in: autocast's where it is on, else its weight's
+    head_dtype = autocast.dtype if autocast.enabled else head.weight.dtype
+    return acc.result(dtype), acc, HeldSums(direction, scale, grad_x, grads, residual_share(head_dtype))
