@@ -191,9 +191,12 @@ def replay(row: dict[str, Any], preset: str, speed: GpuSpeed) -> KitReplay:
     target = TargetDevice(**row["target"]) if row.get("target") else gpu_preset(preset).target(row["large_conv"])
     try:
         # the optimizer the card's plan held: a kit of before 2026-11-27 planned with none (and trained AdamW)
+        # and whether its one-pass segments fell back to a recompute: every bf16 step of a kit before 2026-11-27 did
+        falls_back = bool(row.get("one_pass_fallbacks", "plan_optimizer" not in row))
         _, sim, clock = clock_sft_step(model, (1, 3, row["size"], row["size"]), row["budget_bytes"], speed,
                                        KIT_PRECISION, target=target, time_model=tm,
-                                       plan_optimizer=row.get("plan_optimizer"))  # fmt: skip
+                                       plan_optimizer=row.get("plan_optimizer"),
+                                       one_pass_falls_back=falls_back)  # fmt: skip
     except PlanError as e:
         return KitReplay(row, None, None, f"not replayed: {str(e).split('. ')[0]}")
     return KitReplay(row, clock, sim.plan.brief)

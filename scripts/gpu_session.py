@@ -222,6 +222,8 @@ def run_case(case: Case, device: torch.device, size: int, patch: int, steps: int
             # what the clock's replay (scripts/fit_clock.py --kit) plans with: the same budget, constants and target
             row["budget_bytes"] = plan.budget_bytes
             row["plan_optimizer"] = runner.sft.optimizer  # whose state the plan holds (fit_clock.py replays it)
+            # one-pass segments that recomputed after their pass in the last step (fit_clock.py replays that too)
+            row["one_pass_fallbacks"] = runner.sft.last_stats.one_pass_fallbacks
             tm = runner.sft.time_model
             row["time_model"] = None if tm is None else dataclasses.asdict(tm)
             target = target_for(device)

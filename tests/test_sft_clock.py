@@ -274,3 +274,13 @@ def test_a_replay_plans_the_optimizer_the_cards_plan_held() -> None:
     same, sim_same, _ = clock_sft_step(_tiny(), (1, 3, 256, 256), "1GiB", H100, "bf16", optimizer="adamw")
     assert sim_none.plan.breakdown["optimizer"] == 0 < sim_same.plan.breakdown["optimizer"]
     assert none.by_kind.get("optimizer", 0) > 0 and same.by_kind.get("optimizer", 0) > 0
+
+
+def test_a_replay_can_fall_back_after_its_one_pass() -> None:
+    """``one_pass_falls_back``: the one-pass segment recomputes after its pass, as bf16 steps did on a GPU before
+    2026-11-27 (the kit's rows replay it): more FLOPs and launches, the same plan."""
+    held, sim, _ = clock_sft_step(_tiny(), (1, 3, 512, 512), "1GiB", H100, "bf16", tile_size=128)
+    fell, sim_fell, _ = clock_sft_step(_tiny(), (1, 3, 512, 512), "1GiB", H100, "bf16", tile_size=128,
+                                       one_pass_falls_back=True)  # fmt: skip
+    assert any(s.one_pass for s in sim.plan.segments) and sim.plan.brief == sim_fell.plan.brief
+    assert fell.flops > held.flops and fell.kernels > held.kernels and fell.seconds > held.seconds

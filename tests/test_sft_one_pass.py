@@ -238,3 +238,14 @@ def test_one_pass_from_a_host_checkpoint() -> None:
     p, _ = run(model, x, cross_entropy, host_checkpoints="always")
     s = last(p)
     assert s.one_pass and s.start > 0 and s.checkpoint_location == "host", p.describe()
+
+
+@pytest.mark.parametrize(("loss", "fallbacks"), [(cross_entropy, 0), (squared, 1)])
+def test_the_step_counts_its_one_pass_fallbacks(loss: Loss, fallbacks: int) -> None:
+    """``last_stats.one_pass_fallbacks``: the GPU kit records it, and fit_clock.py replays a step that fell back."""
+    model = with_head("resnet_basic", 2, seed=2)
+    engine = SFT(copy.deepcopy(model), memory_budget="1GiB", tile_size=24)
+    x = torch.randn(*SHAPE, dtype=torch.float64)
+    step(engine.model, engine, x, loss)
+    assert last(engine.plan_of(x)).one_pass
+    assert engine.last_stats.one_pass_fallbacks == fallbacks

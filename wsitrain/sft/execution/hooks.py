@@ -29,3 +29,6 @@ class ExecHooks:
     # fn(what) each time the executor reads device content on the host (a synchronization on a GPU, which drains
     # its queue), also where fake tensors have no content to read: the simulated clock prices them
     on_sync: Callable[[str], None] | None = None
+    # the simulated device replays a step whose one pass fell back (a GPU kit's bf16 steps before 2026-11-27: the
+    # head's rounding was taken as off the direction): its held sums are dropped and the segment recomputes
+    one_pass_falls_back: bool = False

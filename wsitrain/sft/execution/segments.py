@@ -68,10 +68,12 @@ class TiledFunction(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         held, ctx.held = ctx.held, None
         if held is not None:
-            done = held.scaled(ctx.pool.grad_view(grad_out), ctx.seg.hooks.on_sync)
+            hooks = ctx.seg.hooks
+            done = None if hooks.one_pass_falls_back else held.scaled(ctx.pool.grad_view(grad_out), hooks.on_sync)
             if done is not None:
                 return (None, done[0], *done[1])
             del held  # off the head's direction: the sums go before the recompute's own are built
+            ctx.seg.count("one_pass_fallbacks")
         x = _saved_input(ctx)
         with ctx.seg.runner.masks.replaying(ctx.masks), abandon_on_error(ctx.seg):
             grad_x, grads = ctx.seg.backward_all(x, grad_out, ctx.needs_input_grad[1], ctx.autocast, ctx.pool)

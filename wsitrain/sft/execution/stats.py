@@ -53,6 +53,8 @@ class StepStats:
     reused_forward: int = 0
     reused_backward: int = 0
     skipped_backward: int = 0  # tiles whose output gradient is zero (max pooling's losers): no recompute
+    # one-pass segments whose pooled gradient came off the head's direction: they recomputed after their one pass
+    one_pass_fallbacks: int = 0
     _done: list[TileStat] = field(default_factory=list, repr=False)
     _pending: list[_Pending] = field(default_factory=list, repr=False)
 

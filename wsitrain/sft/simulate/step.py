@@ -120,6 +120,7 @@ def simulate_step(
     time_model: TimeModel | None = None,
     host_memory: int | str | None = None,
     plan_optimizer: str | None | Literal["same"] = "same",
+    one_pass_falls_back: bool = False,
 ) -> SimulatedStep:
     """Run one training step of ``SFT(model)`` on the simulated CUDA device (see the module doc).
 
@@ -138,6 +139,8 @@ def simulate_step(
     (``SFT``'s): host checkpoints past it, and the image when the plan spills it, are counted as disk.
     ``plan_optimizer``: the optimizer the plan holds the state of, when it is not the one the step runs (a GPU kit's
     ``SFT`` of before 2026-11-27 planned with none and trained with AdamW: its replay plans so).
+    ``one_pass_falls_back``: one-pass segments recompute after their pass, as a bf16 step did on a GPU before
+    2026-11-27 (``ExecHooks.one_pass_falls_back``); fake tensors have no gradient to find off the direction.
     """
     if any(t.device.type != DEVICE_TYPE for t in [*model.parameters(), *model.buffers()]):
         raise PlanError(
@@ -156,6 +159,7 @@ def simulate_step(
     memory = LiveMemory(observer=rt.observe, fast=FAST_OPS if fast_ops else None)
     spill = SimSpill(memory)
     sft._stager = HostStager(copies(rt) if copies is not None else None, runtime=rt, spill=spill)  # before any plan
+    sft._hooks.one_pass_falls_back = one_pass_falls_back
     if clock is not None:  # CUDA packs tiles on the stager's worker thread: the clock prices them on that lane
         sft._stager.pack_scope = clock.staging
     shape = tuple(input_shape)
