@@ -21,8 +21,8 @@ from dataclasses import dataclass, replace
 CONV_EFFICIENCY = 0.2413
 # The planner's time model ranks plans with the constants of the clock before BatchNorm and unaligned 1x1 layers had
 # rates of their own (conv 0.1039, TILE_CONV_EFFICIENCY below): its shapes-only costs price every byte alike and
-# tiles by one factor, so with the refitted CONV_EFFICIENCY it chose a plan the clock prices 14% slower (0.879
-# against 0.769 s, ResNet-50 8192 px capped under 10.47 GiB, simulated), while these chose the plan measured fastest
+# tiles by one factor, so with the refitted CONV_EFFICIENCY it chose a plan the clock prices 3% slower (0.668
+# against 0.646 s, ResNet-50 8192 px capped under 10.47 GiB, simulated), while these chose the plan measured fastest
 # of two on the H200 (0.86 s against 1.35 s for the default constants'). FITTED on the H200 step of 2026-11-24.
 PLAN_CONV_EFFICIENCY = 0.1039
 # Share of the data sheet's memory bandwidth that element-wise kernels (BatchNorm, ReLU, adds, copies) reach:
@@ -59,10 +59,11 @@ TILE_CONV_EFFICIENCY = 0.663
 # 1x1 convolutions in half precision on maps whose pixel count is not a multiple of 8 (a tile's halo makes
 # 263 x 263, 129 x 129): cuDNN cannot use Hopper's matrix kernels on them and runs old generic ones
 # (``cutlass_75_tensorop_s1688gemm``) with layout transforms, at this share of the rate the same layers reach on
-# aligned maps. FITTED to the capped SFT step on an H200 (docs/simulated-clock.md); the profile of that step
+# aligned maps. FITTED to the capped SFT step on an H200 (docs/simulated-clock.md; replayed as it ran, its one-pass
+# segment recomputing after its pass, which every bf16 step did before 2026-11-27); the profile of that step
 # (docs/traces) shows it directly: the tiles' large 1x1 layers ran at 55-180 TFLOP/s where the whole image's same
 # layers ran at 520-710 (``scripts/trace_tables.py ... --against``).
-UNALIGNED_CONV_EFFICIENCY = 0.1262
+UNALIGNED_CONV_EFFICIENCY = 0.2938
 # Share of the plain fp32 rate (CUDA cores, no tensor cores) that convolutions reach on cards without TF32 (the
 # 2080 Ti in float32): ASSUMED, the usual 50-70% of cuDNN's implicit-GEMM kernels on large maps.
 SIMT_EFFICIENCY = 0.6
