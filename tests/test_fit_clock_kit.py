@@ -112,3 +112,33 @@ def test_a_kit_file_the_replay_cannot_read_is_exit_2_naming_file_and_line(tmp_pa
     err = _exit_2(fc, tmp_path / "old.jsonl", capsys)
     assert "old.jsonl:4: case 'SFT, capped at 175MiB, cudnn.benchmark off' lacks time_model" in err
     assert "run scripts/gpu_session.py again" in err
+
+
+@pytest.mark.parametrize(("extra", "target_label", "plan_optimizer", "falls_back"), [
+    ({}, "NVIDIA H200 (preset h200)", None, True),  # a row of before 2026-11-27: no optimizer, the pass fell back
+    ({"target": "recorded", "plan_optimizer": "adamw", "one_pass_fallbacks": 0}, "recorded card", "adamw", False),
+])  # fmt: skip
+def test_a_replay_runs_the_cards_own_step(monkeypatch: pytest.MonkeyPatch, extra: dict, target_label: str,
+                                         plan_optimizer: str | None, falls_back: bool) -> None:  # fmt: skip
+    """The replay plans for the target, the optimizer and the one-pass fallbacks the kit recorded; a row that
+    recorded none of them is one of the first H200 session's (the preset's target, no optimizer, fallen back)."""
+    from wsitrain.gpus import gpu_preset
+
+    fc = load_script("fit_clock")
+    seen: dict[str, object] = {}
+
+    def fake_step(*a: object, **kw: object) -> tuple:
+        seen.update(kw)
+        raise fc.PlanError("stop here")
+
+    monkeypatch.setattr(fc, "clock_sft_step", fake_step)
+    tm = dataclasses.asdict(run_time_model("cuda", H200, True)[0])
+    if extra.get("target") == "recorded":
+        extra = {**extra, "target": dataclasses.asdict(dataclasses.replace(gpu_preset("h200").target(True),
+                                                                            label="recorded card"))}  # fmt: skip
+    row = _row("SFT, capped", 0.5, plan="plain", budget="175MiB", budget_bytes=175 * 2**20, time_model=tm,
+               large_conv=False, **extra)  # fmt: skip
+    r = fc.replay(row, "h200", fc.gpu_speed("h200"))
+    assert r.clock is None and "not replayed" in r.note
+    assert seen["target"].label == target_label  # type: ignore[attr-defined]
+    assert seen["plan_optimizer"] == plan_optimizer and seen["one_pass_falls_back"] is falls_back

@@ -40,6 +40,10 @@ def test_cpu_quick_session_writes_the_tables(tmp_path: Path) -> None:
     assert all(r["status"] == "ok" for r in rows), rows
     capped = [r for r in rows if "capped" in r["run"]]
     assert capped and all("tiled" in r["plan"] for r in capped)  # the cap makes it tile
+    # what a replay needs to run the card's own step (fit_clock.py): its target, torch, the plan's optimizer, fallbacks
+    sft_rows = [r for r in rows if "plan" in r]
+    assert sft_rows and all(r["plan_optimizer"] == "adamw" and r["target"]["kind"] == "cpu" and r["torch"]
+                            and r["one_pass_fallbacks"] == 0 for r in sft_rows)  # fmt: skip
     secs = prof["seconds"]
     assert set(secs) == set(k.CATEGORIES)
     assert secs["conv forward"] > 0 and secs["recompute"] > 0 and secs["conv backward"] > 0
