@@ -110,12 +110,13 @@ class Profile:
     case: Case
 
 
-def session_order(all_cases: list[Case]) -> list[Case | Profile]:
+def session_order(all_cases: list[Case], profile_all: bool = False) -> list[Case | Profile]:
     """The order a session runs in, most telling first, so a session cut short keeps what matters most.
 
-    The first model's cases (less its cudnn.benchmark case), the profile of its capped step, the other models' cases,
-    and last the benchmark case, whose first step searches algorithms for every tile shape (61.6 s on an H200,
-    measured).
+    The first model's cases (less its cudnn.benchmark case), the profile of its capped step, the other models' cases
+    (``profile_all``: each followed by the profiles of its capped and plain NCHW steps, whose convolutions by shape
+    are what a per-shape convolution rate is fitted on), and last the benchmark case, whose first step searches
+    algorithms for every tile shape (61.6 s on an H200, measured).
     """
     first = all_cases[0].model
     bench = [c for c in all_cases if c.benchmark]
@@ -126,7 +127,14 @@ def session_order(all_cases: list[Case]) -> list[Case | Profile]:
     # other tiles, kernel by kernel (what a tile's convolution costs against the whole image's)
     others = [c for c in head if (not c.sft and not c.patches and not c.channels_last)
               or c.time_model == "default"]  # fmt: skip
-    return [*head, Profile(capped), *[Profile(c) for c in others], *rest, *bench]
+    order: list[Case | Profile] = [*head, Profile(capped), *[Profile(c) for c in others]]
+    for model in dict.fromkeys(c.model for c in rest):
+        mine = [c for c in rest if c.model == model]
+        order += mine
+        if profile_all:
+            order += [Profile(c) for c in mine if not c.patches and not c.channels_last and c.time_model == "run"
+                      and (not c.sft or c.budget)]  # fmt: skip
+    return [*order, *bench]
 
 
 def _sync(device: torch.device) -> None:
@@ -206,11 +214,16 @@ def run_case(case: Case, device: torch.device, size: int, patch: int, steps: int
     try:
         runner = Runner(case, device, size, patch)
         row["first_step_s"] = runner.step()
+        before = _allocator_calls(device)
         times: list[float] = []
         started = time.perf_counter()
         while len(times) < steps and (not times or time.perf_counter() - started < case_seconds):
             times.append(runner.step())
         row.update(status="ok", step_s=min(times), steps=len(times))
+        # the caching allocator per timed step: a retry frees its cached blocks after a synchronization (the capped
+        # ResNet-50 step of 2026-11-27 idled 22 ms at one), device allocations and frees are cudaMalloc / cudaFree
+        after = _allocator_calls(device)
+        row["allocator_per_step"] = {k: (after[k] - before[k]) / len(times) for k in after}
         pixels = runner.x.shape[0] * runner.x.shape[2] * runner.x.shape[3]
         row["mpx_per_s"] = pixels / row["step_s"] / 1e6
         if device.type == "cuda":
@@ -240,6 +253,18 @@ def run_case(case: Case, device: torch.device, size: int, patch: int, steps: int
         del runner
         _release(device)
     return row
+
+
+def _per_step(calls: dict[str, float] | None) -> str:
+    if not calls:
+        return ""
+    return " / ".join(f"{calls.get(k, 0):.3g}" for k in ("num_alloc_retries", "num_device_alloc", "num_device_free"))
+
+
+def _allocator_calls(device: torch.device) -> dict[str, int]:
+    """The caching allocator's retries, device allocations and frees so far (CUDA; zeros elsewhere)."""
+    stats = torch.cuda.memory_stats(device) if device.type == "cuda" else {}
+    return {k: int(stats.get(k, 0)) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free")}
 
 
 def _device_name(device: torch.device) -> str:
@@ -281,6 +306,7 @@ def profile_step(case: Case, device: torch.device, size: int, patch: int, trace:
         _release(device)
 
 
+MATMULS = ("aten::mm", "aten::bmm")
 _RANGES = (STAGE, JOIN, OVERLAP_ADD, RECOMPUTE, TILE_BACKWARD, OPTIMIZER, FORWARD, BACKWARD)
 
 
@@ -340,13 +366,15 @@ def breakdown(events: Any, device_timeline: bool, top: int = 40) -> dict[str, An
         if e.name in _RANGES or not e.name.startswith("aten::"):
             continue
         ranges = _enclosing_ranges(e)
+        # a tile's 1x1 layers run as matrix products (wsitrain/sft/ops/pointwise_conv.py) count as convolutions
+        as_conv = "" if e.name not in MATMULS else " conv backward" if _in_autograd(e) else " conv"
         if device_timeline:
             for k in getattr(e, "kernels", []):
-                cat = classify(f"{k.name} {e.name}", ranges)
+                cat = classify(f"{k.name} {e.name}{as_conv}", ranges)
                 s = k.duration / 1e6
                 seconds[cat] += s
                 count(by_kernel, (cat, e.name, k.name[:120]), s)
-                if e.name == "aten::cudnn_convolution" or e.name.startswith("aten::convolution_backward"):
+                if e.name == "aten::cudnn_convolution" or e.name.startswith("aten::convolution_backward") or as_conv:
                     count(by_shape, (cat, f"{e.name} {_shapes(e)}"), s)
         else:
             cat = classify(e.name, ranges)
@@ -375,6 +403,16 @@ def _shapes(e: Any) -> str:
 
 def _is_device(e: Any) -> bool:
     return str(getattr(e, "device_type", "")).endswith(("CUDA", "PrivateUse1")) and e.time_range.end > 0
+
+
+def _in_autograd(e: Any) -> bool:
+    """Whether ``e`` runs inside autograd's backward (an ``evaluate_function`` of some node encloses it)."""
+    p = e.cpu_parent
+    while p is not None:
+        if p.name.startswith("autograd::engine::evaluate_function"):
+            return True
+        p = p.cpu_parent
+    return False
 
 
 def _enclosing_ranges(e: Any) -> list[str]:
@@ -420,18 +458,19 @@ def write_tables(out: Path, rows: list[dict[str, Any]], profs: list[dict[str, An
         "simulated clock's figures for the same cases: `PYTHONPATH=. python scripts/fit_clock.py --kit "
         "gpu_session.jsonl`.",
         "",
-        "| model | run | step | throughput | peak allocated | first step | plan | planned overhead |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| model | run | step | throughput | peak allocated | first step | plan | planned overhead | allocator retries "
+        "/ device allocs / frees per step |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['model']} | {r['run']} | {r['status']} | | | | | {r.get('note', '')[:80]} |")
+            lines.append(f"| {r['model']} | {r['run']} | {r['status']} | | | | | {r.get('note', '')[:80]} | |")
             continue
         peak = format_bytes(r["peak_allocated_bytes"]) if "peak_allocated_bytes" in r else "-"
         over = f"{r['planned_overhead']:+.1%}" if "planned_overhead" in r else ""
         lines.append(
             f"| {r['model']} | {r['run']} | {r['step_s']:.3f} s | {r['mpx_per_s']:.3g} Mpx/s | {peak} | "
-            f"{r['first_step_s']:.1f} s | {r.get('plan', '')} | {over} |"
+            f"{r['first_step_s']:.1f} s | {r.get('plan', '')} | {over} | {_per_step(r.get('allocator_per_step'))} |"
         )
     for prof in profs:
         total = sum(prof["seconds"].values()) or 1.0
@@ -470,6 +509,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deadline", type=float, default=420.0,
                     help="start no case after this many seconds (default 420: the whole kit within 8 minutes)")
     ap.add_argument("--trace", action="store_true", help="also write each profiled step's Chrome trace (gzipped)")
+    ap.add_argument("--profile-all", action="store_true",
+                    help="also profile every other model's capped and plain NCHW steps")  # fmt: skip
     a = ap.parse_args(argv)
     device = torch.device(a.device)
     if device.type == "cuda":
@@ -482,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     profs: list[dict[str, Any]] = []
     t0 = time.perf_counter()
-    for item in session_order(cases(models, a.budget, patches, patch)):
+    for item in session_order(cases(models, a.budget, patches, patch), a.profile_all):
         if time.perf_counter() - t0 > a.deadline:  # what ran is kept; what did not is a row that says so
             if isinstance(item, Case):
                 rows.append({"model": item.model, "run": item.name, "size": a.size, "status": "skipped",

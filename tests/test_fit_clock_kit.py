@@ -16,6 +16,7 @@ import pytest
 from script_module import load_script
 
 from wsitrain.sft.planning.calibration import run_time_model
+from wsitrain.sft.simulate.clock import OpClock, OpRecord
 
 H200 = "NVIDIA H200"
 CAPPED_PLAN = "tiled 3x3 (forward 2x2), tiled 2x2 (forward 1x1), plain"  # tiny, 1024 px, 175 MiB, the H200 preset
@@ -71,7 +72,7 @@ def test_every_measured_case_is_replayed_and_the_plain_fit_case_is_met(tmp_path:
     assert capped[7] == CAPPED_PLAN  # replayed with the plan the card ran
     assert abs(_off(capped[4])) > 1  # the preset's constants do not meet made-up figures
     fitted = re.search(r"Refitted: conv_efficiency ([0-9.]+) .* unaligned_conv_efficiency ([0-9.]+) \(kept: no capped "
-                       r"case with unaligned 1x1 layers", table)  # fmt: skip
+                       r"case whose unaligned 1x1 convolutions", table)  # fmt: skip
     assert fitted is not None and 0 < float(fitted[1]) < 1 and float(fitted[2]) == pytest.approx(
         fc.GpuSpeed.__dataclass_fields__["unaligned_conv_efficiency"].default, abs=1e-4)
     default = _cells(table, "SFT, capped at 175MiB, default constants' plan")
@@ -142,3 +143,19 @@ def test_a_replay_runs_the_cards_own_step(monkeypatch: pytest.MonkeyPatch, extra
     assert r.clock is None and "not replayed" in r.note
     assert seen["target"].label == target_label  # type: ignore[attr-defined]
     assert seen["plan_optimizer"] == plan_optimizer and seen["one_pass_falls_back"] is falls_back
+
+
+def test_unaligned_rate_is_refitted_only_where_such_layers_carry_the_step() -> None:
+    """Since tiles run unaligned 1x1 layers as matrix products, a capped replay keeps a few unaligned convolutions
+    (stride 2, cropped inputs): under 5% of its convolution FLOPs they are not what the fit may charge the step to."""
+    fc = load_script("fit_clock")
+
+    def clock(unaligned_flops: float, aligned_flops: float) -> OpClock:
+        c = OpClock(low_precision=True)
+        c.windows[0].ops += [OpRecord("convolution forward", unaligned_flops, 0.0, 1, 100.0, True, "convolution", True),
+                             OpRecord("convolution forward", aligned_flops, 0.0, 1, 100.0, True, "convolution"),
+                             OpRecord("matrix products", 1e12, 0.0, 1, 0.0, True, "mm", True)]  # fmt: skip
+        return c
+
+    assert fc._has_unaligned(clock(5.0, 95.0)) and fc._has_unaligned(clock(50.0, 50.0))
+    assert not fc._has_unaligned(clock(4.0, 96.0)) and not fc._has_unaligned(clock(0.0, 100.0))

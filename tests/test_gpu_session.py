@@ -44,6 +44,9 @@ def test_cpu_quick_session_writes_the_tables(tmp_path: Path) -> None:
     sft_rows = [r for r in rows if "plan" in r]
     assert sft_rows and all(r["plan_optimizer"] == "adamw" and r["target"]["kind"] == "cpu" and r["torch"]
                             and r["one_pass_fallbacks"] == 0 for r in sft_rows)  # fmt: skip
+    # the caching allocator's calls per step (CUDA; none on a CPU)
+    assert all(r["allocator_per_step"] == dict.fromkeys(("num_alloc_retries", "num_device_alloc",
+                                                         "num_device_free"), 0.0) for r in rows)  # fmt: skip
     secs = prof["seconds"]
     assert set(secs) == set(k.CATEGORIES)
     assert secs["conv forward"] > 0 and secs["recompute"] > 0 and secs["conv backward"] > 0
@@ -101,6 +104,22 @@ def test_device_breakdown_charges_kernels_to_their_launchers_and_skips_annotatio
     assert out["convolutions"][0]["op_shapes"] == "aten::cudnn_convolution [[1, 8, 9, 9], [8, 8, 1, 1]]"
 
 
+def test_a_tiles_matrix_products_count_as_its_convolutions() -> None:
+    """A tile's 1x1 layers run as matrix products (ops/pointwise_conv.py): their forward products are the
+    convolutions' forward, the products autograd's backward runs their backward."""
+    from types import SimpleNamespace
+
+    k = _kit()
+    tile = _event(k.TILE_BACKWARD, 0, 100, parent=_event(k.BACKWARD, 0, 100))
+    fwd = _event("aten::mm", 10, 20, parent=tile, shapes=[[512, 128], [128, 149769]],
+                 kernels=[SimpleNamespace(name="nvjet_tst", duration=30.0)])  # fmt: skip
+    node = _event("autograd::engine::evaluate_function: MmBackward0", 30, 60, parent=tile)
+    bwd = _event("aten::mm", 30, 40, parent=node, kernels=[SimpleNamespace(name="cutlass_gemm", duration=20.0)])
+    out = k.breakdown([tile, fwd, node, bwd], device_timeline=True)
+    assert out["seconds"]["conv forward"] == 30e-6 and out["seconds"]["conv backward"] == 20e-6
+    assert {r["op_shapes"] for r in out["convolutions"]} == {"aten::mm [[512, 128], [128, 149769]]", "aten::mm []"}
+
+
 def test_a_session_runs_what_matters_most_first() -> None:
     k = _kit()
     order = k.session_order(k.cases(["a", "b"], "1GiB", 4))
@@ -110,3 +129,19 @@ def test_a_session_runs_what_matters_most_first() -> None:
     assert names[-1] == ("Case", "a") and order[-1].benchmark  # the benchmark case's minute-long first step last
     profiled = [x.case for x in order if isinstance(x, k.Profile)]
     assert profiled[0].budget and profiled[0].sft and profiled[0].time_model == "run"  # the capped step first
+
+
+def test_profile_all_profiles_every_models_capped_and_plain_steps() -> None:
+    """``--profile-all``: after each other model's cases, its capped SFT step and its plain NCHW step, no more."""
+    k = _kit()
+    order = k.session_order(k.cases(["a", "b", "c"], "1GiB", 4), profile_all=True)
+    for model in ("b", "c"):
+        profiled = [x.case for x in order if isinstance(x, k.Profile) and x.case.model == model]
+        assert sorted((c.sft, bool(c.budget)) for c in profiled) == [(False, False), (True, True)]
+        assert not any(c.patches or c.channels_last for c in profiled)
+        last_case = max(i for i, x in enumerate(order)
+                        if isinstance(x, k.Case) and x.model == model and not x.benchmark)  # fmt: skip
+        assert all(order.index(k.Profile(c)) > last_case for c in profiled)  # after the model's own cases
+    assert order[-1].benchmark
+    plain = k.session_order(k.cases(["a", "b"], "1GiB", 4))
+    assert not any(isinstance(x, k.Profile) and x.case.model == "b" for x in plain)

@@ -3,6 +3,7 @@ the price of a byte moved to host memory, and which device a budget and a target
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -43,7 +44,11 @@ def test_large_conv_decision() -> None:
     assert not large_conv_supported("2.6.0", 90100)  # cuDNN too old
     assert not large_conv_supported("2.6.0", None) and not large_conv_supported("garbage", 90300)
     assert GPU_PRESETS["h100"].target().conv_elements_limit == CONV_ELEMENTS_LIMIT  # assumed unless told
-    assert GPU_PRESETS["h100"].target(large_conv=True).conv_elements_limit is None
+    # a device that runs larger convolutions keeps the limit too (slow kernels), unless no plan fits within it
+    assert GPU_PRESETS["h100"].target(large_conv=True).conv_elements_limit == CONV_ELEMENTS_LIMIT
+    lifted = dataclasses.replace(GPU_PRESETS["h100"].target(large_conv=True), whole_large_conv=True)
+    assert lifted.conv_elements_limit is None
+    assert dataclasses.replace(GPU_PRESETS["h100"].target(), whole_large_conv=True).conv_elements_limit is not None
     assert TargetDevice("cpu", "CPU").conv_elements_limit is None
 
 
@@ -82,15 +87,36 @@ def _largest_conv_elements(plan, facts) -> int:
     return worst
 
 
-def test_convolutions_stay_below_two_to_the_31_unless_the_device_can() -> None:
+def test_convolutions_stay_below_two_to_the_31_where_a_plan_can() -> None:
+    """Below cuDNN 9.3 a larger convolution takes memory no plan counts; from 9.3 it runs on slow kernels (1 TFLOP/s
+    against 13 on tiles, measured on an H200): either way plans keep every convolution within the limit."""
     a100 = GPU_PRESETS["a100-80"]
-    limited, facts = _vgg_plan(a100.target(), a100.usable_bytes)
-    assert limited.fits and _largest_conv_elements(limited, facts) <= CONV_ELEMENTS_LIMIT
-    assert "at or below 2^31 elements per sample" in str(limited)
+    for large_conv, why in ((False, "im2col fallback"), (True, "cuDNN's slow 64-bit-index kernels")):
+        plan, facts = _vgg_plan(a100.target(large_conv=large_conv), a100.usable_bytes)
+        assert plan.fits and _largest_conv_elements(plan, facts) <= CONV_ELEMENTS_LIMIT
+        assert f"at or below 2^31 elements per sample ({why} otherwise)" in str(plan)
+    # the limit is the largest 32-bit index: 32 x 8192 x 8192 = 2^31 elements ran on the slow path
+    assert CONV_ELEMENTS_LIMIT == 2**31 - 1
+
+
+def test_convolutions_run_whole_only_where_no_plan_keeps_them_within_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where every plan within the limit fails and the device runs larger convolutions, the planner searches again
+    without the limit (and says so); a device that cannot run them gets no such plan."""
+    from wsitrain.sft.planning import planner
+
+    real = planner.fitting_plan
+
+    def only_without_limit(sess, *args, **kwargs):  # as if no plan kept every convolution within the limit
+        return None if sess.target.conv_elements_limit is not None else real(sess, *args, **kwargs)
+
+    monkeypatch.setattr(planner, "fitting_plan", only_without_limit)
+    a100 = GPU_PRESETS["a100-80"]
     free, facts = _vgg_plan(a100.target(large_conv=True), a100.usable_bytes)
-    # without the limit the cheapest plan runs VGG-16's conv4 block plain: 512 x 2560 x 2560 = 3.4e9 elements
+    # the cheapest plan without the limit runs VGG-16's conv4 block plain: 512 x 2560 x 2560 = 3.4e9 elements
     assert free.fits and _largest_conv_elements(free, facts) > CONV_ELEMENTS_LIMIT
-    assert free.time_sft <= limited.time_sft
+    assert free.target.whole_large_conv and "run whole" in str(free)
+    limited, _ = _vgg_plan(a100.target(), a100.usable_bytes)
+    assert not limited.fits
 
 
 def test_plan_runtime_term_names_the_generation() -> None:

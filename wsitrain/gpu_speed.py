@@ -64,6 +64,11 @@ TILE_CONV_EFFICIENCY = 0.663
 # (docs/traces) shows it directly: the tiles' large 1x1 layers ran at 55-180 TFLOP/s where the whole image's same
 # layers ran at 520-710 (``scripts/trace_tables.py ... --against``).
 UNALIGNED_CONV_EFFICIENCY = 0.2938
+# Matrix products in half precision whose operands' rows are not 16 bytes aligned (a tile's 1x1 layers run as
+# products on such maps: wsitrain/sft/ops/pointwise_conv.py), as a share of the tensor rate: MEASURED on an H200
+# (bf16, forward and backward of nine of ResNet-50's tile shapes: 85-124 TFLOP/s, mean 98; the same layers as
+# convolutions 8-60; ``scripts/bench_pointwise.py``, docs/pointwise_matmul.md).
+UNALIGNED_MATMUL_EFFICIENCY = 0.099
 # Share of the plain fp32 rate (CUDA cores, no tensor cores) that convolutions reach on cards without TF32 (the
 # 2080 Ti in float32): ASSUMED, the usual 50-70% of cuDNN's implicit-GEMM kernels on large maps.
 SIMT_EFFICIENCY = 0.6
@@ -93,6 +98,7 @@ class GpuSpeed:
     small_map_px: float = SMALL_MAP_PX
     tile_conv_efficiency: float = TILE_CONV_EFFICIENCY
     unaligned_conv_efficiency: float = UNALIGNED_CONV_EFFICIENCY
+    unaligned_matmul_efficiency: float = UNALIGNED_MATMUL_EFFICIENCY
     host_copy_gb_s: float = HOST_COPY_GB_S
     source: str = "published rates, shared efficiency factors (docs/simulated-clock.md)"
 
@@ -112,10 +118,11 @@ class GpuSpeed:
             return 1e12 * self.tf32_tflops * efficiency
         return 1e12 * self.fp32_tflops * SIMT_EFFICIENCY
 
-    def matmul_rate(self, low_precision: bool) -> float:
-        """Matrix products: tensor cores in bf16/fp16; float32 ones on CUDA cores (PyTorch's default: no TF32)."""
+    def matmul_rate(self, low_precision: bool, unaligned: bool = False) -> float:
+        """Matrix products: tensor cores in bf16/fp16 (``unaligned``: rows not 16 bytes aligned,
+        ``UNALIGNED_MATMUL_EFFICIENCY``); float32 ones on CUDA cores (PyTorch's default: no TF32)."""
         if low_precision:
-            return 1e12 * self.tensor_tflops * self.conv_efficiency
+            return 1e12 * self.tensor_tflops * (self.unaligned_matmul_efficiency if unaligned else self.conv_efficiency)
         return 1e12 * self.fp32_tflops * SIMT_EFFICIENCY
 
     @property

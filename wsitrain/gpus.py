@@ -57,7 +57,7 @@ class GpuPreset:
     def target(self, large_conv: bool = False) -> TargetDevice:
         """The planning facts of this card. Whether its cuDNN runs convolutions above 2^31 elements per sample
         is a fact of the machine it will run on, not of the card: assumed not, unless told."""
-        why = "told so" if large_conv else "assumed for a preset (torch >= 2.6 with cuDNN >= 9.3 lifts it)"
+        why = "told so" if large_conv else "assumed for a preset (cuDNN >= 9.3 with torch >= 2.6 runs more)"
         return TargetDevice(
             "cuda", f"{self.label} (preset {self.name})", self.generation, large_conv, why, self.host_link_gb_s,
             self.tflops, self.nominal_bytes, self.usable_bytes,

@@ -23,6 +23,7 @@ from wsitrain.sft.ops.barriers import mark_barriers
 from wsitrain.sft.ops.fused_pool import PoolFusion, pool_kind
 from wsitrain.sft.ops.linear_head import linear_head
 from wsitrain.sft.ops.masked_pool import AVG
+from wsitrain.sft.ops.pointwise_conv import is_pointwise_conv
 from wsitrain.sft.ops.registry import POINTWISE, OpSpec
 from wsitrain.sft.ops.space import can_checkpoint, ends_trunk, resolve_layouts
 
@@ -44,6 +45,8 @@ class NodeFacts:
     is_cut: bool  # a checkpoint may sit after this node
     # an activation a tile may run in place, overwriting its input (in_place.py); a segment's plan says where it does
     in_place_in_tile: bool = False
+    # a plain 1x1 convolution a tile may run as a matrix product (ops/pointwise_conv.py); a segment's plan says where
+    pointwise_conv: bool = False
 
     def __str__(self) -> str:
         shape = "x".join(map(str, self.shape)) or "-"
@@ -133,6 +136,7 @@ def annotate(
             param_bytes=param_bytes[g.index],
             is_cut=g.index in cut_set,
             in_place_in_tile=_in_place_in_tile(graph, specs, g.index),
+            pointwise_conv=is_pointwise_conv(graph.module(g.index)),
         )
         for g in graph.nodes
     )

@@ -38,6 +38,9 @@ class SegmentPlan:
     end: int = field(default=0, repr=False)  # node index of the segment output (a cut)
     # the activations its tiles run in place, overwriting their input (wsitrain/sft/in_place.py): node indices
     in_place: tuple[int, ...] = field(default=(), repr=False)
+    # the 1x1 convolutions its tiles run as matrix products where a tile's map is not a multiple of 8 pixels
+    # (wsitrain/sft/ops/pointwise_conv.py: CUDA, half precision): node indices
+    pointwise_matmul: tuple[int, ...] = field(default=(), repr=False)
     # every tile's intervals (tiled segments): what the executor runs; not part of the printed plan
     regions: SegmentRegions | None = field(default=None, repr=False, compare=False)
     # the forward sweep's own, larger tiles (planning/forward.py), when it runs on other tiles than the recompute;

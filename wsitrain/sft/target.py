@@ -19,10 +19,12 @@ from wsitrain.units import format_bytes
 MiB = 2**20
 
 # cuDNN (and PyTorch's convolution dispatch) index a sample with 32-bit integers below cuDNN 9.3 with torch 2.6:
-# a convolution whose input or output holds more than 2^31 elements per sample falls back to PyTorch's im2col
+# a convolution whose input or output holds 2^31 elements per sample or more falls back to PyTorch's im2col
 # ("slow_conv2d"), whose column buffer is about kernel-area (9 for 3x3) times the input: a plan made without
-# that buffer runs out of memory. Plans keep every convolution at or below this unless the device can.
-CONV_ELEMENTS_LIMIT = 2**31
+# that buffer runs out of memory. From cuDNN 9.3 such a convolution runs on slow 64-bit-index kernels: DarkNet-19's
+# first layer on a whole 8192 px map, 32 x 8192 x 8192 = exactly 2^31 elements, ran at 1 TFLOP/s on an H200 against
+# 13 on tiles (measured, 2026-11-27). Plans keep every convolution at or below this, the largest 32-bit index.
+CONV_ELEMENTS_LIMIT = 2**31 - 1
 LARGE_CONV_TORCH = (2, 6)
 LARGE_CONV_CUDNN = 90300
 
@@ -102,6 +104,12 @@ class TargetDevice:
     tflops: float = 0.0  # nominal fp32 rate (CUDA), the time model's FLOP rate for pricing transfers
     nominal_bytes: int = 0  # the card's memory as sold (0: not known)
     usable_bytes: int = 0  # what tensors can use: total as cudaMemGetInfo reports it, minus the CUDA context
+    # tiles run 1x1 layers on unaligned half-precision maps as matrix products (ops/pointwise_conv.py); False: as
+    # convolutions, as every executor before 2026-11-27 did (a replay of a GPU kit's older rows)
+    pointwise_matmul: bool = True
+    # convolutions above CONV_ELEMENTS_LIMIT run whole where ``large_conv`` allows: the planner's second search, when
+    # no plan keeps every convolution within the limit (``conv_elements_limit``)
+    whole_large_conv: bool = False
 
     @property
     def cuda(self) -> bool:
@@ -116,8 +124,17 @@ class TargetDevice:
 
     @property
     def conv_elements_limit(self) -> int | None:
-        """Per-sample elements a convolution's input and output may hold (None: no limit)."""
-        return CONV_ELEMENTS_LIMIT if self.cuda and not self.large_conv else None
+        """Per-sample elements a convolution's input and output may hold (None: no limit).
+
+        On every CUDA device: below cuDNN 9.3 (``large_conv`` False) a larger one takes im2col memory no plan counts;
+        from 9.3 cuDNN runs it, but on slow 64-bit-index kernels. Measured on an H200 (docs/gpu_time_breakdown.md):
+        whole 8192 px maps of VGG-16's and DarkNet-19's first convolutions (3 input channels) ran at 1 TFLOP/s
+        against 13 on tiles, VGG-16's 64-channel ones 1.2-2x slower than on tiles. Only where no plan keeps every
+        convolution within the limit may one run whole (``whole_large_conv``, set by the planner's second search).
+        """
+        if not self.cuda or (self.large_conv and self.whole_large_conv):
+            return None
+        return CONV_ELEMENTS_LIMIT
 
     @property
     def host_byte_flops(self) -> float:
@@ -139,9 +156,11 @@ class TargetDevice:
             mem = f"; usable {format_bytes(self.usable_bytes)} of nominal {format_bytes(self.nominal_bytes)}"
         gen_name = gen.name if self.generation else f"generation unknown, planned as {gen.name}"
         conv = (
-            "convolutions above 2^31 elements per sample allowed"
-            if self.large_conv
-            else "every convolution kept at or below 2^31 elements per sample (im2col fallback otherwise)"
+            "convolutions above 2^31 elements per sample run whole (no plan keeps them within it; cuDNN's slow path)"
+            if self.conv_elements_limit is None
+            else "every convolution kept at or below 2^31 elements per sample ("
+            + ("cuDNN's slow 64-bit-index kernels" if self.large_conv else "im2col fallback")
+            + " otherwise)"
         )
         return (
             f"device: {self.label} ({gen_name}){mem}",
@@ -168,7 +187,7 @@ def cuda_target_unknown(large_conv: bool = False) -> TargetDevice:
         "CUDA device (not named)",
         None,
         large_conv,
-        "told so" if large_conv else "assumed for a device not named (torch >= 2.6 with cuDNN >= 9.3 lifts it)",
+        "told so" if large_conv else "assumed for a device not named (cuDNN >= 9.3, torch >= 2.6 run more)",
     )
 
 

@@ -36,6 +36,7 @@ from wsitrain.sft.execution.staging import HostStager
 from wsitrain.sft.execution.tile_io import TileIO
 from wsitrain.sft.facts import GraphFacts
 from wsitrain.sft.ops.fused_pool import Accumulator, PoolFusion, new_accumulator
+from wsitrain.sft.ops.pointwise_conv import PointwiseMatmul
 from wsitrain.sft.ops.registry import WINDOW
 from wsitrain.sft.ops.space import check_tile_extent, crop, spatial_extent
 from wsitrain.sft.ops.types import TILE_CALL, tile_call
@@ -73,6 +74,9 @@ class TiledSegment(TileIO):
         self.inputs = {i: facts.nodes[i].inputs for i in self.nodes}
         # the few nodes a tile runs a stand-in for, looked up once: stand_in() is asked per node per tile
         self._stand_ins = {i for i in self.nodes if TILE_CALL in self.specs[i].extra}
+        # 1x1 layers a tile runs as matrix products on unaligned maps (ops/pointwise_conv.py): decided by the tile's
+        # own shape, so tiles of one geometry decide alike and background reuse holds
+        self._pointwise = {u: PointwiseMatmul(runner.graph.module(u)) for u in seg.pointwise_matmul}
         # activations the plan runs in place: their input is this tile's own fresh map, read by them alone
         self.in_place = frozenset(seg.in_place)
         self.names = {i: facts.nodes[i].name for i in self.nodes}
@@ -101,10 +105,11 @@ class TiledSegment(TileIO):
 
     # ---- one tile ------------------------------------------------------------------------------
     def stand_in(self, u: int, rt: AxisTile, ct: AxisTile) -> Callable[..., torch.Tensor] | None:
-        """What this tile runs in node ``u``'s place (``OpSpec.extra[TILE_CALL]``), or None for the layer itself;
-        a stand-in placed on the tile reads where the crop of the node's first input lies in the map."""
+        """What this tile runs in node ``u``'s place (``OpSpec.extra[TILE_CALL]``, or a 1x1 layer's matrix product
+        where the plan allows it), or None for the layer itself; a stand-in placed on the tile reads where the crop of
+        the node's first input lies in the map."""
         if u not in self._stand_ins:
-            return None
+            return self._pointwise.get(u)
         key = (u, self.inputs[u][0]) if self.inputs[u] else (u, u)
         return tile_call(self.specs[u], lambda: (rt.req[key], ct.req[key]))
 

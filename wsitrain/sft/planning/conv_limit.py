@@ -1,17 +1,22 @@
-"""The convolution size limit: no plan offers a convolution above 2^31 elements per sample where cuDNN cannot run it.
+"""The convolution size limit: no plan offers a convolution of 2^31 elements per sample or more on CUDA.
 
 Below cuDNN 9.3 with torch 2.6, PyTorch routes such a convolution to its im2col fallback, whose column buffer
-is about the kernel area (9 for 3x3) times the input: memory no plan accounts for. Where the target has the
-limit (``TargetDevice.conv_elements_limit``), a plain segment with such a convolution is not offered, and a
-tiled segment's edges are cut to those whose largest tile keeps every convolution within it.
+is about the kernel area (9 for 3x3) times the input: memory no plan accounts for; from cuDNN 9.3 it runs on slow
+64-bit-index kernels (``target.CONV_ELEMENTS_LIMIT``). Where the target has the limit
+(``TargetDevice.conv_elements_limit``: every CUDA target, unless no plan fits within it), a plain segment with such
+a convolution is not offered, and a tiled segment's edges (its forward sweep's too) are cut to those whose largest
+tile keeps every convolution within it.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from wsitrain.sft.ops.registry import WINDOW
 from wsitrain.sft.ops.space import tile_numel
 from wsitrain.sft.planning.session import PlanSession
 from wsitrain.sft.planning.tile_memory import tile_geometry
+from wsitrain.sft.target import TargetDevice
 
 
 def _convs(sess: PlanSession, start: int, end: int) -> list[int]:
@@ -62,3 +67,9 @@ def edges_within_limit(sess: PlanSession, start: int, end: int, edges: list[int]
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if tile_breaks_limit(sess, start, end, edges[mid]) else (lo, mid)
     return edges[hi:]
+
+
+def beyond_limit(target: TargetDevice) -> TargetDevice | None:
+    """The target a second search plans for where no plan keeps every convolution within the limit: the same device
+    running larger ones whole, where its cuDNN can (slowly); None where it cannot, or this already was that search."""
+    return replace(target, whole_large_conv=True) if target.large_conv and not target.whole_large_conv else None

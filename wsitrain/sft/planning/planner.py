@@ -18,6 +18,7 @@ from wsitrain.sft.graph import ModelGraph
 from wsitrain.sft.ops.report import fix_hint, tiling_report
 from wsitrain.sft.plan_types import Plan, SegmentPlan
 from wsitrain.sft.planning.baselines import baseline_peak, checkpoint_sequential_peak
+from wsitrain.sft.planning.conv_limit import beyond_limit
 from wsitrain.sft.planning.costs import TimeModel, device_kind, memory_terms
 from wsitrain.sft.planning.options import PLAIN, TILED, SegOption, replay_path, segment_blocker
 from wsitrain.sft.planning.search import (
@@ -93,6 +94,11 @@ def build_plan(
     )
     forced_cuts = _resolve_checkpoints(sess.facts, checkpoints) if checkpoints is not None else None
     state = fitting_plan(sess, budget, tile_size, forced_cuts)
+    if state is None and (lifted := beyond_limit(sess.target)) is not None:  # conv_limit.py: none within 2^31
+        again = new_session(graph, input_shape, act_dtype, input_dtype, device, input_on_host, input_requires_grad,
+                            optimizer, host_checkpoints, lifted, time_model, reuse_tiles, one_pass)  # fmt: skip
+        found = fitting_plan(again, budget, tile_size, forced_cuts)
+        sess, state = (again, found) if found is not None else (sess, state)
     notes: list[str] = []
     limiting: str | None = None
     if reuse_tiles and (state is None or not worth_running(sess, state, tile_size)):
@@ -102,7 +108,7 @@ def build_plan(
         # reports the budget it needs without the entry, the least that runs.
         sess = new_session(
             graph, input_shape, act_dtype, input_dtype, device, input_on_host, input_requires_grad, optimizer,
-            host_checkpoints, target, time_model, reuse_tiles=False, one_pass=one_pass,
+            host_checkpoints, sess.target, time_model, reuse_tiles=False, one_pass=one_pass,
         )
         state = fitting_plan(sess, budget, tile_size, forced_cuts)
         if state is not None and worth_running(sess, state, tile_size):
@@ -351,6 +357,7 @@ def _segment_plans(sess: PlanSession, path: tuple[SegOption, ...], base_peak: in
                 start=opt.start,
                 end=opt.end,
                 in_place=tuple(sorted(sess.in_place(opt.start, opt.end))) if opt.mode == TILED else (),
+                pointwise_matmul=sess.pointwise_matmul(opt.start, opt.end) if opt.mode == TILED else (),
                 regions=regions,
                 forward_grid=fwd_regions.grid if fwd_regions is not None else (),
                 forward_tile_shape=tf.tile_shape if tf is not None else (),

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 
 from wsitrain.sft.facts import GraphFacts
 from wsitrain.sft.in_place import segment_in_place
+from wsitrain.sft.ops.pointwise_conv import switches_to_matmul
 from wsitrain.sft.ops.registry import MERGE, WINDOW
 from wsitrain.sft.ops.types import in_place, out_of_place
 from wsitrain.sft.planning.costs import MemoryTerms, TimeModel, Work, default_time_model, forward_work, node_work
@@ -110,6 +111,13 @@ class PlanSession:
         if spec.kind != WINDOW or not spec.has_params:
             return op
         return replace(op, fwd_extra=op.fwd_extra + tile_bytes, bwd_extra=op.bwd_extra + tile_bytes)
+
+    def pointwise_matmul(self, start: int, end: int) -> tuple[int, ...]:
+        """Segment (start, end]'s 1x1 convolutions its tiles may run as matrix products (ops/pointwise_conv.py)."""
+        f = self.facts
+        if not (self.target.pointwise_matmul and switches_to_matmul(self.device, f.act_dtype)):
+            return ()
+        return tuple(i for i in range(start + 1, end + 1) if f.nodes[i].pointwise_conv)
 
     def in_place(self, start: int, end: int) -> frozenset[int]:
         """The nodes the tiles of segment (start, end] run in place (memoized)."""

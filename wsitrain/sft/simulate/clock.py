@@ -7,8 +7,10 @@ executor, or plain PyTorch) and prices it with a preset's constants (``wsitrain.
   kernel floor per kernel it launches (FLOPs from ``torch.utils.flop_counter``'s formulas; views and
   allocations launch nothing). Convolutions on small maps run below the large-map rate (``small_map_px``); 1x1
   ones in half precision on maps whose pixels are not a multiple of 8 at ``unaligned_conv_efficiency`` of it (a
-  tile's halo; cuDNN's fallback kernels); BatchNorm's kernels move their bytes at their own measured share of the
-  bandwidth (``norm_efficiency``, ``norm_backward_efficiency``; docs/gpu_time_breakdown.md);
+  tile's halo; cuDNN's fallback kernels), and matrix products whose rows are not 16 bytes aligned (what a tile runs
+  in such layers' place: ops/pointwise_conv.py) at ``unaligned_matmul_efficiency`` of the tensor rate;
+  BatchNorm's kernels move their bytes at their own measured share of the bandwidth (``norm_efficiency``,
+  ``norm_backward_efficiency``; docs/gpu_time_breakdown.md);
 - on the host, each operator costs its dispatch time (eager PyTorch's Python and autograd work), views less, and
   host-side copies (cropping the uint8 image) their bytes at one thread's copy rate; each tile visit adds the
   executor's own bookkeeping (``tile_host_us``);
@@ -44,6 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from wsitrain.gpu_speed import GpuSpeed
+from wsitrain.sft.ops.pointwise_conv import ALIGN
 from wsitrain.sft.simulate.tracker import tensors_in
 
 aten = torch.ops.aten
@@ -55,9 +58,8 @@ NO_KERNEL = {
     aten._has_compatible_shallow_copy_type, aten.sym_size, aten.sym_stride, aten.sym_numel, aten.sym_storage_offset,
 }  # fmt: skip
 CONVS = {aten.convolution, aten.convolution_backward}
-# a 1x1 convolution's map must hold a multiple of this many pixels for cuDNN's fast kernels (16 bytes of bf16;
-# gpu_speed.UNALIGNED_CONV_EFFICIENCY)
-POINTWISE_ALIGN = 8
+# matrix products: a tile's 1x1 layers on unaligned maps run as these (ops/pointwise_conv.py)
+MATMULS = {aten.mm, aten.bmm, aten.addmm}
 # BatchNorm's own kernels, priced at their measured share of the bandwidth (gpu_speed.NORM_EFFICIENCY)
 NORMS = {"native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
          "_native_batch_norm_legit_functional", "cudnn_batch_norm", "batch_norm_stats", "batch_norm_elemt"}  # fmt: skip
@@ -82,7 +84,8 @@ class OpRecord:
     conv_px: float  # output pixels per channel of a convolution (its small-map factor); 0 for other operators
     low_precision: bool  # tensor-core (bf16/fp16) arithmetic
     op: str = ""  # the aten operator's name
-    # a 1x1 convolution in half precision on a map whose pixels are not a multiple of 8 (gpu_speed.UNALIGNED_...)
+    # a 1x1 convolution in half precision on a map whose pixels are not a multiple of 8 (gpu_speed.UNALIGNED_CONV_...),
+    # or a half-precision matrix product whose rows are not 16 bytes aligned (gpu_speed.UNALIGNED_MATMUL_EFFICIENCY)
     unaligned: bool = False
 
 
@@ -229,8 +232,10 @@ class OpClock(TorchDispatchMode):
             ref = out if packet is aten.convolution else args[0]  # the output (its gradient, in backward)
             px = float(ref.shape[-1] * ref.shape[-2])
             kernel = (args[1] if packet is aten.convolution else args[2]).shape[-2:]
-            # the matrix product's rows: every pixel of every image in the batch
-            unaligned = low and tuple(kernel) == (1, 1) and int(px) * ref.shape[0] % POINTWISE_ALIGN != 0
+            # the matrix product's rows: every pixel of every image in the batch. (A batch of two unaligned NCHW maps
+            # ran slowly too, 27 TFLOP/s on an H200, docs/pointwise_matmul.md; but 256 channels-last patches whose
+            # 7 x 7 maps this rule would flag ran at the aligned rate, and the clock has no memory-format term.)
+            unaligned = low and tuple(kernel) == (1, 1) and int(px) * ref.shape[0] % ALIGN != 0
             kind = "convolution backward" if packet is aten.convolution_backward else "convolution forward"
             if low:  # autocast's weight cast (and the weight gradient's, back): element-wise kernels
                 weight = args[1] if packet is aten.convolution else args[2]
@@ -247,6 +252,8 @@ class OpClock(TorchDispatchMode):
                     w.ops.append(cast)
                     w.host_ops += 1
         else:
+            # a product whose operands' rows are not 16 bytes aligned (gpu_speed.UNALIGNED_MATMUL_EFFICIENCY)
+            unaligned = low and packet in MATMULS and any(_unaligned_rows(t) for t in ins)
             kind = ("optimizer" if self.optimizer_phase else
                     "batch norm" if name in NORMS or name in NORM_BACKWARDS else
                     "copies, crops, pads, joins" if name.rstrip("_") in JOINS or name in JOINS else
@@ -278,7 +285,7 @@ class OpClock(TorchDispatchMode):
                     # layers ran at the whole map's rate
                     rate *= s.unaligned_conv_efficiency if o.unaligned else 1.0
                 else:
-                    rate = s.matmul_rate(o.low_precision)
+                    rate = s.matmul_rate(o.low_precision, o.unaligned)
                 norm = o.op in NORMS or o.op in NORM_BACKWARDS
                 byte_rate = s.norm_bytes_per_second(o.op in NORM_BACKWARDS) if norm else s.bytes_per_second
                 t = max(o.flops / rate, o.bytes / byte_rate) + o.kernels * 1e-6 * s.kernel_floor_us
@@ -307,6 +314,11 @@ class OpClock(TorchDispatchMode):
             sum(w.weight for w in self.windows) + 1, syncs, copy_all, stager_all,
             dict(sorted(kinds.items(), key=lambda kv: -kv[1])), s.source,
         )  # fmt: skip
+
+
+def _unaligned_rows(t: torch.Tensor) -> bool:
+    """A matrix operand with a stride (of a dimension longer than one) that is not a multiple of ``ALIGN`` elements."""
+    return any(st != 1 and st % ALIGN != 0 for st, n in zip(t.stride(), t.shape, strict=True) if n > 1)
 
 
 def _written(func: Any, args: Any, kwargs: dict[str, Any]) -> list[torch.Tensor]:
