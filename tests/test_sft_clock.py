@@ -14,6 +14,7 @@ from wsitrain.gpu_speed import GPU_SPEEDS, gpu_speed
 from wsitrain.gpus import gpu_preset
 from wsitrain.models import build
 from wsitrain.sft.planning.calibration import Calibration, clock_speed, clock_time_model, write_calibration
+from wsitrain.sft.simulate.clock import OpClock
 from wsitrain.sft.simulate.representative import representative_weights
 from wsitrain.sft.simulate.timing import clock_plain_step, clock_sft_step
 
@@ -192,6 +193,27 @@ def test_batch_norm_runs_at_its_own_share_of_the_bandwidth() -> None:
     assert others == {k: v for k, v in fast.by_kind.items() if k != "batch norm"}
 
 
+def test_convolution_rate_follows_channels_and_the_two_to_the_31_path() -> None:
+    """A convolution's share of the rate grows with its narrower channel count; on a map of 2^31 elements per sample
+    it runs at ``large_conv_efficiency`` of that, and a layer on RGB (3 input channels) at the thin share (measured
+    on an H200: 1 TFLOP/s whole against 13 on tiles)."""
+    s = GPU_SPEEDS["h200"]
+    shares = [s.conv_shape_factor(c, False) for c in (3, 64, 128, 256, 512)]
+    assert shares == sorted(shares) and shares[-1] < 1.0 and s.conv_shape_factor(0, False) == 1.0
+    assert s.conv_shape_factor(64, True) == pytest.approx(shares[1] * s.large_conv_efficiency)
+    assert s.conv_shape_factor(3, True) == pytest.approx(shares[0] * s.large_thin_conv_efficiency)
+    with torch.device("meta"):
+        convs = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.Conv2d(32, 32, 3, padding=1))
+    for edge, large in ((8, False), (8192, True)):  # 32 x 8192 x 8192 = 2^31 elements per sample
+        clock = OpClock(low_precision=True)
+        x = torch.empty(1, 3, edge, edge, device="meta", requires_grad=True)
+        with clock:
+            convs(x).sum().backward()
+        ops = [o for w in clock.windows for o in w.ops if o.conv_px]
+        assert {o.op for o in ops} == {"convolution", "convolution_backward"} and {o.channels for o in ops} == {3, 32}
+        assert all(o.large == large for o in ops)
+
+
 def test_planner_time_model_uses_the_clock_constants() -> None:
     """A byte costs the planner's FLOP rate / byte rate; tiled FLOPs cost 1 / tile_conv_efficiency; the planner's
     rate is PLAN_CONV_EFFICIENCY's (gpu_speed.py: the constants that chose the plan measured fastest)."""
@@ -212,7 +234,10 @@ def test_doctor_calibration_refines_the_preset(tmp_path) -> None:
     write_calibration(cal, tmp_path)
     refined = clock_speed("h200", "NVIDIA H200", tmp_path)
     assert refined is not None and "doctor" in refined.source
-    assert refined.conv_efficiency == pytest.approx(100e12 / (1e12 * h200.tf32_tflops))
+    # the calibration's convolutions have 128 and 256 channels: its rate is the channel curve's share at 192 of the
+    # large-channel factor
+    assert refined.conv_efficiency * h200.conv_shape_factor(192, False) == pytest.approx(
+        100e12 / (1e12 * h200.tf32_tflops))
     # the planner's factor moves by the same ratio
     assert refined.plan_conv_efficiency / refined.conv_efficiency == pytest.approx(
         h200.plan_conv_efficiency / h200.conv_efficiency)

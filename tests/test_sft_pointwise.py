@@ -159,7 +159,7 @@ def test_products_in_tiles_are_exact(build: Any, batch: int, tile: int) -> None:
 # ---- the clock prices them -----------------------------------------------------------------------------------------
 def test_clock_prices_unaligned_products_at_their_rate() -> None:
     """A product over an unaligned map is priced at ``unaligned_matmul_efficiency``, an aligned one at the usual."""
-    speed = GpuSpeed("test", 1000.0, 500.0, 60.0, 4000.0, 50.0, kernel_floor_us=0.0)
+    speed = GpuSpeed("test", 1000.0, 500.0, 60.0, 4e9, 50.0, kernel_floor_us=0.0)  # FLOP-bound: bytes are free
     w = torch.empty(512, 128, device="meta")
 
     def seconds(pixels: int) -> float:
@@ -170,4 +170,4 @@ def test_clock_prices_unaligned_products_at_their_rate() -> None:
 
     flops = 2 * 512 * 128 * 387 * 387
     assert seconds(387 * 387) == pytest.approx(flops / (1e12 * 1000 * speed.unaligned_matmul_efficiency))
-    assert seconds(384 * 384) == pytest.approx(2 * 512 * 128 * 384 * 384 / (1e12 * 1000 * speed.conv_efficiency))
+    assert seconds(384 * 384) == pytest.approx(2 * 512 * 128 * 384 * 384 / (1e12 * 1000 * speed.matmul_efficiency))

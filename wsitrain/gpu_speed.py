@@ -14,16 +14,22 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 # --- efficiency factors, shared by every preset (none is per card) -------------------------------------------------
-# Share of the tensor-core rate cuDNN reaches on ResNet-50's convolutions at 8192 px in eager PyTorch (NCHW,
-# bf16, one image): FITTED to the plain step measured on an H200 (0.414 s, 2026-11-27; docs/simulated-clock.md),
-# with BatchNorm priced at its own measured rate (NORM_EFFICIENCY). The profile of that step (docs/traces) puts its
-# convolutions at 130 ms for 33 TFLOP, 0.25 of the data sheet's rate.
-CONV_EFFICIENCY = 0.2413
+# Share of the tensor-core rate cuDNN reaches on wide convolutions in eager PyTorch (NCHW, bf16), narrower ones
+# reaching less (CONV_CHANNELS_HALF): FITTED to the plain ResNet-50 step at 8192 px measured on an H200 (0.414 s,
+# 2026-11-27; docs/simulated-clock.md), with BatchNorm priced at its own measured rate (NORM_EFFICIENCY). Before the
+# channel curve one factor for every layer fitted there at 0.2413 (the profile: 130 ms for 33 TFLOP, 0.25 of the data
+# sheet), which priced VGG-16's and DarkNet-19's wide layers 2-3x too slowly.
+CONV_EFFICIENCY = 0.7017
+# Share of the tensor-core rate aligned half-precision matrix products reach (a tile's 1x1 layers on aligned maps, the
+# heads): MEASURED on an H200, forward and backward of two aligned 1x1 layers as products, 363 and 583 TFLOP/s
+# (``scripts/bench_pointwise.py``, docs/pointwise_matmul.md).
+MATMUL_EFFICIENCY = 0.48
 # The planner's time model ranks plans with the constants of the clock before BatchNorm and unaligned 1x1 layers had
 # rates of their own (conv 0.1039, TILE_CONV_EFFICIENCY below): its shapes-only costs price every byte alike and
-# tiles by one factor, so with the refitted CONV_EFFICIENCY it chose a plan the clock prices 3% slower (0.668
-# against 0.646 s, ResNet-50 8192 px capped under 10.47 GiB, simulated), while these chose the plan measured fastest
-# of two on the H200 (0.86 s against 1.35 s for the default constants'). FITTED on the H200 step of 2026-11-24.
+# tiles by one factor, so with the clock's single convolution factor of then (0.2413) it chose a plan the clock
+# prices 3% slower (0.668 against 0.646 s, ResNet-50 8192 px capped under 10.47 GiB, simulated), while these chose
+# the plan measured fastest of two on the H200 (0.86 s against 1.35 s for the default constants'). FITTED on the
+# H200 step of 2026-11-24.
 PLAN_CONV_EFFICIENCY = 0.1039
 # Share of the data sheet's memory bandwidth that element-wise kernels (BatchNorm, ReLU, adds, copies) reach:
 # ASSUMED, not fitted: 0.8 is what STREAM-like copies reach on HBM cards (public reports for A100/H100: 80-90%).
@@ -69,6 +75,22 @@ UNALIGNED_CONV_EFFICIENCY = 0.2938
 # (bf16, forward and backward of nine of ResNet-50's tile shapes: 85-124 TFLOP/s, mean 98; the same layers as
 # convolutions 8-60; ``scripts/bench_pointwise.py``, docs/pointwise_matmul.md).
 UNALIGNED_MATMUL_EFFICIENCY = 0.099
+# A convolution's rate grows with its narrower channel count c = min(input channels per group, output channels): it
+# reaches c / (c + CONV_CHANNELS_HALF) of the large-channel rate (CONV_EFFICIENCY). FITTED to the kernel rates of the
+# layer shapes in the H200's traces of 2026-11-27 (docs/traces: ResNet-50, VGG-16, DarkNet-19; bf16, aligned maps
+# below 2^31 elements): c = 3 ran at 9-24 TFLOP/s, 32 at 102-135, 64 at 160-257, 128 at 308-415, 256 at 501-693,
+# 512 at 513-711; this curve with the refitted CONV_EFFICIENCY gives 14, 125, 210, 340, 470, 570
+# (docs/simulated-clock.md).
+CONV_CHANNELS_HALF = 150.0
+# A convolution whose input or output holds 2^31 elements per sample or more (a whole map; plans keep tiles below:
+# sft/target.py CONV_ELEMENTS_LIMIT) runs on cuDNN's 64-bit-index kernels at this share of its rate: MEASURED on an
+# H200 (docs/traces/h200_vgg16_plain against ..._capped): VGG-16's 64- and 128-channel layers at 0.70-0.82 of the
+# same layers on tiles; layers with fewer than THIN_CONV_CHANNELS input channels (the first, on RGB) at
+# LARGE_THIN_CONV_EFFICIENCY (VGG-16: 0.8 TFLOP/s forward and 0.2 backward against 13-14 on tiles; DarkNet-19: 0.7
+# against 13).
+LARGE_CONV_EFFICIENCY = 0.76
+LARGE_THIN_CONV_EFFICIENCY = 0.04
+THIN_CONV_CHANNELS = 16
 # Share of the plain fp32 rate (CUDA cores, no tensor cores) that convolutions reach on cards without TF32 (the
 # 2080 Ti in float32): ASSUMED, the usual 50-70% of cuDNN's implicit-GEMM kernels on large maps.
 SIMT_EFFICIENCY = 0.6
@@ -99,6 +121,10 @@ class GpuSpeed:
     tile_conv_efficiency: float = TILE_CONV_EFFICIENCY
     unaligned_conv_efficiency: float = UNALIGNED_CONV_EFFICIENCY
     unaligned_matmul_efficiency: float = UNALIGNED_MATMUL_EFFICIENCY
+    matmul_efficiency: float = MATMUL_EFFICIENCY
+    conv_channels_half: float = CONV_CHANNELS_HALF
+    large_conv_efficiency: float = LARGE_CONV_EFFICIENCY
+    large_thin_conv_efficiency: float = LARGE_THIN_CONV_EFFICIENCY
     host_copy_gb_s: float = HOST_COPY_GB_S
     source: str = "published rates, shared efficiency factors (docs/simulated-clock.md)"
 
@@ -106,6 +132,14 @@ class GpuSpeed:
         """FLOP/s a large convolution reaches: tensor cores in bf16/fp16, TF32 in float32 where the card has it,
         else its CUDA cores."""
         return self._conv_rate(low_precision, self.conv_efficiency)
+
+    def conv_shape_factor(self, channels: int, large: bool) -> float:
+        """The share of ``conv_rate`` a convolution of narrower channel count ``channels`` (0: not known) reaches;
+        ``large``: on a map of 2^31 elements per sample or more (``LARGE_CONV_EFFICIENCY``)."""
+        share = channels / (channels + self.conv_channels_half) if channels else 1.0
+        if large:
+            share *= self.large_thin_conv_efficiency if channels < THIN_CONV_CHANNELS else self.large_conv_efficiency
+        return share
 
     def plan_conv_rate(self, low_precision: bool) -> float:
         """The convolution rate the planner's time model counts in (``PLAN_CONV_EFFICIENCY``)."""
@@ -122,7 +156,8 @@ class GpuSpeed:
         """Matrix products: tensor cores in bf16/fp16 (``unaligned``: rows not 16 bytes aligned,
         ``UNALIGNED_MATMUL_EFFICIENCY``); float32 ones on CUDA cores (PyTorch's default: no TF32)."""
         if low_precision:
-            return 1e12 * self.tensor_tflops * (self.unaligned_matmul_efficiency if unaligned else self.conv_efficiency)
+            share = self.unaligned_matmul_efficiency if unaligned else self.matmul_efficiency
+            return 1e12 * self.tensor_tflops * share
         return 1e12 * self.fp32_tflops * SIMT_EFFICIENCY
 
     @property

@@ -129,6 +129,10 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
 
 
+# the narrower channel count of the convolutions a GPU calibration's FLOP rate is fitted on (128 and 256)
+CALIBRATION_CHANNELS = 192
+
+
 def clock_speed(preset: str | None, device_name: str | None, folder: Path | None = None) -> GpuSpeed | None:
     """The simulated clock's constants for a GPU preset (``wsitrain.gpu_speed``), refined by ``wsitrain doctor
     --calibrate`` where that card was calibrated: its fitted FLOP rate (float32 micro-models: TF32 convolutions)
@@ -143,7 +147,9 @@ def clock_speed(preset: str | None, device_name: str | None, folder: Path | None
     cal = read_calibration(path)
     if cal.device_name != device_name or device_kind(cal.device) != "cuda" or not cal.flops_per_second:
         return speed
-    conv = cal.flops_per_second / (1e12 * speed.tf32_tflops)
+    # the calibration's FLOP rate is its 128- and 256-channel convolutions' (doctor/calibrate.py GPU_MICRO): the
+    # clock's large-channel factor is that rate over the channel curve's share at their middle
+    conv = cal.flops_per_second / (1e12 * speed.tf32_tflops) / speed.conv_shape_factor(CALIBRATION_CHANNELS, False)
     memory = cal.flops_per_second / cal.byte_flops / (1e9 * speed.memory_gb_s) if cal.byte_flops else None
     return speed.refined(conv, memory or speed.memory_efficiency, f"refined by `wsitrain doctor` on {cal.date}")
 

@@ -48,6 +48,7 @@ from torch.utils.flop_counter import flop_registry
 from wsitrain.gpu_speed import GpuSpeed
 from wsitrain.sft.ops.pointwise_conv import ALIGN
 from wsitrain.sft.simulate.tracker import tensors_in
+from wsitrain.sft.target import CONV_ELEMENTS_LIMIT
 
 aten = torch.ops.aten
 DEVICE = "meta"  # the simulated GPU's tensors (runtime.DEVICE_TYPE)
@@ -87,6 +88,8 @@ class OpRecord:
     # a 1x1 convolution in half precision on a map whose pixels are not a multiple of 8 (gpu_speed.UNALIGNED_CONV_...),
     # or a half-precision matrix product whose rows are not 16 bytes aligned (gpu_speed.UNALIGNED_MATMUL_EFFICIENCY)
     unaligned: bool = False
+    channels: int = 0  # a convolution's narrower channel count, min(input channels per group, output channels)
+    large: bool = False  # a convolution on a map of 2^31 elements per sample or more (cuDNN's 64-bit-index kernels)
 
 
 @dataclass
@@ -226,7 +229,8 @@ class OpClock(TorchDispatchMode):
         flops = float(flop_registry[packet](*args, **kwargs, out_val=out)) if packet in flop_registry else 0.0
         kernels = self._kernels(func, args, kwargs)
         px = 0.0
-        unaligned = False
+        unaligned = large = False
+        channels = 0
         low = self.low_precision and not self.optimizer_phase
         if packet in CONVS:
             ref = out if packet is aten.convolution else args[0]  # the output (its gradient, in backward)
@@ -237,8 +241,11 @@ class OpClock(TorchDispatchMode):
             # 7 x 7 maps this rule would flag ran at the aligned rate, and the clock has no memory-format term.)
             unaligned = low and tuple(kernel) == (1, 1) and int(px) * ref.shape[0] % ALIGN != 0
             kind = "convolution backward" if packet is aten.convolution_backward else "convolution forward"
+            weight = args[1] if packet is aten.convolution else args[2]
+            channels = int(min(weight.shape[0], weight.shape[1]))
+            maps = (args[0], out) if packet is aten.convolution else (args[0], args[1])
+            large = max(t.numel() // max(1, t.shape[0]) for t in maps) > CONV_ELEMENTS_LIMIT
             if low:  # autocast's weight cast (and the weight gradient's, back): element-wise kernels
-                weight = args[1] if packet is aten.convolution else args[2]
                 wgrad = packet is aten.convolution_backward and bool(_output_mask(args, kwargs)[1])
                 cast = OpRecord("weight casts (autocast)", 0.0, 6.0 * weight.numel(), 1, 0.0, low)
                 if packet is aten.convolution and w.sweep is not None:
@@ -258,7 +265,7 @@ class OpClock(TorchDispatchMode):
                     "batch norm" if name in NORMS or name in NORM_BACKWARDS else
                     "copies, crops, pads, joins" if name.rstrip("_") in JOINS or name in JOINS else
                     "matrix products" if flops else "element-wise and reductions")  # fmt: skip
-        w.ops.append(OpRecord(kind, flops, moved, kernels, px, low, name, unaligned))
+        w.ops.append(OpRecord(kind, flops, moved, kernels, px, low, name, unaligned, channels, large))
 
     def _kernels(self, func: Any, args: Any, kwargs: dict[str, Any]) -> int:
         packet = func._overloadpacket
@@ -281,6 +288,7 @@ class OpClock(TorchDispatchMode):
             for o in w.ops:
                 if o.conv_px:
                     rate = s.conv_rate(o.low_precision) * o.conv_px / (o.conv_px + s.small_map_px)
+                    rate *= s.conv_shape_factor(o.channels, o.large)  # narrow layers, whole maps of 2^31 elements
                     # the tiles' own penalty is their unaligned 1x1 layers' (measured, docs/traces): a tile's 3x3
                     # layers ran at the whole map's rate
                     rate *= s.unaligned_conv_efficiency if o.unaligned else 1.0
