@@ -72,8 +72,9 @@ TILE_CONV_EFFICIENCY = 0.663
 UNALIGNED_CONV_EFFICIENCY = 0.2938
 # Matrix products in half precision whose operands' rows are not 16 bytes aligned (a tile's 1x1 layers run as
 # products on such maps: wsitrain/sft/ops/pointwise_conv.py), as a share of the tensor rate: MEASURED on an H200
-# (bf16, forward and backward of nine of ResNet-50's tile shapes: 85-124 TFLOP/s, mean 98; the same layers as
-# convolutions 8-60; ``scripts/bench_pointwise.py``, docs/pointwise_matmul.md).
+# (bf16, forward and backward of nine of ResNet-50's tile shapes: 85-124 TFLOP/s, mean 98, in the script's first run;
+# 96-145, mean 108, in the run docs/pointwise_matmul.md keeps; the same layers as convolutions 8-61;
+# ``scripts/bench_pointwise.py``). The first run's figure stands: the clock's tables were made with it.
 UNALIGNED_MATMUL_EFFICIENCY = 0.099
 # A convolution's rate grows with its narrower channel count c = min(input channels per group, output channels): it
 # reaches c / (c + CONV_CHANNELS_HALF) of the large-channel rate (CONV_EFFICIENCY). FITTED to the kernel rates of the

@@ -1,10 +1,11 @@
 """A tile's 1x1 convolution as a matrix product, where cuDNN runs it on slow kernels.
 
 A tile's halo leaves maps whose pixel count is not a multiple of 8 (387 x 387, 321 x 193). On such NCHW maps in half
-precision cuDNN falls back to old generic kernels for 1x1 layers, and their backward runs 3-11x slower than the same
-layer as a matrix product over the map's pixels, measured on an H200 (bf16, forward and backward, nine tile shapes of
-ResNet-50's capped 8192 px step: 8-60 TFLOP/s as convolutions, 85-124 as matrix products; aligned maps: the same
-time either way; ``scripts/bench_pointwise.py``, docs/pointwise_matmul.md). cuBLAS takes any leading dimension.
+precision cuDNN falls back to old generic kernels for 1x1 layers, and forward with backward runs up to 12x slower than
+the same layer as a matrix product over the map's pixels, measured on an H200 (bf16, nine tile shapes of ResNet-50's
+capped 8192 px step: 8-61 TFLOP/s as convolutions, 96-145 as matrix products, 3.0-12.1x on 128-1024 channels and
+about even on 64-256; aligned maps: the same time either way; ``scripts/bench_pointwise.py``,
+docs/pointwise_matmul.md). cuBLAS takes any leading dimension.
 
 The product is the convolution's arithmetic: for each image, ``W (Cout, Cin) @ x (Cin, H*W)``. In float64 it equals
 the layer to rounding; in bf16 the forward came out bitwise equal on every measured shape. Its autograd saves the same
