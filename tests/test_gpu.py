@@ -240,3 +240,59 @@ def test_two_steps_under_the_2080ti_budget_do_not_fragment(model: str, size: int
     record_property("peak_reserved_bytes", row["measured_peak_reserved_bytes"])
     assert row["measured_peak_reserved_bytes"] <= row["budget_bytes"]
     assert row["measured_peak_bytes"] <= row["estimated_peak_bytes"]
+
+
+@pytest.mark.parametrize("tile", [16, 24])
+def test_products_in_tiles_exact_on_cuda(tile: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tile's 1x1 layers as cuBLAS products (ops/pointwise_conv.py), forced on every map in float64: plain
+    autograd's outputs, gradients and buffers on the device, and the products really ran."""
+    from sft_models import small_resnet
+
+    from wsitrain.sft.ops import pointwise_conv
+    from wsitrain.sft.planning import session
+
+    monkeypatch.setattr(session, "switches_to_matmul", lambda device, dtype: True)
+    monkeypatch.setattr(pointwise_conv, "ALIGN", 1 << 40)
+    calls = []
+    real = pointwise_conv.pointwise_matmul
+    monkeypatch.setattr(pointwise_conv, "pointwise_matmul", lambda *a: calls.append(a[0].shape) or real(*a))
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    model = small_resnet(bottleneck=True).double().to(dev)
+    x = torch.randn(1, 3, 45, 62, dtype=torch.float64, device=dev, requires_grad=True)
+    with torch.no_grad():
+        target = torch.randn_like(model(x))
+    twin = copy.deepcopy(model)
+    ref = _step(model, model, x, target)
+    var = _step(SFT(twin, tile_size=tile, memory_budget="4GiB"), twin, x, target)
+    _assert_same(ref, var)
+    assert calls, "the tiles must run products"
+
+
+def test_products_in_bf16_tiles_match_the_convolutions() -> None:
+    """Under bf16 autocast on an unaligned image, tiles run their 1x1 layers as products (the plan allows it on
+    CUDA) and give the convolutions' step to bf16's rounding."""
+    from dataclasses import replace
+
+    from sft_models import small_resnet
+
+    from wsitrain.sft.target import target_for
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    model = small_resnet(bottleneck=True).to(dev)
+    x = torch.randn(1, 3, 203, 317, device=dev)
+    target = torch.randn(1, 3, device=dev)
+    results = []
+    for products in (True, False):
+        twin = copy.deepcopy(model)
+        sft = SFT(twin, tile_size=48, memory_budget="4GiB", target=replace(target_for(dev), pointwise_matmul=products))
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = _step(sft, twin, x, target)
+        plan = sft.plan_of(x, torch.bfloat16)
+        assert any(s.pointwise_matmul for s in plan.segments) == products
+        results.append(out)
+    with_products, with_convs = results
+    torch.testing.assert_close(with_products["y"], with_convs["y"], rtol=2e-2, atol=2e-2)
+    for a, b in zip(with_convs["grads"], with_products["grads"], strict=True):
+        torch.testing.assert_close(b, a, rtol=5e-2, atol=5e-2)
