@@ -255,16 +255,20 @@ def run_case(case: Case, device: torch.device, size: int, patch: int, steps: int
     return row
 
 
+# the caching allocator's counters a row records per timed step (torch.cuda.memory_stats keys)
+ALLOCATOR_CALLS = ("num_alloc_retries", "num_device_alloc", "num_device_free")
+
+
 def _per_step(calls: dict[str, float] | None) -> str:
     if not calls:
         return ""
-    return " / ".join(f"{calls.get(k, 0):.3g}" for k in ("num_alloc_retries", "num_device_alloc", "num_device_free"))
+    return " / ".join(f"{calls.get(k, 0):.3g}" for k in ALLOCATOR_CALLS)
 
 
 def _allocator_calls(device: torch.device) -> dict[str, int]:
     """The caching allocator's retries, device allocations and frees so far (CUDA; zeros elsewhere)."""
     stats = torch.cuda.memory_stats(device) if device.type == "cuda" else {}
-    return {k: int(stats.get(k, 0)) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free")}
+    return {k: int(stats.get(k, 0)) for k in ALLOCATOR_CALLS}
 
 
 def _device_name(device: torch.device) -> str:

@@ -33,6 +33,11 @@ def activation_dtype(name: str) -> torch.dtype:
     return getattr(torch, _DTYPE_NAMES[check_precision(name)])
 
 
+def is_half(dtype: torch.dtype) -> bool:
+    """Is ``dtype`` one of the half precisions (bf16, fp16: tensor-core arithmetic on a GPU)?"""
+    return dtype in (activation_dtype("bf16"), activation_dtype("fp16"))
+
+
 def autocast_dtype(name: str) -> torch.dtype | None:
     """The dtype for ``torch.autocast``; None for fp32, which runs without autocast."""
     return None if check_precision(name) == "fp32" else activation_dtype(name)

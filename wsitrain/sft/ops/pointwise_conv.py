@@ -19,10 +19,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from wsitrain.precision import is_half
+
 # a map's pixels per channel must be a multiple of this for cuDNN's fast 1x1 kernels in half precision: 16 bytes of
 # bf16 / fp16 (the H200's kernels by shape: docs/gpu_time_breakdown.md). The simulated clock reads it too.
 ALIGN = 8
-HALF = (torch.bfloat16, torch.float16)
 
 
 def is_pointwise_conv(m: nn.Module | None) -> bool:
@@ -40,7 +41,7 @@ def is_pointwise_conv(m: nn.Module | None) -> bool:
 
 def switches_to_matmul(device_kind: str, act_dtype: torch.dtype) -> bool:
     """Whether a plan for this device kind and activation dtype lets tiles run 1x1 layers as matrix products."""
-    return device_kind == "cuda" and act_dtype in HALF
+    return device_kind == "cuda" and is_half(act_dtype)
 
 
 def unaligned(x: torch.Tensor) -> bool:
