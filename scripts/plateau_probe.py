@@ -9,6 +9,9 @@ slides as seen in training, the held-out loss, AUC and spread, and for attention
 lesion boxes of held-out positives and the pointing game (hits on positives with a look-alike, and without). Each
 variant changes one thing against ``torch_init`` (PyTorch's default layer init, what ``tiny`` has) so the plateau's
 length can be compared variant by variant. Every figure it prints is *measured* on the machine that runs it.
+``--device cuda`` trains the same runs on a GPU; ``--save DIR`` keeps each run's weights and ``--rescore FILE`` reads
+one back: per structure kind on the held-out slides, the attention score and the classifier's per-cell evidence
+(``structure_scores``; attention runs also log them at their end).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -27,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from wsitrain.models import zoo
+from wsitrain.models.attention import AttentionPool
 from wsitrain.sft.ops.topk_pool import MaskedTopKMean
 from wsitrain.slides.synth import write_synthetic_dataset
 from wsitrain.slides.synth.lesions import LESION_MODES, read_sidecar
@@ -51,12 +56,33 @@ VARIANTS = (
     "score_mil",
     "head_warmup",
     "head_warmup_patch",
+    "null_slot",
+    "null_slot_low",
+    "positive_attention",
+    "evidence_attention",
+    "evidence_attention_t01",
+    "he_evidence_attention",
+    "evidence_max",
+    "evidence_standardised",
+    "he_evidence_max",
+    "evidence_max_lr3e-3",
 )
 # inst_aux: CLAM's bag / instance weighting (bag loss 0.7, instance loss 0.3) and the instance positions per slide
 INST_WEIGHT, INST_K = 0.3, 8
 # score_mil: the attention scores read as instance logits as well, their maximum pushed towards the slide's label (max-
 # pooling MIL on the scores: a softmax ignores the scores' level, so this only adds what a level means); its weight
 SCORE_MIL_WEIGHT = 0.5
+# the evidence heads' softmax temperature: 0 is a hard maximum (max-instance MIL), < 0 standardises the scores over
+# the map and sharpens them by its absolute value (docs/plateau.md section 9)
+EVIDENCE_TEMPERATURE = {
+    "evidence_attention": 1.0,
+    "he_evidence_attention": 1.0,
+    "evidence_attention_t01": 0.1,
+    "evidence_max": 0.0,
+    "he_evidence_max": 0.0,
+    "evidence_max_lr3e-3": 0.0,
+    "evidence_standardised": -4.0,
+}
 # head_warmup: head-only AdamW steps on the frozen initial trunk's maps before end-to-end training (the frozen-feature
 # baseline's head made 5,816 in its budget, docs/plateau.md section 5)
 WARMUP_STEPS = 2000
@@ -101,6 +127,51 @@ def he_init(trunk: nn.Module) -> None:
             nn.init.zeros_(m.bias)
 
 
+class NullSlotPool(AttentionPool):
+    """Attention with one more place to look: a learnt "nothing here" slot, score ``b + log n`` (n: the map's
+    positions, so its share does not shrink with the slide) and value ``v`` (C,), beside the map's positions."""
+
+    def __init__(self, channels: int, init_score: float) -> None:
+        super().__init__(1)
+        self.null_score = nn.Parameter(torch.tensor(float(init_score)))
+        self.null_value = nn.Parameter(torch.zeros(channels))
+
+    def _all_scores(self, hs: torch.Tensor) -> torch.Tensor:
+        s = hs[:, -1:].flatten(2)  # (B, 1, N)
+        null = (self.null_score + math.log(s.shape[-1])).expand(s.shape[0], 1, 1)
+        return torch.softmax(torch.cat([s, null], -1), -1)  # (B, 1, N + 1)
+
+    def weights(self, hs: torch.Tensor) -> torch.Tensor:
+        return self._all_scores(hs)[..., :-1].view_as(hs[:, -1:])  # (B, 1, H, W): the map's share
+
+    def forward(self, hs: torch.Tensor) -> torch.Tensor:
+        a = self._all_scores(hs)  # (B, 1, N + 1)
+        z = torch.einsum("bkn,bcn->bkc", a[..., :-1], hs[:, :-1].flatten(2))
+        return z + a[..., -1:] * self.null_value  # (B, 1, C)
+
+
+class EvidencePool(AttentionPool):
+    """Attention whose score is the classifier's own evidence for the positive class at each position
+    (``(w_1 - w_0) . h_p``): the softmax then weights the positions the classifier finds most positive, a smooth
+    maximum of the per-position logits, so only positive evidence can raise a slide's score."""
+
+    def __init__(self, classifier: nn.Linear, temperature: float = 1.0) -> None:
+        super().__init__(1)
+        self._classifier = (classifier,)  # not a submodule: the model holds it already
+        self.temperature = temperature
+
+    def weights(self, hs: torch.Tensor) -> torch.Tensor:
+        w = self._classifier[0].weight  # (2, C)
+        s = torch.einsum("c,bchw->bhw", w[1] - w[0], hs[:, :-1])[:, None]  # (B, 1, H, W)
+        if self.temperature == 0:  # a hard maximum: all weight on the most positive position
+            return F.one_hot(s.flatten(2).argmax(-1), s[0].numel()).to(s.dtype).view_as(s)
+        if self.temperature < 0:  # scores standardised over the map, then sharpened by -temperature
+            f = s.flatten(2)
+            return torch.softmax(-self.temperature * (f - f.mean(-1, keepdim=True)) / (f.std(-1, keepdim=True) + 1e-6),
+                                 -1).view_as(s)  # fmt: skip
+        return torch.softmax(s.flatten(2) / self.temperature, -1).view_as(s)
+
+
 def make_model(pool: str, variant: str, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     model = zoo.build("tiny", 2, pool=pool)  # tiny's layers keep PyTorch's default init
@@ -113,6 +184,10 @@ def make_model(pool: str, variant: str, seed: int) -> nn.Module:
         if pool in zoo.ATTENTION_POOLS:
             raise SystemExit(f"--variants {variant} replaces a max or avg pool, not {pool}")
         model.pool = MaskedTopKMean(int(variant[len("topk") :]))
+    if variant in EVIDENCE_TEMPERATURE:
+        model.pool = EvidencePool(model.classifier, EVIDENCE_TEMPERATURE[variant])
+    if variant.startswith("null_slot"):  # at init the slot holds half (null_slot) or a tenth (_low) of the mass
+        model.pool = NullSlotPool(model.attention.out_channels, 0.0 if variant == "null_slot" else -math.log(9))
     return model
 
 
@@ -129,7 +204,7 @@ def warm_up_head(model: nn.Module, images: list[torch.Tensor], ys: list[int], tr
     for _ in range(steps):
         j = int(rng.integers(len(train)))
         logits = head(torch.rot90(maps[j], int(rng.integers(4)), (2, 3)))
-        loss = F.cross_entropy(logits, torch.tensor([ys[train[j]]]))
+        loss = F.cross_entropy(logits, torch.tensor([ys[train[j]]], device=logits.device))
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -190,6 +265,28 @@ def pointing(model: nn.Module, x: torch.Tensor, boxes: list[dict[str, Any]]) -> 
                for b in boxes)  # fmt: skip
 
 
+def structure_scores(model: nn.Module, x: torch.Tensor, boxes: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Per structure kind, each box's highest attention score (before the softmax) and highest positive-class
+    evidence ``(w_1 - w_0) . h`` of the classifier on a cell's features, and the same two at the 99th percentile
+    of the cells outside every box ("background"): what the attention and the classifier each rank first."""
+    hs = model[:3](x)  # (1, C + 1, h, w)
+    score, feats = hs[0, -1], hs[0, :-1]  # (h, w), (C, h, w)
+    w = model.classifier.weight  # (2, C)
+    evidence = torch.einsum("c,chw->hw", w[1] - w[0], feats)
+    s = model.stride
+    outside = torch.ones_like(score, dtype=torch.bool)
+    out: dict[str, list[float]] = {}
+    for b in boxes:
+        cells = (slice(b["y0"] // s, -(-b["y1"] // s)), slice(b["x0"] // s, -(-b["x1"] // s)))
+        outside[cells] = False
+        kind = "lesion" if b["kind"] == "lesion" else "look-alike"
+        out.setdefault(f"{kind} score", []).append(float(score[cells].max()))
+        out.setdefault(f"{kind} evidence", []).append(float(evidence[cells].max()))
+    out["background score p99"] = [float(torch.quantile(score[outside], 0.99))]
+    out["background evidence p99"] = [float(torch.quantile(evidence[outside], 0.99))]
+    return out
+
+
 def auc(y: list[int], p: list[float]) -> float:
     pos = [q for q, t in zip(p, y, strict=True) if t]
     neg = [q for q, t in zip(p, y, strict=True) if not t]
@@ -213,7 +310,7 @@ def trunk_stats(model: nn.Module, x: torch.Tensor) -> dict[str, float]:
     with torch.no_grad():
         f = model.features(model.normalize(x.float() / 255))  # (1, C, h, w)
     model.zero_grad()
-    F.cross_entropy(model(x.float() / 255), torch.tensor([1])).backward()
+    F.cross_entropy(model(x.float() / 255), torch.tensor([1], device=x.device)).backward()
     g_first = float(model.features.conv1.weight.grad.norm() / model.features.conv1.weight.norm())
     g_head = float(model.classifier.weight.grad.norm() / max(float(model.classifier.weight.norm()), 1e-12))
     model.zero_grad()
@@ -225,17 +322,45 @@ def trunk_stats(model: nn.Module, x: torch.Tensor) -> dict[str, float]:
     }
 
 
-def run(variant: str, pool: str, seed: int, args: argparse.Namespace, data: tuple) -> dict[str, Any]:
-    images, ys, names, side = data
+def train_split(ys: list[int], n_train: int, rng: np.random.Generator) -> list[int]:
+    """The training slides, stratified (the rest are held out)."""
     idx_pos = [i for i, y in enumerate(ys) if y]
     idx_neg = [i for i, y in enumerate(ys) if not y]
+    return sorted(rng.permutation(idx_pos)[: n_train // 2].tolist() + rng.permutation(idx_neg)[
+        : n_train - n_train // 2].tolist())  # fmt: skip
+
+
+def rescore(path: Path, variant: str, pool: str, seed: int, args: argparse.Namespace, data: tuple) -> dict[str, Any]:
+    """A saved run's structure scores on its held-out slides, per kind: the median and the range over the boxes."""
+    images, ys, names, side = data
+    train = train_split(ys, args.train, np.random.default_rng(seed))
+    model = make_model(pool, variant, seed).to(images[0].device)
+    model.load_state_dict(torch.load(path, weights_only=True, map_location=images[0].device))
+    return {"model": str(path), "variant": variant, "seed": seed,
+            "structures": held_out_structures(model, [i for i in range(len(ys)) if i not in train], data)}
+
+
+def held_out_structures(model: nn.Module, held: list[int], data: tuple) -> dict[str, dict[str, float]]:
+    """``structure_scores`` over the held-out slides, per key: the median and the range over the boxes."""
+    images, _, names, side = data
+    model.eval()
+    found: dict[str, list[float]] = {}
+    with torch.no_grad():
+        for i in held:
+            for key, values in structure_scores(model, images[i].float() / 255, side[names[i]]["boxes"]).items():
+                found.setdefault(key, []).extend(values)
+    return {k: {"median": round(float(np.median(v)), 3), "min": round(min(v), 3), "max": round(max(v), 3), "n": len(v)}
+            for k, v in sorted(found.items())}  # fmt: skip
+
+
+def run(variant: str, pool: str, seed: int, args: argparse.Namespace, data: tuple) -> dict[str, Any]:
+    images, ys, names, side = data
     rng = np.random.default_rng(seed)
-    train = sorted(rng.permutation(idx_pos)[: args.train // 2].tolist() + rng.permutation(idx_neg)[
-        : args.train - args.train // 2].tolist())  # fmt: skip
+    train = train_split(ys, args.train, rng)
     if variant == "balanced_sampling":  # imbalance on purpose: drop one positive, then sample classes equally
         train = train[1:] if ys[train[0]] else train
     held = [i for i in range(len(ys)) if i not in train]
-    model = make_model(pool, variant, seed)
+    model = make_model(pool, variant, seed).to(images[0].device)
     stats = trunk_stats(model, images[train[0]])
     if variant == "head_warmup":
         stats.update(warm_up_head(model, images, ys, train, args.lr, rng))
@@ -243,7 +368,7 @@ def run(variant: str, pool: str, seed: int, args: argparse.Namespace, data: tupl
         stats.update(warm_up_head_on_patches(model, images, ys, train, args.lr, seed))
     if variant.startswith("head_warmup"):
         print(variant, pool, seed, json.dumps(stats), flush=True)
-    lr = 3e-3 if variant == "lr3e-3" else args.lr
+    lr = 3e-3 if variant.endswith("lr3e-3") else args.lr
     if variant == "head_lr10x":  # train.backbone_lr_scale 0.1 at lr 10x: the head 10x faster, the trunk as before
         from wsitrain.train.optim import parameter_groups
 
@@ -266,16 +391,22 @@ def run(variant: str, pool: str, seed: int, args: argparse.Namespace, data: tupl
             x = torch.rot90(images[i].float() / 255, int(rng.integers(4)), (2, 3))
             if variant == "inst_aux":
                 logits, cam = forward_with_instances(model, x)
-                loss = F.cross_entropy(logits, torch.tensor([ys[i]]))
+                loss = F.cross_entropy(logits, torch.tensor([ys[i]], device=x.device))
                 aux = instance_loss(cam, ys[i])
                 ((1 - INST_WEIGHT) * loss + INST_WEIGHT * aux).backward()  # the logged loss stays the bag's
             elif variant == "score_mil":
                 logits, aux = score_mil_loss(model, x, ys[i])
-                loss = F.cross_entropy(logits, torch.tensor([ys[i]]))
+                loss = F.cross_entropy(logits, torch.tensor([ys[i]], device=x.device))
                 (loss + SCORE_MIL_WEIGHT * aux).backward()
+            elif variant == "positive_attention":  # the scores learn from positive slides only (the witnesses)
+                hs = model[:3](x)  # normalize, features, attention: (1, C + 1, h, w)
+                if not ys[i]:
+                    hs = torch.cat([hs[:, :-1], hs[:, -1:].detach()], 1)
+                logits = model[3:](hs)
+                loss = F.cross_entropy(logits, torch.tensor([ys[i]], device=x.device))
             else:
                 logits = model(x)
-                loss = F.cross_entropy(logits, torch.tensor([ys[i]]))
+                loss = F.cross_entropy(logits, torch.tensor([ys[i]], device=x.device))
             if variant not in ("inst_aux", "score_mil"):
                 (loss / accumulate).backward()  # as train.accumulate: the mean gradient of ``accumulate`` slides a step
             if (k + 1) % accumulate == 0 or k + 1 == len(order):
@@ -310,6 +441,11 @@ def run(variant: str, pool: str, seed: int, args: argparse.Namespace, data: tupl
         out["epochs"].append(row)
         print(variant, pool, seed, json.dumps(row), flush=True)
     out["plateau_steps"] = plateau_steps(out["epochs"])
+    if pool in zoo.ATTENTION_POOLS:
+        out["structures"] = held_out_structures(model, held, data)
+    if args.save is not None:
+        args.save.mkdir(parents=True, exist_ok=True)
+        torch.save(model.state_dict(), args.save / f"{variant}-{pool}-seed{seed}.pt")
     return out
 
 
@@ -335,13 +471,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--lesions", choices=[m for m in LESION_MODES if m != "none"], default="small",
                     help="the cohort's kind (wsitrain synth --lesions)")
+    ap.add_argument("--device", default="cpu", help="where the runs train (cpu; cuda trains the same runs faster)")
+    ap.add_argument("--save", type=Path, default=None, help="folder for each run's final state_dict")
+    ap.add_argument("--rescore", type=Path, default=None,
+                    help="no training: a --save'd state_dict of the one --variants/--pools/--seeds run, its held-out "
+                         "slides' attention scores and classifier evidence per structure kind")  # fmt: skip
     args = ap.parse_args(argv)
     unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
     if unknown:
         print(f"error: unknown --variants {unknown}; choose from {', '.join(VARIANTS)}", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
-    data = load_cohort(args.cohort, args.n, args.size, args.crop, args.lesions)
+    images, ys, names, side = load_cohort(args.cohort, args.n, args.size, args.crop, args.lesions)
+    data = ([x.to(args.device) for x in images], ys, names, side)
+    if args.rescore is not None:
+        found = rescore(args.rescore, args.variants, args.pools, int(args.seeds), args, data)
+        print(json.dumps(found, indent=1))
+        with args.out.open("a") as f:
+            f.write(json.dumps(found) + "\n")
+        return 0
     with args.out.open("a") as f:
         for seed in (int(s) for s in args.seeds.split(",")):
             for pool in args.pools.split(","):

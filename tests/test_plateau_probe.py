@@ -46,3 +46,71 @@ def test_score_mil_loss_is_the_bce_of_the_highest_attention_score(probe, label: 
     torch.testing.assert_close(aux, F.binary_cross_entropy_with_logits(top, torch.full_like(top, float(label))))
     aux.backward()  # the loss reaches the attention layers' weights
     assert model.attention.w.weight.grad is not None and model.attention.w.weight.grad.abs().sum() > 0
+
+
+def test_null_slot_takes_its_share_and_its_value(probe) -> None:
+    model = _model()
+    x = torch.rand(1, 3, 128, 96)
+    hs = model[:3](x)  # (1, C + 1, h, w)
+    pool = probe.NullSlotPool(model.attention.out_channels, init_score=0.7)
+    with torch.no_grad():
+        pool.null_value.copy_(torch.randn_like(pool.null_value))
+    n = hs.shape[-2] * hs.shape[-1]
+    scores = torch.cat([hs[:, -1].flatten(1), (pool.null_score + torch.log(torch.tensor(float(n))))[None, None]], 1)
+    a = torch.softmax(scores, 1)  # (1, N + 1): the map's positions, then the slot
+    want = a[:, :-1] @ hs[0, :-1].flatten(1).T + a[:, -1:] * pool.null_value  # (1, C)
+    torch.testing.assert_close(pool(hs)[:, 0], want)
+    torch.testing.assert_close(pool.weights(hs).sum(), 1 - a[0, -1])  # the map keeps what the slot leaves
+    pool(hs).sum().backward()
+    assert pool.null_score.grad is not None and pool.null_value.grad is not None
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0, -4.0])
+def test_evidence_pool_weights_the_classifier_s_positive_evidence(probe, temperature: float) -> None:
+    model = _model()
+    model.pool = probe.EvidencePool(model.classifier, temperature)
+    x = torch.rand(1, 3, 96, 128)
+    with torch.no_grad():
+        hs = model[:3](x)
+        w = model.classifier.weight
+        evidence = torch.einsum("c,chw->hw", w[1] - w[0], hs[0, :-1]).flatten()
+        a = model.pool.weights(hs).flatten()
+        if temperature == 0:  # a hard maximum: the logit difference is the top cell's evidence
+            assert a.sum() == 1 and a[evidence.argmax()] == 1
+            logits = model(x)[0]
+            torch.testing.assert_close(logits[1] - logits[0], evidence.max() + model.classifier.bias[1]
+                                       - model.classifier.bias[0])  # fmt: skip
+        elif temperature > 0:
+            torch.testing.assert_close(a, torch.softmax(evidence / temperature, 0))
+        else:
+            z = (evidence - evidence.mean()) / (evidence.std() + 1e-6)
+            torch.testing.assert_close(a, torch.softmax(-temperature * z, 0))
+        assert int(a.argmax()) == int(evidence.argmax())
+
+
+def test_structure_scores_read_each_box_and_the_rest(probe) -> None:
+    model = _model()
+    x = torch.rand(1, 3, 128, 128)
+    s = model.stride
+    boxes = [{"kind": "lesion", "y0": 0, "y1": 2 * s, "x0": 0, "x1": 2 * s},
+             {"kind": "distractor", "y0": 4 * s, "y1": 5 * s, "x0": 4 * s, "x1": 6 * s}]  # fmt: skip
+    with torch.no_grad():
+        found = probe.structure_scores(model, x, boxes)
+        hs = model[:3](x)
+    score = hs[0, -1]
+    assert found["lesion score"] == [float(score[:2, :2].max())]
+    assert found["look-alike score"] == [float(score[4:5, 4:6].max())]
+    rest = torch.ones_like(score, dtype=torch.bool)
+    rest[:2, :2] = rest[4:5, 4:6] = False
+    assert found["background score p99"] == [float(torch.quantile(score[rest], 0.99))]
+    assert set(found) == {f"{k} {m}" for k in ("lesion", "look-alike") for m in ("score", "evidence")} | {
+        "background score p99", "background evidence p99"}
+
+
+def test_train_split_is_stratified_and_seeded(probe) -> None:
+    import numpy as np
+
+    ys = [1, 0] * 10
+    a = probe.train_split(ys, 8, np.random.default_rng(3))
+    assert a == probe.train_split(ys, 8, np.random.default_rng(3)) and len(set(a)) == 8
+    assert sum(ys[i] for i in a) == 4
