@@ -66,7 +66,12 @@ VARIANTS = (
     "evidence_standardised",
     "he_evidence_max",
     "evidence_max_lr3e-3",
+    "max_then_evidence",
+    "he_max_then_evidence",
 )
+# max_then_evidence: epochs of per-channel max pooling (which leaves the plateau first, section 6) before the
+# max-instance head takes over, with the trunk and classifier it reached
+SWITCH_EPOCH = 6
 # inst_aux: CLAM's bag / instance weighting (bag loss 0.7, instance loss 0.3) and the instance positions per slide
 INST_WEIGHT, INST_K = 0.3, 8
 # score_mil: the attention scores read as instance logits as well, their maximum pushed towards the slide's label (max-
@@ -172,6 +177,22 @@ class EvidencePool(AttentionPool):
         return torch.softmax(s.flatten(2) / self.temperature, -1).view_as(s)
 
 
+class ChannelMaxPool(AttentionPool):
+    """Max pooling of each feature channel on the attention model's map (its score channel unused), so a run can
+    start as max pooling and hand the same trunk and classifier to another pool; its ``weights`` (for the probe's
+    logs) are the hard maximum of the classifier's per-cell evidence."""
+
+    def __init__(self, classifier: nn.Linear) -> None:
+        super().__init__(1)
+        self._evidence = EvidencePool(classifier, 0.0)
+
+    def weights(self, hs: torch.Tensor) -> torch.Tensor:
+        return self._evidence.weights(hs)
+
+    def forward(self, hs: torch.Tensor) -> torch.Tensor:
+        return hs[:, :-1].amax((2, 3))[:, None]  # (B, 1, C)
+
+
 def make_model(pool: str, variant: str, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     model = zoo.build("tiny", 2, pool=pool)  # tiny's layers keep PyTorch's default init
@@ -184,6 +205,8 @@ def make_model(pool: str, variant: str, seed: int) -> nn.Module:
         if pool in zoo.ATTENTION_POOLS:
             raise SystemExit(f"--variants {variant} replaces a max or avg pool, not {pool}")
         model.pool = MaskedTopKMean(int(variant[len("topk") :]))
+    if variant.endswith("max_then_evidence"):
+        model.pool = ChannelMaxPool(model.classifier)
     if variant in EVIDENCE_TEMPERATURE:
         model.pool = EvidencePool(model.classifier, EVIDENCE_TEMPERATURE[variant])
     if variant.startswith("null_slot"):  # at init the slot holds half (null_slot) or a tenth (_low) of the mass
@@ -378,6 +401,8 @@ def run(variant: str, pool: str, seed: int, args: argparse.Namespace, data: tupl
     out: dict[str, Any] = {"variant": variant, "pool": pool, "seed": seed, "lr": lr, **stats, "epochs": []}
     t0 = time.perf_counter()
     for epoch in range(args.epochs):
+        if variant.endswith("max_then_evidence") and epoch == SWITCH_EPOCH:
+            model.pool = EvidencePool(model.classifier, 0.0)
         model.train()
         order = rng.permutation(train).tolist()
         if variant == "balanced_sampling":

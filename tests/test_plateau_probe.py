@@ -114,3 +114,14 @@ def test_train_split_is_stratified_and_seeded(probe) -> None:
     a = probe.train_split(ys, 8, np.random.default_rng(3))
     assert a == probe.train_split(ys, 8, np.random.default_rng(3)) and len(set(a)) == 8
     assert sum(ys[i] for i in a) == 4
+
+
+def test_channel_max_pool_is_max_pooling_on_the_attention_model_s_map(probe) -> None:
+    model = _model()
+    model.pool = probe.ChannelMaxPool(model.classifier)
+    x = torch.rand(1, 3, 96, 64)
+    with torch.no_grad():
+        hs = model[:3](x)
+        torch.testing.assert_close(model(x), model.classifier(hs[:, :-1].amax((2, 3))))
+        # its logged weights are the max-instance head's, which takes over from it
+        torch.testing.assert_close(model.pool.weights(hs), probe.EvidencePool(model.classifier, 0.0).weights(hs))
