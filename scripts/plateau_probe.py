@@ -68,6 +68,12 @@ VARIANTS = (
     "evidence_max_lr3e-3",
     "max_then_evidence",
     "he_max_then_evidence",
+    "max_plus_instance",
+    "he_max_plus_instance",
+    "max_plus_evidence",
+    "he_max_plus_evidence",
+    "he_max_plus_instance_loss",
+    "max_plus_instance_loss",
 )
 # max_then_evidence: epochs of per-channel max pooling (which leaves the plateau first, section 6) before the
 # max-instance head takes over, with the trunk and classifier it reached
@@ -193,6 +199,49 @@ class ChannelMaxPool(AttentionPool):
         return hs[:, :-1].amax((2, 3))[:, None]  # (B, 1, C)
 
 
+class MaxPlusInstancePool(AttentionPool):
+    """Per-channel max pooling and a max-instance head side by side: (B, C + K, H, W) -> (B, 1, C + 1), the channels'
+    maxima and the highest per-cell instance logit ``e_p``, which ``MixedClassifier`` adds to the positive class.
+    ``e_p`` is its own 1x1 layer on the features (``tied=False``) or the classifier's evidence ``(w_1 - w_0) . h_p``
+    (``tied=True``); ``weights`` (the map the probe's pointing game reads) is the hard maximum of ``e``."""
+
+    def __init__(self, channels: int, classifier: nn.Linear, tied: bool) -> None:
+        super().__init__(1)
+        self.instance = None if tied else nn.Conv2d(channels, 1, 1)
+        self._classifier = (classifier,)  # not a submodule: the model holds it already
+
+    def _instance(self, hs: torch.Tensor) -> torch.Tensor:
+        h = hs[:, :-1]  # (B, C, H, W)
+        if self.instance is not None:
+            return self.instance(h)  # (B, 1, H, W)
+        w = self._classifier[0].weight
+        return torch.einsum("c,bchw->bhw", w[1] - w[0], h)[:, None]
+
+    def weights(self, hs: torch.Tensor) -> torch.Tensor:
+        e = self._instance(hs)
+        return F.one_hot(e.flatten(2).argmax(-1), e[0].numel()).to(e.dtype).view_as(e)
+
+    def forward(self, hs: torch.Tensor) -> torch.Tensor:
+        top = self._instance(hs).amax((2, 3))  # (B, 1)
+        return torch.cat([hs[:, :-1].amax((2, 3)), top], 1)[:, None]  # (B, 1, C + 1)
+
+
+class MixedClassifier(nn.Module):
+    """(B, C + 1) -> (B, 2): the classifier on the C pooled maxima, plus the top instance logit on class 1."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.linear = linear
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.linear.weight
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        logits = self.linear(z[:, :-1])
+        return logits + torch.cat([torch.zeros_like(z[:, -1:]), z[:, -1:]], 1)
+
+
 def make_model(pool: str, variant: str, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     model = zoo.build("tiny", 2, pool=pool)  # tiny's layers keep PyTorch's default init
@@ -205,6 +254,10 @@ def make_model(pool: str, variant: str, seed: int) -> nn.Module:
         if pool in zoo.ATTENTION_POOLS:
             raise SystemExit(f"--variants {variant} replaces a max or avg pool, not {pool}")
         model.pool = MaskedTopKMean(int(variant[len("topk") :]))
+    if "max_plus_" in variant:
+        linear = model.classifier
+        model.pool = MaxPlusInstancePool(model.attention.out_channels, linear, tied="evidence" in variant)
+        model.classifier = MixedClassifier(linear)
     if variant.endswith("max_then_evidence"):
         model.pool = ChannelMaxPool(model.classifier)
     if variant in EVIDENCE_TEMPERATURE:
@@ -423,6 +476,12 @@ def run(variant: str, pool: str, seed: int, args: argparse.Namespace, data: tupl
                 logits, aux = score_mil_loss(model, x, ys[i])
                 loss = F.cross_entropy(logits, torch.tensor([ys[i]], device=x.device))
                 (loss + SCORE_MIL_WEIGHT * aux).backward()
+            elif variant.endswith("max_plus_instance_loss"):  # the instance branch also answers alone
+                flat = model[3:5](model[:3](x))  # pool, flatten: (1, C + 1)
+                logits = model.classifier(flat)
+                loss = F.cross_entropy(logits, torch.tensor([ys[i]], device=x.device))
+                alone = torch.cat([torch.zeros_like(flat[:, -1:]), flat[:, -1:]], 1)
+                (loss + F.cross_entropy(alone, torch.tensor([ys[i]], device=x.device))).backward()
             elif variant == "positive_attention":  # the scores learn from positive slides only (the witnesses)
                 hs = model[:3](x)  # normalize, features, attention: (1, C + 1, h, w)
                 if not ys[i]:
@@ -432,7 +491,7 @@ def run(variant: str, pool: str, seed: int, args: argparse.Namespace, data: tupl
             else:
                 logits = model(x)
                 loss = F.cross_entropy(logits, torch.tensor([ys[i]], device=x.device))
-            if variant not in ("inst_aux", "score_mil"):
+            if variant not in ("inst_aux", "score_mil") and not variant.endswith("max_plus_instance_loss"):
                 (loss / accumulate).backward()  # as train.accumulate: the mean gradient of ``accumulate`` slides a step
             if (k + 1) % accumulate == 0 or k + 1 == len(order):
                 opt.step()

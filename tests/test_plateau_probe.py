@@ -125,3 +125,23 @@ def test_channel_max_pool_is_max_pooling_on_the_attention_model_s_map(probe) -> 
         torch.testing.assert_close(model(x), model.classifier(hs[:, :-1].amax((2, 3))))
         # its logged weights are the max-instance head's, which takes over from it
         torch.testing.assert_close(model.pool.weights(hs), probe.EvidencePool(model.classifier, 0.0).weights(hs))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_max_plus_instance_adds_the_top_cell_logit_to_the_positive_class(probe, tied: bool) -> None:
+    model = _model()
+    linear = model.classifier
+    model.pool = probe.MaxPlusInstancePool(model.attention.out_channels, linear, tied=tied)
+    model.classifier = probe.MixedClassifier(linear)
+    x = torch.rand(1, 3, 80, 112)
+    with torch.no_grad():
+        hs = model[:3](x)
+        f = hs[:, :-1]  # (1, C, h, w)
+        if tied:
+            e = torch.einsum("c,bchw->bhw", linear.weight[1] - linear.weight[0], f)[:, None]
+        else:
+            e = model.pool.instance(f)
+        want = linear(f.amax((2, 3))) + torch.stack([torch.zeros(1), e.amax((1, 2, 3))], 1)
+        torch.testing.assert_close(model(x), want)
+        a = model.pool.weights(hs).flatten()
+        assert a.sum() == 1 and a[e.flatten().argmax()] == 1  # the pointing map: the branch's top cell
