@@ -74,7 +74,15 @@ VARIANTS = (
     "he_max_plus_evidence",
     "he_max_plus_instance_loss",
     "max_plus_instance_loss",
+    "he_max_to_evidence",
+    "he_topk_evidence",
 )
+# he_max_to_evidence: the slide logit moves from per-channel max pooling to the max-instance head, linearly over these
+# 0-based epochs, mix 0 at the first and 1 from the second on (the classifier shared), instead of switching at once
+# (max_then_evidence fell back at the switch)
+RAMP_EPOCHS = (3, 9)
+# he_topk_evidence: the slide's logit difference is the mean of its k most positive cells' (a lesion is ~25 cells)
+TOPK_EVIDENCE = 16
 # max_then_evidence: epochs of per-channel max pooling (which leaves the plateau first, section 6) before the
 # max-instance head takes over, with the trunk and classifier it reached
 SWITCH_EPOCH = 6
@@ -242,6 +250,47 @@ class MixedClassifier(nn.Module):
         return logits + torch.cat([torch.zeros_like(z[:, -1:]), z[:, -1:]], 1)
 
 
+class MaxToEvidencePool(AttentionPool):
+    """(B, C + K, H, W) -> (B, 1, C + 1): the channels' maxima and the classifier's top cell evidence (or the mean of
+    its ``k`` top cells), mixed by ``RampClassifier``: ``(1 - mix)`` max pooling's logits plus ``mix`` times the
+    max-instance head's. ``weights``: the hard maximum (or the top ``k``, evenly) of the evidence."""
+
+    def __init__(self, classifier: nn.Linear, k: int = 1) -> None:
+        super().__init__(1)
+        self._classifier = (classifier,)
+        self.k = k
+
+    def _evidence(self, hs: torch.Tensor) -> torch.Tensor:
+        w = self._classifier[0].weight
+        return torch.einsum("c,bchw->bhw", w[1] - w[0], hs[:, :-1]).flatten(1)  # (B, N)
+
+    def weights(self, hs: torch.Tensor) -> torch.Tensor:
+        e = self._evidence(hs)
+        a = torch.zeros_like(e).scatter_(1, e.topk(self.k, 1).indices, 1.0 / self.k)
+        return a.view_as(hs[:, -1:])
+
+    def forward(self, hs: torch.Tensor) -> torch.Tensor:
+        top = self._evidence(hs).topk(self.k, 1).values.mean(1, keepdim=True)  # (B, 1)
+        return torch.cat([hs[:, :-1].amax((2, 3)), top], 1)[:, None]  # (B, 1, C + 1)
+
+
+class RampClassifier(nn.Module):
+    """(B, C + 1) -> (B, 2): ``(1 - mix) * linear(maxima) + mix * (b + [0, top evidence])``."""
+
+    def __init__(self, linear: nn.Linear, mix: float) -> None:
+        super().__init__()
+        self.linear, self.mix = linear, mix
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.linear.weight
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        pooled = self.linear(z[:, :-1])
+        instance = self.linear.bias + torch.cat([torch.zeros_like(z[:, -1:]), z[:, -1:]], 1)
+        return (1 - self.mix) * pooled + self.mix * instance
+
+
 def make_model(pool: str, variant: str, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     model = zoo.build("tiny", 2, pool=pool)  # tiny's layers keep PyTorch's default init
@@ -254,6 +303,10 @@ def make_model(pool: str, variant: str, seed: int) -> nn.Module:
         if pool in zoo.ATTENTION_POOLS:
             raise SystemExit(f"--variants {variant} replaces a max or avg pool, not {pool}")
         model.pool = MaskedTopKMean(int(variant[len("topk") :]))
+    if variant in ("he_max_to_evidence", "he_topk_evidence"):
+        linear = model.classifier
+        model.pool = MaxToEvidencePool(linear, TOPK_EVIDENCE if variant == "he_topk_evidence" else 1)
+        model.classifier = RampClassifier(linear, 1.0 if variant == "he_topk_evidence" else 0.0)
     if "max_plus_" in variant:
         linear = model.classifier
         model.pool = MaxPlusInstancePool(model.attention.out_channels, linear, tied="evidence" in variant)
@@ -456,6 +509,8 @@ def run(variant: str, pool: str, seed: int, args: argparse.Namespace, data: tupl
     for epoch in range(args.epochs):
         if variant.endswith("max_then_evidence") and epoch == SWITCH_EPOCH:
             model.pool = EvidencePool(model.classifier, 0.0)
+        if variant == "he_max_to_evidence":
+            model.classifier.mix = min(1.0, max(0.0, (epoch - RAMP_EPOCHS[0]) / (RAMP_EPOCHS[1] - RAMP_EPOCHS[0])))
         model.train()
         order = rng.permutation(train).tolist()
         if variant == "balanced_sampling":

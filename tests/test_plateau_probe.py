@@ -145,3 +145,22 @@ def test_max_plus_instance_adds_the_top_cell_logit_to_the_positive_class(probe, 
         torch.testing.assert_close(model(x), want)
         a = model.pool.weights(hs).flatten()
         assert a.sum() == 1 and a[e.flatten().argmax()] == 1  # the pointing map: the branch's top cell
+
+
+@pytest.mark.parametrize(("k", "mix"), [(1, 0.0), (1, 0.4), (1, 1.0), (16, 1.0)])
+def test_ramp_mixes_max_pooling_and_the_top_cells_evidence(probe, k: int, mix: float) -> None:
+    model = _model()
+    linear = model.classifier
+    model.pool = probe.MaxToEvidencePool(linear, k)
+    model.classifier = probe.RampClassifier(linear, mix)
+    x = torch.rand(1, 3, 96, 96)
+    with torch.no_grad():
+        hs = model[:3](x)
+        f = hs[:, :-1]
+        e = torch.einsum("c,bchw->bhw", linear.weight[1] - linear.weight[0], f).flatten(1)  # (1, N)
+        top = e.topk(k, 1).values.mean(1)
+        instance = linear.bias + torch.stack([torch.zeros_like(top), top], 1)
+        torch.testing.assert_close(model(x), (1 - mix) * linear(f.amax((2, 3))) + mix * instance)
+        a = model.pool.weights(hs).flatten()
+        torch.testing.assert_close(a.sum(), torch.tensor(1.0))
+        assert set(a.nonzero().flatten().tolist()) == set(e[0].topk(k).indices.tolist())
