@@ -146,6 +146,17 @@ def he_init(trunk: nn.Module) -> None:
             nn.init.zeros_(m.bias)
 
 
+def cell_evidence(weight: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+    """A two-class classifier's evidence for class 1 at each cell, ``(w_1 - w_0) . h``: (B, C, H, W) -> (B, 1, H, W)."""
+    return torch.einsum("c,bchw->bhw", weight[1] - weight[0], feats)[:, None]
+
+
+def top_cells(e: torch.Tensor, k: int = 1) -> torch.Tensor:
+    """Weights (B, 1, H, W) that put 1/k on each of the k largest cells of ``e`` (B, 1, H, W), 0 elsewhere."""
+    f = e.flatten(2)
+    return torch.zeros_like(f).scatter_(2, f.topk(k, 2).indices, 1.0 / k).view_as(e)
+
+
 class NullSlotPool(AttentionPool):
     """Attention with one more place to look: a learnt "nothing here" slot, score ``b + log n`` (n: the map's
     positions, so its share does not shrink with the slide) and value ``v`` (C,), beside the map's positions."""
@@ -180,10 +191,9 @@ class EvidencePool(AttentionPool):
         self.temperature = temperature
 
     def weights(self, hs: torch.Tensor) -> torch.Tensor:
-        w = self._classifier[0].weight  # (2, C)
-        s = torch.einsum("c,bchw->bhw", w[1] - w[0], hs[:, :-1])[:, None]  # (B, 1, H, W)
+        s = cell_evidence(self._classifier[0].weight, hs[:, :-1])  # (B, 1, H, W)
         if self.temperature == 0:  # a hard maximum: all weight on the most positive position
-            return F.one_hot(s.flatten(2).argmax(-1), s[0].numel()).to(s.dtype).view_as(s)
+            return top_cells(s)
         if self.temperature < 0:  # scores standardised over the map, then sharpened by -temperature
             f = s.flatten(2)
             return torch.softmax(-self.temperature * (f - f.mean(-1, keepdim=True)) / (f.std(-1, keepdim=True) + 1e-6),
@@ -220,14 +230,10 @@ class MaxPlusInstancePool(AttentionPool):
 
     def _instance(self, hs: torch.Tensor) -> torch.Tensor:
         h = hs[:, :-1]  # (B, C, H, W)
-        if self.instance is not None:
-            return self.instance(h)  # (B, 1, H, W)
-        w = self._classifier[0].weight
-        return torch.einsum("c,bchw->bhw", w[1] - w[0], h)[:, None]
+        return self.instance(h) if self.instance is not None else cell_evidence(self._classifier[0].weight, h)
 
     def weights(self, hs: torch.Tensor) -> torch.Tensor:
-        e = self._instance(hs)
-        return F.one_hot(e.flatten(2).argmax(-1), e[0].numel()).to(e.dtype).view_as(e)
+        return top_cells(self._instance(hs))
 
     def forward(self, hs: torch.Tensor) -> torch.Tensor:
         top = self._instance(hs).amax((2, 3))  # (B, 1)
@@ -260,17 +266,12 @@ class MaxToEvidencePool(AttentionPool):
         self._classifier = (classifier,)
         self.k = k
 
-    def _evidence(self, hs: torch.Tensor) -> torch.Tensor:
-        w = self._classifier[0].weight
-        return torch.einsum("c,bchw->bhw", w[1] - w[0], hs[:, :-1]).flatten(1)  # (B, N)
-
     def weights(self, hs: torch.Tensor) -> torch.Tensor:
-        e = self._evidence(hs)
-        a = torch.zeros_like(e).scatter_(1, e.topk(self.k, 1).indices, 1.0 / self.k)
-        return a.view_as(hs[:, -1:])
+        return top_cells(cell_evidence(self._classifier[0].weight, hs[:, :-1]), self.k)
 
     def forward(self, hs: torch.Tensor) -> torch.Tensor:
-        top = self._evidence(hs).topk(self.k, 1).values.mean(1, keepdim=True)  # (B, 1)
+        e = cell_evidence(self._classifier[0].weight, hs[:, :-1]).flatten(1)  # (B, N)
+        top = e.topk(self.k, 1).values.mean(1, keepdim=True)  # (B, 1)
         return torch.cat([hs[:, :-1].amax((2, 3)), top], 1)[:, None]  # (B, 1, C + 1)
 
 
@@ -400,8 +401,7 @@ def structure_scores(model: nn.Module, x: torch.Tensor, boxes: list[dict[str, An
     of the cells outside every box ("background"): what the attention and the classifier each rank first."""
     hs = model[:3](x)  # (1, C + 1, h, w)
     score, feats = hs[0, -1], hs[0, :-1]  # (h, w), (C, h, w)
-    w = model.classifier.weight  # (2, C)
-    evidence = torch.einsum("c,chw->hw", w[1] - w[0], feats)
+    evidence = cell_evidence(model.classifier.weight, feats[None])[0, 0]  # (h, w)
     s = model.stride
     outside = torch.ones_like(score, dtype=torch.bool)
     out: dict[str, list[float]] = {}
