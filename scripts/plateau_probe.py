@@ -76,6 +76,10 @@ VARIANTS = (
     "max_plus_instance_loss",
     "he_max_to_evidence",
     "he_topk_evidence",
+    "attention_nonneg",
+    "max_nonneg",
+    "he_max_nonneg",
+    "max_nonneg_lr3e-3",
 )
 # he_max_to_evidence: the slide logit moves from per-channel max pooling to the max-instance head, linearly over these
 # 0-based epochs, mix 0 at the first and 1 from the second on (the classifier shared), instead of switching at once
@@ -292,6 +296,26 @@ class RampClassifier(nn.Module):
         return (1 - self.mix) * pooled + self.mix * instance
 
 
+class NonNegativeClassifier(nn.Module):
+    """Two classes, where only evidence *for* class 1 exists: logits ``[0, |v| . z + b]`` (the MIL standard assumption:
+    a feature can raise the positive class, none can vouch for the negative one, so a look-alike cannot be the
+    negatives' evidence). ``v`` starts as the built Linear's ``w_1 - w_0``, ``b`` as ``b_1 - b_0``."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.v = nn.Parameter((linear.weight[1] - linear.weight[0]).detach().clone())
+        self.b = nn.Parameter((linear.bias[1] - linear.bias[0]).detach().clone())
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """(2, C), as a Linear's: class 0's row is zero."""
+        return torch.stack([torch.zeros_like(self.v), self.v.abs()])
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        pos = z @ self.v.abs() + self.b  # (B,)
+        return torch.stack([torch.zeros_like(pos), pos], 1)
+
+
 def make_model(pool: str, variant: str, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     model = zoo.build("tiny", 2, pool=pool)  # tiny's layers keep PyTorch's default init
@@ -304,6 +328,10 @@ def make_model(pool: str, variant: str, seed: int) -> nn.Module:
         if pool in zoo.ATTENTION_POOLS:
             raise SystemExit(f"--variants {variant} replaces a max or avg pool, not {pool}")
         model.pool = MaskedTopKMean(int(variant[len("topk") :]))
+    if "_nonneg" in variant:
+        model.classifier = NonNegativeClassifier(model.classifier)
+        if "max_nonneg" in variant:  # per-channel max pooling on the attention model's map; pointing: its top cell
+            model.pool = ChannelMaxPool(model.classifier)
     if variant in ("he_max_to_evidence", "he_topk_evidence"):
         linear = model.classifier
         model.pool = MaxToEvidencePool(linear, TOPK_EVIDENCE if variant == "he_topk_evidence" else 1)
@@ -441,7 +469,8 @@ def trunk_stats(model: nn.Module, x: torch.Tensor) -> dict[str, float]:
     model.zero_grad()
     F.cross_entropy(model(x.float() / 255), torch.tensor([1], device=x.device)).backward()
     g_first = float(model.features.conv1.weight.grad.norm() / model.features.conv1.weight.norm())
-    g_head = float(model.classifier.weight.grad.norm() / max(float(model.classifier.weight.norm()), 1e-12))
+    head = next(model.classifier.parameters())  # the Linear's weight (or the head's first parameter)
+    g_head = float(head.grad.norm() / max(float(head.norm()), 1e-12))
     model.zero_grad()
     return {
         "feature_mean": float(f.mean()),

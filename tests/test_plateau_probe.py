@@ -164,3 +164,16 @@ def test_ramp_mixes_max_pooling_and_the_top_cells_evidence(probe, k: int, mix: f
         a = model.pool.weights(hs).flatten()
         torch.testing.assert_close(a.sum(), torch.tensor(1.0))
         assert set(a.nonzero().flatten().tolist()) == set(e[0].topk(k).indices.tolist())
+
+
+def test_non_negative_classifier_lets_features_raise_the_positive_class_only(probe) -> None:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(6, 2)
+    head = probe.NonNegativeClassifier(linear)
+    z = torch.rand(3, 6)
+    d = (linear.weight[1] - linear.weight[0]).abs()
+    want = torch.stack([torch.zeros(3), z @ d + linear.bias[1] - linear.bias[0]], 1)
+    torch.testing.assert_close(head(z), want)
+    torch.testing.assert_close(head.weight, torch.stack([torch.zeros(6), d]))
+    more = z + torch.rand(3, 6)  # more of any feature never lowers the positive class's logit
+    assert bool((head(more)[:, 1] >= head(z)[:, 1]).all())
