@@ -189,7 +189,7 @@ class EvidencePool(AttentionPool):
     (``(w_1 - w_0) . h_p``): the softmax then weights the positions the classifier finds most positive, a smooth
     maximum of the per-position logits, so only positive evidence can raise a slide's score."""
 
-    def __init__(self, classifier: nn.Linear, temperature: float = 1.0) -> None:
+    def __init__(self, classifier: nn.Module, temperature: float = 1.0) -> None:
         super().__init__(1)
         self._classifier = (classifier,)  # not a submodule: the model holds it already
         self.temperature = temperature
@@ -210,12 +210,12 @@ class ChannelMaxPool(AttentionPool):
     start as max pooling and hand the same trunk and classifier to another pool; its ``weights`` (for the probe's
     logs) are the hard maximum of the classifier's per-cell evidence."""
 
-    def __init__(self, classifier: nn.Linear) -> None:
+    def __init__(self, classifier: nn.Module) -> None:
         super().__init__(1)
-        self._evidence = EvidencePool(classifier, 0.0)
+        self._classifier = (classifier,)  # not a submodule: the model holds it already
 
     def weights(self, hs: torch.Tensor) -> torch.Tensor:
-        return self._evidence.weights(hs)
+        return top_cells(cell_evidence(self._classifier[0].weight, hs[:, :-1]))
 
     def forward(self, hs: torch.Tensor) -> torch.Tensor:
         return hs[:, :-1].amax((2, 3))[:, None]  # (B, 1, C)
