@@ -31,10 +31,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from wsitrain.models import zoo
-from wsitrain.models.attention import AttentionPool
+from wsitrain.models.attention import AttentionPool, BranchClassifier, feature_mask
+from wsitrain.models.heads import AttentionSpec
 from wsitrain.sft.ops.topk_pool import MaskedTopKMean
 from wsitrain.slides.synth import write_synthetic_dataset
 from wsitrain.slides.synth.lesions import LESION_MODES, read_sidecar
+from wsitrain.slides.tissue.detect import tissue_mask
 
 # The plateau ends at the first epoch whose mean training loss is <= 0.6 (chance is ln 2 = 0.693; on the plateau it
 # stays 0.68-0.72, measured, docs/plateau.md). Not the spread of p: a large init starts with a spread it has not learnt.
@@ -80,6 +82,18 @@ VARIANTS = (
     "max_nonneg",
     "he_max_nonneg",
     "max_nonneg_lr3e-3",
+    "score_mil_negk",
+    "score_mil_negk_t4",
+    "mb_torch_init",
+    "mb_score_mil_negk",
+    "mb_score_mil_negk_bias",
+    "mb_score_mil_lme",
+    "mb_score_mil_negk_sum",
+    "mb_score_mil",
+    "mb_score_mil_posk16",
+    "score_mil_lme",
+    "he_max_refit_evidence",
+    "max_refit_evidence",
 )
 # he_max_to_evidence: the slide logit moves from per-channel max pooling to the max-instance head, linearly over these
 # 0-based epochs, mix 0 at the first and 1 from the second on (the classifier shared), instead of switching at once
@@ -95,6 +109,28 @@ INST_WEIGHT, INST_K = 0.3, 8
 # score_mil: the attention scores read as instance logits as well, their maximum pushed towards the slide's label (max-
 # pooling MIL on the scores: a softmax ignores the scores' level, so this only adds what a level means); its weight
 SCORE_MIL_WEIGHT = 0.5
+# score_mil_negk: the same, but a negative slide's k highest scores are all pushed below 0 (every cell of a negative
+# slide is negative, the MIL assumption): 64 cells are about two of its 1-3 look-alikes (boxes of 88 px, 6 x 6 cells
+# at tiny's stride 16)
+SCORE_NEG_K = 64
+# _sum: a negative slide's k cells each weigh as much as a positive slide's top cell (their BCEs summed, not averaged:
+# mb_score_mil_negk's seed 1 kept its top cell on the image edge, every slide's, pushed up on positives 64 times harder
+# per cell than down on negatives); posk16: a positive slide's 16 highest cells pushed up, averaged
+MIL_POSITIVE_K = 16
+# score_mil_negk_t4: the same, the softmax over 4 x the scores, so scores the BCE leaves a few logits apart (lesion
+# above 0, tissue and look-alikes below) still concentrate the pooled feature on the lesion (score_mil_negk's
+# attention pointed at the lesions from epoch 5 on seed 0 but held 1-7% of its mass there, measured)
+SCORE_SHARPNESS = 4.0
+# mb_*: one attention branch per class (CLAM-MB, model.attention.branches: per_class). The probe's maps (pointing,
+# mass, structure scores) and mb_score_mil_negk's instance loss read the positive class's branch: the negative class's
+# branch stays free to find the look-alikes (the fast way off the plateau, section 9), the positive one is asked to
+# rank the lesions first. _bias: the instance logits are the scores plus a learnt bias (the attention layers have none,
+# a softmax being shift-invariant), so the loss can lower every cell's logit at once without saturating the tanh layer
+# (mb_score_mil_negk, seed 1: every score driven to about -3.3, lesions and look-alikes alike, and no way back)
+# he_max_refit_evidence: at SWITCH_EPOCH the classifier is first fitted as the max-instance head on the frozen trunk's
+# training maps (head-only AdamW steps, one slide each), so the hand-over starts from a head that fits the cells
+# (max_then_evidence fell back at the switch: train loss 0.36-0.62 -> 0.75-0.89, H200, docs/plateau.md section 9)
+REFIT_STEPS = 500
 # the evidence heads' softmax temperature: 0 is a hard maximum (max-instance MIL), < 0 standardises the scores over
 # the map and sharpens them by its absolute value (docs/plateau.md section 9)
 EVIDENCE_TEMPERATURE = {
@@ -155,6 +191,11 @@ def cell_evidence(weight: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
     return torch.einsum("c,bchw->bhw", weight[1] - weight[0], feats)[:, None]
 
 
+def linear_of(classifier: nn.Module) -> nn.Module:
+    """The Linear whose ``weight`` (2, C) scores the features: the classifier, or the one CLAM-MB's head wraps."""
+    return classifier.classifier if isinstance(classifier, BranchClassifier) else classifier
+
+
 def top_cells(e: torch.Tensor, k: int = 1) -> torch.Tensor:
     """Weights (B, 1, H, W) that put 1/k on each of the k largest cells of ``e`` (B, 1, H, W), 0 elsewhere."""
     f = e.flatten(2)
@@ -182,6 +223,17 @@ class NullSlotPool(AttentionPool):
         a = self._all_scores(hs)  # (B, 1, N + 1)
         z = torch.einsum("bkn,bcn->bkc", a[..., :-1], hs[:, :-1].flatten(2))
         return z + a[..., -1:] * self.null_value  # (B, 1, C)
+
+
+class SharpAttentionPool(AttentionPool):
+    """ABMIL with the softmax over ``sharpness`` times the scores (the scores themselves stay what the layers give)."""
+
+    def __init__(self, sharpness: float) -> None:
+        super().__init__(1)
+        self.sharpness = sharpness
+
+    def weights(self, hs: torch.Tensor) -> torch.Tensor:
+        return super().weights(torch.cat([hs[:, :-1], self.sharpness * hs[:, -1:]], 1))
 
 
 class EvidencePool(AttentionPool):
@@ -318,7 +370,10 @@ class NonNegativeClassifier(nn.Module):
 
 def make_model(pool: str, variant: str, seed: int) -> nn.Module:
     torch.manual_seed(seed)
-    model = zoo.build("tiny", 2, pool=pool)  # tiny's layers keep PyTorch's default init
+    attention = AttentionSpec(per_class=True) if variant.startswith("mb_") else None
+    model = zoo.build("tiny", 2, pool=pool, attention=attention)  # tiny's layers keep PyTorch's default init
+    if variant.endswith(("_bias", "_lme")):
+        model.instance_bias = nn.Parameter(torch.zeros(()))  # an attribute, not a layer: the model's forward skips it
     if variant.startswith("he_"):
         he_init(model.features)
     if variant in ("zero_head", "he_zero_head"):
@@ -340,10 +395,12 @@ def make_model(pool: str, variant: str, seed: int) -> nn.Module:
         linear = model.classifier
         model.pool = MaxPlusInstancePool(model.attention.out_channels, linear, tied="evidence" in variant)
         model.classifier = MixedClassifier(linear)
-    if variant.endswith("max_then_evidence"):
+    if variant.endswith(("max_then_evidence", "max_refit_evidence")):
         model.pool = ChannelMaxPool(model.classifier)
     if variant in EVIDENCE_TEMPERATURE:
         model.pool = EvidencePool(model.classifier, EVIDENCE_TEMPERATURE[variant])
+    if variant == "score_mil_negk_t4":
+        model.pool = SharpAttentionPool(SCORE_SHARPNESS)
     if variant.startswith("null_slot"):  # at init the slot holds half (null_slot) or a tenth (_low) of the mass
         model.pool = NullSlotPool(model.attention.out_channels, 0.0 if variant == "null_slot" else -math.log(9))
     return model
@@ -406,17 +463,64 @@ def instance_loss(cam: torch.Tensor, y: int, k: int = INST_K) -> torch.Tensor:
     return F.binary_cross_entropy_with_logits(z, torch.cat([torch.ones_like(top), torch.zeros_like(bottom)]))
 
 
-def score_mil_loss(model: nn.Module, x: torch.Tensor, y: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The slide's logits (1, 2) and the max-instance loss of its attention scores: BCE(max_p s_p, y)."""
+def masked_scores(model: nn.Module, hs: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The last attention branch's scores (1, N), -inf where its pool's mask leaves a cell out; how many it keeps."""
+    s = hs[:, -1:]  # (1, 1, h, w)
+    mask = model.pool.mask_at(s.shape[-2], s.shape[-1])
+    if mask is None:
+        return s.flatten(1), s[0, 0].numel()
+    return s.masked_fill(~mask, float("-inf")).flatten(1), int(mask.sum())
+
+
+def score_mil_loss(model: nn.Module, x: torch.Tensor, y: int, neg_k: int = 1, pos_k: int = 1, neg_sum: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The slide's logits (1, 2) and the max-instance loss of its attention scores: BCE(max_p s_p, y); on a negative
+    slide, the mean BCE of its ``neg_k`` highest scores against 0."""
     hs = model[:3](x)  # normalize, features, attention: (1, C + 1, h, w)
-    top = hs[:, -1].amax((1, 2))  # (1,): the highest score on the map
-    return model[3:](hs), F.binary_cross_entropy_with_logits(top, torch.full_like(top, float(y)))
+    s, keep = masked_scores(model, hs)  # (1, N), the cells the pool attends to
+    top = s.topk(min(pos_k if y else neg_k, keep), 1).values  # (1, k): the highest scores on the map
+    if hasattr(model, "instance_bias"):
+        top = top + model.instance_bias
+    reduction = "sum" if neg_sum and not y else "mean"
+    return model[3:](hs), F.binary_cross_entropy_with_logits(top, torch.full_like(top, float(y)), reduction=reduction)
+
+
+def score_lme_loss(model: nn.Module, x: torch.Tensor, y: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slide's logits (1, 2) and BCE(log-mean-exp of the (positive class's) attention scores + a learnt bias, y):
+    a smooth maximum whose gradient on each cell is that cell's attention weight, so the online softmax the engine
+    fuses already holds it (``m + log(d / n)``)."""
+    hs = model[:3](x)  # normalize, features, attention: (1, C + K, h, w)
+    s, keep = masked_scores(model, hs)  # (1, N), the cells the pool attends to
+    lme = torch.logsumexp(s, 1) - math.log(keep) + model.instance_bias  # (1,)
+    return model[3:](hs), F.binary_cross_entropy_with_logits(lme, torch.full_like(lme, float(y)))
+
+
+def refit_max_instance(model: nn.Module, images: list[torch.Tensor], ys: list[int], train: list[int], lr: float,
+                       rng: np.random.Generator, steps: int = REFIT_STEPS) -> dict[str, float]:  # fmt: skip
+    """Fit the classifier alone as the max-instance head (slide logit difference = its most positive cell's) on the
+    frozen trunk's maps of the training slides, one slide and a random quarter turn per step."""
+    with torch.no_grad():
+        maps = [model[:3](images[i].float() / 255) for i in train]  # (1, C + 1, h, w) each
+    pool = EvidencePool(model.classifier, 0.0)
+    opt = torch.optim.AdamW(model.classifier.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        j = int(rng.integers(len(train)))
+        hs = torch.rot90(maps[j], int(rng.integers(4)), (2, 3))
+        logits = model.classifier(pool(hs).flatten(1))
+        loss = F.cross_entropy(logits, torch.tensor([ys[train[j]]], device=logits.device))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return {"refit_first100_loss": round(float(np.mean(losses[:100])), 4),
+            "refit_last100_loss": round(float(np.mean(losses[-100:])), 4)}  # fmt: skip
 
 
 def pointing(model: nn.Module, x: torch.Tensor, boxes: list[dict[str, Any]]) -> bool:
     """Whether the highest attention cell lies in a lesion box (the pointing game, as the benchmark scores it)."""
     hs = model[:3](x)
-    a = model.pool.weights(hs)[0, 0]  # (h, w)
+    a = model.pool.weights(hs)[0, -1]  # (h, w): the positive class's branch with one per class
     r, c = divmod(int(a.flatten().argmax()), a.shape[1])
     s = model.stride
     return any(b["kind"] == "lesion" and b["y0"] // s <= r < -(-b["y1"] // s) and b["x0"] // s <= c < -(-b["x1"] // s)
@@ -428,8 +532,8 @@ def structure_scores(model: nn.Module, x: torch.Tensor, boxes: list[dict[str, An
     evidence ``(w_1 - w_0) . h`` of the classifier on a cell's features, and the same two at the 99th percentile
     of the cells outside every box ("background"): what the attention and the classifier each rank first."""
     hs = model[:3](x)  # (1, C + 1, h, w)
-    score, feats = hs[0, -1], hs[0, :-1]  # (h, w), (C, h, w)
-    evidence = cell_evidence(model.classifier.weight, feats[None])[0, 0]  # (h, w)
+    score, feats = hs[0, -1], hs[0, : -model.pool.branches]  # (h, w): the positive class's branch; (C, h, w)
+    evidence = cell_evidence(linear_of(model.classifier).weight, feats[None])[0, 0]  # (h, w)
     s = model.stride
     outside = torch.ones_like(score, dtype=torch.bool)
     out: dict[str, list[float]] = {}
@@ -453,7 +557,7 @@ def auc(y: list[int], p: list[float]) -> float:
 
 def lesion_mass(model: nn.Module, x: torch.Tensor, boxes: list[dict[str, Any]]) -> float:
     hs = model[:3](x)  # normalize, features, attention: (1, C + 1, h, w)
-    a = model.pool.weights(hs)[0, 0]  # (h, w), sums to 1
+    a = model.pool.weights(hs)[0, -1]  # (h, w), sums to 1: the positive class's branch with one per class
     stride = model.stride
     on = torch.zeros_like(a, dtype=torch.bool)
     for b in boxes:
@@ -490,7 +594,7 @@ def train_split(ys: list[int], n_train: int, rng: np.random.Generator) -> list[i
 
 def rescore(path: Path, variant: str, pool: str, seed: int, args: argparse.Namespace, data: tuple) -> dict[str, Any]:
     """A saved run's structure scores on its held-out slides, per kind: the median and the range over the boxes."""
-    images, ys, names, side = data
+    images, ys, names, side, _ = data
     train = train_split(ys, args.train, np.random.default_rng(seed))
     model = make_model(pool, variant, seed).to(images[0].device)
     model.load_state_dict(torch.load(path, weights_only=True, map_location=images[0].device))
@@ -500,19 +604,46 @@ def rescore(path: Path, variant: str, pool: str, seed: int, args: argparse.Names
 
 def held_out_structures(model: nn.Module, held: list[int], data: tuple) -> dict[str, dict[str, float]]:
     """``structure_scores`` over the held-out slides, per key: the median and the range over the boxes."""
-    images, _, names, side = data
+    images, _, names, side, masks = data
     model.eval()
     found: dict[str, list[float]] = {}
     with torch.no_grad():
         for i in held:
+            set_mask(model, masks, i)
             for key, values in structure_scores(model, images[i].float() / 255, side[names[i]]["boxes"]).items():
                 found.setdefault(key, []).extend(values)
     return {k: {"median": round(float(np.median(v)), 3), "min": round(min(v), 3), "max": round(max(v), 3), "n": len(v)}
             for k, v in sorted(found.items())}  # fmt: skip
 
 
+def tissue_map_masks(images: list[torch.Tensor], stride: int, border: int = 0) -> list[torch.Tensor]:
+    """Each slide's tissue at the map's cells, (1, 1, h, w) bool: wsitrain's own detection on the whole image
+    (fragments of any size), a cell kept when any of its pixels is tissue, as ``fit`` masks the attention pool
+    (``data.mask_background``, on by default): no cell off the tissue, such as the image corner, can be attended.
+    ``border``: the map's outer ring this many cells deep is left out too (where the convolutions' zero padding
+    shows: the same on every slide)."""
+    out = []
+    for x in images:  # (1, 3, H, W) uint8
+        tissue, _ = tissue_mask(x[0].permute(1, 2, 0).cpu().numpy())
+        hw = (x.shape[2] // stride, x.shape[3] // stride)
+        m = feature_mask(torch.from_numpy(tissue), hw, stride)
+        if border:
+            ring = torch.ones_like(m)
+            ring[..., border:-border, border:-border] = False
+            m = m & ~ring
+        out.append(m.to(x.device))
+    return out
+
+
+def set_mask(model: nn.Module, masks: list[torch.Tensor] | None, i: int, quarter_turns: int = 0) -> None:
+    """Slide ``i``'s tissue mask (turned as its image) on the attention pool for the next forward and backward, as
+    ``pool.masked()`` sets it; nothing without ``--tissue-mask``."""
+    if masks is not None:
+        model.pool.mask = torch.rot90(masks[i], quarter_turns, (2, 3))
+
+
 def run(variant: str, pool: str, seed: int, args: argparse.Namespace, data: tuple) -> dict[str, Any]:
-    images, ys, names, side = data
+    images, ys, names, side, masks = data
     rng = np.random.default_rng(seed)
     train = train_split(ys, args.train, rng)
     if variant == "balanced_sampling":  # imbalance on purpose: drop one positive, then sample classes equally
@@ -533,10 +664,18 @@ def run(variant: str, pool: str, seed: int, args: argparse.Namespace, data: tupl
         opt = torch.optim.AdamW(parameter_groups(model, 10 * lr, 0.1))
     else:
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
-    out: dict[str, Any] = {"variant": variant, "pool": pool, "seed": seed, "lr": lr, **stats, "epochs": []}
+    out: dict[str, Any] = {"variant": variant, "pool": pool, "seed": seed, "lr": lr, "tissue_mask": masks is not None,
+                           "border_cells": args.border_cells if masks is not None else 0,
+                           **stats, "epochs": []}  # fmt: skip
+    # the variants that add a loss of their own call backward themselves
+    own_backward = variant == "inst_aux" or "score_mil" in variant or variant.endswith("plus_instance_loss")
     t0 = time.perf_counter()
     for epoch in range(args.epochs):
-        if variant.endswith("max_then_evidence") and epoch == SWITCH_EPOCH:
+        if variant.endswith(("max_then_evidence", "max_refit_evidence")) and epoch == SWITCH_EPOCH:
+            if variant.endswith("max_refit_evidence"):
+                fit = refit_max_instance(model, images, ys, train, lr, rng)
+                out.update(fit)
+                print(variant, pool, seed, json.dumps(fit), flush=True)
             model.pool = EvidencePool(model.classifier, 0.0)
         if variant == "he_max_to_evidence":
             model.classifier.mix = min(1.0, max(0.0, (epoch - RAMP_EPOCHS[0]) / (RAMP_EPOCHS[1] - RAMP_EPOCHS[0])))
@@ -550,14 +689,22 @@ def run(variant: str, pool: str, seed: int, args: argparse.Namespace, data: tupl
         losses, ps = [], []
         accumulate = int(variant[len("accumulate") :]) if variant.startswith("accumulate") else 1
         for k, i in enumerate(order):
-            x = torch.rot90(images[i].float() / 255, int(rng.integers(4)), (2, 3))
+            q = int(rng.integers(4))
+            x = torch.rot90(images[i].float() / 255, q, (2, 3))
+            set_mask(model, masks, i, q)
             if variant == "inst_aux":
                 logits, cam = forward_with_instances(model, x)
                 loss = F.cross_entropy(logits, torch.tensor([ys[i]], device=x.device))
                 aux = instance_loss(cam, ys[i])
                 ((1 - INST_WEIGHT) * loss + INST_WEIGHT * aux).backward()  # the logged loss stays the bag's
-            elif variant == "score_mil":
-                logits, aux = score_mil_loss(model, x, ys[i])
+            elif variant.endswith("score_mil_lme"):
+                logits, aux = score_lme_loss(model, x, ys[i])
+                loss = F.cross_entropy(logits, torch.tensor([ys[i]], device=x.device))
+                (loss + SCORE_MIL_WEIGHT * aux).backward()
+            elif "score_mil" in variant:
+                neg_k = SCORE_NEG_K if "neg" in variant or "posk" in variant else 1
+                logits, aux = score_mil_loss(model, x, ys[i], neg_k, MIL_POSITIVE_K if "posk" in variant else 1,
+                                             variant.endswith("_sum"))  # fmt: skip
                 loss = F.cross_entropy(logits, torch.tensor([ys[i]], device=x.device))
                 (loss + SCORE_MIL_WEIGHT * aux).backward()
             elif variant.endswith("max_plus_instance_loss"):  # the instance branch also answers alone
@@ -575,7 +722,7 @@ def run(variant: str, pool: str, seed: int, args: argparse.Namespace, data: tupl
             else:
                 logits = model(x)
                 loss = F.cross_entropy(logits, torch.tensor([ys[i]], device=x.device))
-            if variant not in ("inst_aux", "score_mil") and not variant.endswith("max_plus_instance_loss"):
+            if not own_backward:
                 (loss / accumulate).backward()  # as train.accumulate: the mean gradient of ``accumulate`` slides a step
             if (k + 1) % accumulate == 0 or k + 1 == len(order):
                 opt.step()
@@ -584,18 +731,25 @@ def run(variant: str, pool: str, seed: int, args: argparse.Namespace, data: tupl
             ps.append(float(torch.softmax(logits.detach(), 1)[0, 1]))
         model.eval()
         with torch.no_grad():
-            hp = [float(torch.softmax(model(images[i].float() / 255), 1)[0, 1]) for i in held]
+            hp = []
+            for i in held:
+                set_mask(model, masks, i)
+                hp.append(float(torch.softmax(model(images[i].float() / 255), 1)[0, 1]))
             hy = [ys[i] for i in held]
             hl = float(np.mean([-np.log(max(p if y else 1 - p, 1e-12)) for p, y in zip(hp, hy, strict=True)]))
             mass, hits = None, None
             if pool in zoo.ATTENTION_POOLS:
-                mass = float(np.mean([lesion_mass(model, images[i].float() / 255, side[names[i]]["boxes"])
-                                      for i in held if ys[i]]))  # fmt: skip
+                masses = []
+                for i in (i for i in held if ys[i]):
+                    set_mask(model, masks, i)
+                    masses.append(lesion_mass(model, images[i].float() / 255, side[names[i]]["boxes"]))
+                mass = float(np.mean(masses))
                 # pointing hits on held-out positives that carry a look-alike too / that do not
                 split = {True: [0, 0], False: [0, 0]}
                 for i in (i for i in held if ys[i]):
                     boxes = side[names[i]]["boxes"]
                     cell = split[any(b["kind"] != "lesion" for b in boxes)]
+                    set_mask(model, masks, i)
                     cell[0] += pointing(model, images[i].float() / 255, boxes)
                     cell[1] += 1
                 hits = {"with_lookalike": split[True], "without": split[False]}
@@ -640,6 +794,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lesions", choices=[m for m in LESION_MODES if m != "none"], default="small",
                     help="the cohort's kind (wsitrain synth --lesions)")
     ap.add_argument("--device", default="cpu", help="where the runs train (cpu; cuda trains the same runs faster)")
+    ap.add_argument("--tissue-mask", action="store_true",
+                    help="attention pools attend to each slide's tissue only, as fit does (data.mask_background)")
+    ap.add_argument("--border-cells", type=int, default=0,
+                    help="with --tissue-mask: also leave the map's outer ring this many cells deep out")
     ap.add_argument("--save", type=Path, default=None, help="folder for each run's final state_dict")
     ap.add_argument("--rescore", type=Path, default=None,
                     help="no training: a --save'd state_dict of the one --variants/--pools/--seeds run, its held-out "
@@ -651,7 +809,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch.set_num_threads(args.threads)
     images, ys, names, side = load_cohort(args.cohort, args.n, args.size, args.crop, args.lesions)
-    data = ([x.to(args.device) for x in images], ys, names, side)
+    stride = zoo.build("tiny", 2).stride
+    masks = tissue_map_masks(images, stride, args.border_cells) if args.tissue_mask else None
+    data = ([x.to(args.device) for x in images], ys, names, side, masks)
     if args.rescore is not None:
         found = rescore(args.rescore, args.variants, args.pools, int(args.seeds), args, data)
         print(json.dumps(found, indent=1))

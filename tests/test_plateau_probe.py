@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -177,3 +178,55 @@ def test_non_negative_classifier_lets_features_raise_the_positive_class_only(pro
     torch.testing.assert_close(head.weight, torch.stack([torch.zeros(6), d]))
     more = z + torch.rand(3, 6)  # more of any feature never lowers the positive class's logit
     assert bool((head(more)[:, 1] >= head(z)[:, 1]).all())
+
+
+def test_score_mil_loss_on_a_negative_slide_pushes_its_k_highest_scores_down(probe) -> None:
+    model = _model()
+    x = torch.rand(1, 3, 128, 160)
+    _, aux = probe.score_mil_loss(model, x, 0, neg_k=5)
+    s = model[:3](x)[:, -1].flatten(1)  # (1, N)
+    top5 = s.sort(1, descending=True).values[:, :5]
+    torch.testing.assert_close(aux, F.binary_cross_entropy_with_logits(top5, torch.zeros_like(top5)))
+    _, pos = probe.score_mil_loss(model, x, 1, neg_k=5)  # a positive slide still reads its top score only
+    torch.testing.assert_close(pos, F.binary_cross_entropy_with_logits(s.amax(1), torch.ones(1)))
+
+
+def test_sharp_attention_is_the_softmax_of_the_scaled_scores(probe) -> None:
+    model = _model()
+    hs = model[:3](torch.rand(1, 3, 96, 128))  # (1, C + 1, h, w)
+    a = probe.SharpAttentionPool(4.0).weights(hs)
+    ref = torch.softmax(4.0 * hs[:, -1].flatten(1), 1).view_as(a)
+    torch.testing.assert_close(a, ref)
+    z = probe.SharpAttentionPool(4.0)(hs)  # (1, 1, C): the same weights pool the features
+    torch.testing.assert_close(z[0, 0], (ref[0, 0, :, :, None] * hs[0, :-1].permute(1, 2, 0)).sum((0, 1)))
+
+
+def test_refit_fits_the_classifier_alone_as_the_max_instance_head(probe) -> None:
+    model = _model()
+    images = [(torch.rand(1, 3, 96, 96) * 255).to(torch.uint8) for _ in range(4)]
+    trunk = {k: v.clone() for k, v in model.state_dict().items() if not k.startswith("classifier")}
+    before = model.classifier.weight.detach().clone()
+    fit = probe.refit_max_instance(model, images, [0, 1, 0, 1], [0, 1, 2, 3], 1e-2, np.random.default_rng(0), steps=20)
+    assert set(fit) == {"refit_first100_loss", "refit_last100_loss"}
+    assert not torch.equal(model.classifier.weight, before)  # the classifier moved
+    for k, v in model.state_dict().items():  # nothing else did
+        if k in trunk:
+            assert torch.equal(v, trunk[k]), k
+
+
+def test_the_instance_losses_read_the_positive_branch_on_the_tissue_only(probe) -> None:
+    model = probe.make_model("attention", "mb_score_mil_lme", 0).eval()  # one branch per class, a learnt bias
+    x = torch.rand(1, 3, 128, 128)
+    mask = torch.zeros(1, 1, 8, 8, dtype=torch.bool)
+    mask[0, 0, 2:4, 1:4] = True  # 6 cells
+    probe.set_mask(model, [mask], 0, quarter_turns=1)  # turned with the image, as in training
+    turned = torch.rot90(mask, 1, (2, 3))
+    s = model[:3](x)[0, -1][turned[0, 0]]  # the positive class's branch, on the kept cells
+    _, lme = probe.score_lme_loss(model, x, 1)
+    want = torch.logsumexp(s, 0) - np.log(6) + model.instance_bias
+    torch.testing.assert_close(lme, F.binary_cross_entropy_with_logits(want, torch.tensor(1.0)))
+    _, neg = probe.score_mil_loss(model, x, 0, neg_k=64)  # 64 asked, 6 kept
+    top = s.sort(descending=True).values
+    torch.testing.assert_close(neg, F.binary_cross_entropy_with_logits(top, torch.zeros_like(top)))
+    _, pos = probe.score_mil_loss(model, x, 1, pos_k=2)
+    torch.testing.assert_close(pos, F.binary_cross_entropy_with_logits(top[:2], torch.ones(2)))

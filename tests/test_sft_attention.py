@@ -2,7 +2,9 @@
 
 Float64: the output, every parameter gradient (projection and attention layers included), the input gradient,
 BatchNorm's running statistics where BatchNorm trains, and the attention weights, for ABMIL and CLAM's gated form,
-one and several branches, batch 2, ragged tiles, a masked map, after a host checkpoint and in a multi-pass segment.
+one and several branches, batch 2, ragged tiles, a masked map, after a host checkpoint and in a multi-pass segment;
+and with instance scores carried (``AttentionPool(instance_k)``): the same scores in the same order, and a loss on
+them back-propagated exactly.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from wsitrain.models import build
 from wsitrain.models.attention import AttentionScores, BranchClassifier, feature_mask
 from wsitrain.models.heads import AttentionSpec
 from wsitrain.sft import SFT, plan
-from wsitrain.sft.ops.attention_pool import AttentionPool
+from wsitrain.sft.ops.attention_pool import AttentionPool, InstanceSplit, instance_scores
 
 F64 = {"rtol": 1e-10, "atol": 1e-11}
 SHAPE = (2, 3, 45, 62)  # ragged tiles at 16 and 24 px, non-square, batch 2; the map is 22 x 31
@@ -245,7 +247,8 @@ def test_score_layers_are_planned_at_float32_under_bf16() -> None:
     assert cat.nbytes == 4 * cat.shape[0] * cat.shape[1] * cat.shape[2] * cat.shape[3]
 
 
-@pytest.mark.parametrize(("pool", "spec"), [("attention", AttentionSpec()), ("gated_attention", AttentionSpec(dim=16))])
+@pytest.mark.parametrize(("pool", "spec"), [("attention", AttentionSpec()), ("gated_attention", AttentionSpec(dim=16)),
+                                             ("attention", AttentionSpec(per_class=True, instance_k=64))])
 def test_budget_holds_when_simulated(pool: str, spec: AttentionSpec) -> None:
     """The real executor on the simulated CUDA device (fake tensors): a whole-slide-sized tiny model with an
     attention head stays within the budget and within 3% above the planner's replay (the accumulator included)."""
@@ -276,3 +279,115 @@ def test_bad_attention_settings_are_named() -> None:
         WsiTrainConfig.model_validate({"model": {"pool": "attention", "attention": {"branches": "many"}}})
     res = CliRunner().invoke(app, ["plan", "--model", "tiny", "--size", "256", "--memory", "1GiB", "--pool", "mean"])
     assert res.exit_code == 2 and "--pool: unknown pool 'mean'" in res.output
+
+
+# ---- instance scores (model.attention.instance_loss): each branch's highest scores follow its pooled vector --------
+def instance_net(branches: int, k: int, gated: bool = False, bn: bool = False) -> nn.Sequential:
+    """``net`` whose pool carries each branch's ``k`` highest scores, split off before the head."""
+    model = net(branches, gated, bn=bn)
+    model.pool = AttentionPool(branches, instance_k=k)
+    model.flatten = InstanceSplit(k, flatten=branches == 1)
+    return model
+
+
+def instance_step(model: nn.Module, x: torch.Tensor, mask: torch.Tensor | None, k: int) -> tuple:
+    """``step`` with a loss on the carried scores too (read as the instance loss reads them, on the split's input),
+    each score weighted differently so a score given to the wrong position shows."""
+    inner = model.model if isinstance(model, SFT) else model
+    seen: dict[str, torch.Tensor] = {}
+    hook = inner.flatten.register_forward_pre_hook(lambda _, args: seen.__setitem__("z", args[0]))
+    inner.zero_grad(set_to_none=True)
+    xr = x.detach().clone().requires_grad_(True)
+    try:
+        with inner.pool.masked(mask):
+            y = model(xr)
+    finally:
+        hook.remove()
+    top = instance_scores(seen["z"], k)  # (B, K, k)
+    kept = torch.isfinite(top)
+    weights = torch.arange(1.0, 1.0 + top.numel(), dtype=top.dtype).view_as(top)
+    ((y * torch.arange(1.0, 1.0 + y.shape[1], dtype=y.dtype)).square().sum()
+     + (torch.where(kept, top, 0.0) * weights).sum()).backward()  # fmt: skip
+    grads = [p.grad.clone() if p.grad is not None else None for p in inner.parameters()]
+    return y.detach(), grads, xr.grad, [b.clone() for b in inner.buffers()], top.detach()
+
+
+def compare_instances(model: nn.Module, mask: torch.Tensor | None, k: int, tile: int = 16, **sft_kw) -> SFT:
+    torch.manual_seed(1)
+    x = torch.randn(*SHAPE, dtype=torch.float64)
+    twin = copy.deepcopy(model)
+    ref = instance_step(model, x, mask, k)
+    sft = SFT(twin, tile_size=tile, memory_budget="1GiB", **sft_kw)
+    got = instance_step(sft, x, mask, k)
+    assert_same(got[:4], ref[:4], [n for n, _ in model.named_parameters()])
+    torch.testing.assert_close(got[4], ref[4], **F64)  # the same scores, in the same order, -inf alike
+    p = sft.plan_for(SHAPE, input_dtype=torch.float64)
+    assert p.segments[-1].fused_pool == "attention" and p.segments[-1].n_tiles > 1, "must fuse and really tile"
+    return sft
+
+
+@pytest.mark.parametrize("branches", [1, 3])
+@pytest.mark.parametrize("masked", [False, True], ids=["all", "masked"])
+@pytest.mark.parametrize("k", [1, 7])
+def test_instance_scores_are_exact(branches: int, masked: bool, k: int) -> None:
+    torch.manual_seed(7)
+    compare_instances(instance_net(branches, k).double(), tissue() if masked else None, k)
+
+
+@pytest.mark.parametrize("tile", [16, 24])
+def test_instance_scores_ragged_tiles_gated(tile: int) -> None:
+    torch.manual_seed(8)
+    compare_instances(instance_net(3, 5, gated=True).double(), tissue(), 5, tile=tile)
+
+
+def test_instance_scores_past_a_small_mask_are_minus_inf_and_take_no_gradient() -> None:
+    """A mask keeping 3 positions on one sample and 1 on the other: 6 scores asked, the rest padding."""
+    mask = torch.zeros(2, 1, 22, 31, dtype=torch.bool)
+    mask[0, :, 2, 3:6] = True
+    mask[1, :, 20, 29] = True
+    torch.manual_seed(9)
+    sft = compare_instances(instance_net(1, 6).double(), mask, 6, tile=16)
+    assert sft.last_stats is not None and sft.last_stats.skipped_backward > 0  # tiles off the mask still skip
+
+
+def test_instance_scores_in_a_multi_pass_segment_and_after_a_host_checkpoint() -> None:
+    torch.manual_seed(10)
+    model = instance_net(3, 4, bn=True).double().train()
+    _randomize_bn(model)
+    sft = compare_instances(model, tissue(), 4, checkpoints=[])
+    assert multipass_segments(sft), "the last segment must be multi-pass"
+    torch.manual_seed(11)
+    sft = compare_instances(instance_net(1, 4, gated=True).double(), tissue(), 4, host_checkpoints="always",
+                            checkpoints=["features.2"])  # fmt: skip
+    assert any(s.checkpoint_location == "host" for s in sft.plan_for(SHAPE, input_dtype=torch.float64).segments
+               if s.start)  # fmt: skip
+
+
+def test_instance_scores_plain_are_each_branch_s_highest_in_row_major_tie_order() -> None:
+    """The plain pool's carried scores: largest first, an equal score kept at its lower row-major position."""
+    pool = AttentionPool(2, instance_k=3)
+    hs = torch.zeros(1, 4 + 2, 2, 3, dtype=torch.float64)  # C = 4 features, K = 2 branches, a 2 x 3 map
+    hs[0, 4] = torch.tensor([[1.0, 5.0, 5.0], [0.0, 2.0, 5.0]])
+    hs[0, 5] = torch.tensor([[3.0, 1.0, 2.0], [9.0, 0.0, 4.0]])
+    hs.requires_grad_(True)
+    top = instance_scores(pool(hs), 3)  # (1, 2, 3)
+    torch.testing.assert_close(top[0], torch.tensor([[5.0, 5.0, 5.0], [9.0, 4.0, 3.0]], dtype=torch.float64))
+    top[0, 0, 0].backward()  # the first of the three equal fives: position (0, 1)
+    assert hs.grad is not None and hs.grad[0, 4, 0, 1] == 1 and hs.grad[0, 4].abs().sum() == 1
+
+
+@pytest.mark.parametrize("name", ["torchvision/resnet18", "timm/resnet18"])
+def test_library_models_carry_exact_instance_scores(name: str) -> None:
+    """A backbone users bring with one branch per class and the instance scores: exact against plain, masked."""
+    if name.startswith("timm/"):
+        pytest.importorskip("timm", reason="timm is an optional extra (wsitrain[timm])")
+    torch.manual_seed(0)
+    model = build(name, 2, pool="attention", attention=AttentionSpec(per_class=True, instance_k=6)).double().eval()
+    x = torch.rand(2, 3, 160, 192, dtype=torch.float64)
+    mask = torch.zeros(2, 1, 5, 6, dtype=torch.bool)
+    mask[0, :, 1:4, 1:5] = True
+    mask[1, :, 2:, :3] = True  # 6 cells: every one carried
+    ref = instance_step(model, x, mask, 6)
+    got = instance_step(SFT(copy.deepcopy(model), tile_size=64, memory_budget="2GiB"), x, mask, 6)
+    assert_same(got[:4], ref[:4], [n for n, _ in model.named_parameters()])
+    torch.testing.assert_close(got[4], ref[4], **F64)

@@ -35,7 +35,15 @@ from pydantic import (
 
 from wsitrain.errors import ConfigError, WsiTrainError
 from wsitrain.models.freeze import FreezeSpec
-from wsitrain.models.heads import ATTENTION_POOLS, DEFAULT_TOPK, POOLS, TOPK, AttentionSpec
+from wsitrain.models.heads import (
+    ATTENTION_POOLS,
+    DEFAULT_INSTANCE_CELLS,
+    DEFAULT_TOPK,
+    POOLS,
+    TOPK,
+    AttentionSpec,
+    carried_scores,
+)
 from wsitrain.models.registry import ModelNameError, is_imagenet, resolve_model_name
 from wsitrain.precision import Precision
 from wsitrain.slides.tissue.result import DEFAULT_MIN_FRAGMENT_MM2, TissueSettings
@@ -212,9 +220,25 @@ class AttentionConfig(Section):
     dim: int | None = Field(None, ge=1)  # 1x1 projection (+ ReLU) to this width first (CLAM: 512); none: trunk's
     hidden: int | None = Field(None, ge=1)  # width of the attention layers V (and U); none: min(256, the width)
     branches: Literal["single", "per_class"] = "single"  # per_class: one attention branch per class (CLAM-MB)
+    # the MIL instance loss on the positive class's attention scores (wsitrain.train.instance_loss), its weight beside
+    # the slide's loss; 0: off (0.5 measured, docs/plateau.md section 10)
+    instance_loss: float = Field(0.0, ge=0)
+    # a negative slide's this many highest-scoring cells are pushed below 0
+    instance_cells: int = Field(DEFAULT_INSTANCE_CELLS, ge=1, strict=True)
+    positive_class: str | None = None  # the class the MIL assumption calls positive; none: the second of two, sorted
+
+    @model_validator(mode="after")
+    def _instance_keys_need_the_loss(self) -> AttentionConfig:
+        # not "was it set": config_to_dict writes every key, and its round trip must load
+        extra = self.positive_class is not None or self.instance_cells != DEFAULT_INSTANCE_CELLS
+        if self.instance_loss == 0 and extra:
+            raise ValueError("model.attention.instance_cells and positive_class apply to instance_loss, which is 0 "
+                             "(set model.attention.instance_loss, e.g. 0.5, or remove them)")  # fmt: skip
+        return self
 
     def spec(self) -> AttentionSpec:
-        return AttentionSpec(self.dim, self.hidden, self.branches == "per_class")
+        k = carried_scores(self.instance_loss, self.instance_cells)
+        return AttentionSpec(self.dim, self.hidden, self.branches == "per_class", k)
 
 
 class FreezeConfig(Section):

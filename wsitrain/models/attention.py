@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from wsitrain.sft.ops.attention_pool import AttentionPool, without_autocast
+from wsitrain.sft.ops.attention_pool import AttentionPool, InstanceSplit, without_autocast
 
 # ABMIL / CLAM's attention width (CLAM "small": 512 -> 256); with a projection the hidden width follows it.
 DEFAULT_HIDDEN = 256
@@ -93,4 +93,4 @@ def feature_mask(tissue: torch.Tensor, out_hw: tuple[int, int], stride: int) -> 
     return F.max_pool2d(t, stride, stride) > 0
 
 
-__all__ = ["AttentionPool", "AttentionScores", "BranchClassifier", "feature_mask"]
+__all__ = ["AttentionPool", "AttentionScores", "BranchClassifier", "InstanceSplit", "feature_mask"]

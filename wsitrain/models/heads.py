@@ -13,6 +13,11 @@ POOLS = (AVG, MAX, ATTENTION, GATED_ATTENTION, TOPK)
 # ``pool: topk``: each channel's mean of its k largest positions (wsitrain.sft.ops.topk_pool). k = 16 is a lesion of
 # ~64 x 64 px at a stride of 16 (the synthetic small-lesion cohort's boxes are 80 px): measured in docs/plateau.md.
 DEFAULT_TOPK = 16
+# model.attention.instance_loss: a negative slide's this many highest attention scores pushed below 0. 64 cells hold
+# about two of the synthetic cohort's look-alikes (boxes of 88 px, 6 x 6 cells at a stride of 16), and one branch per
+# class with it pointed at a lesion on every held-out positive of the probe's seeds that learnt (docs/plateau.md
+# section 10, measured)
+DEFAULT_INSTANCE_CELLS = 64
 # Attention-MIL pooling: ABMIL (``w^T tanh(V h)``) and CLAM's gated form (``w^T (tanh(V h) * sigmoid(U h))``).
 ATTENTION_POOLS = (ATTENTION, GATED_ATTENTION)
 
@@ -24,9 +29,17 @@ class AttentionSpec:
     dim: int | None = None  # a 1x1 projection (+ ReLU) to this width before attention; None: the trunk's channels
     hidden: int | None = None  # width of V (and U); None: min(256, the attended width)
     per_class: bool = False  # one attention branch per class (CLAM-MB) instead of one for all (ABMIL, CLAM-SB)
+    # each branch's this many highest scores follow its pooled vector, for the instance loss (0: none)
+    instance_k: int = 0
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> AttentionSpec:
         """From a checkpoint's saved config section (``model.attention``); missing keys take their defaults."""
         d = d or {}
-        return cls(d.get("dim"), d.get("hidden"), d.get("branches", "single") == "per_class")
+        k = carried_scores(float(d.get("instance_loss") or 0), int(d.get("instance_cells") or DEFAULT_INSTANCE_CELLS))
+        return cls(d.get("dim"), d.get("hidden"), d.get("branches", "single") == "per_class", k)
+
+
+def carried_scores(instance_loss: float, instance_cells: int) -> int:
+    """How many scores per branch the attention pool carries for ``model.attention.instance_loss``: 0 when off."""
+    return instance_cells if instance_loss > 0 else 0

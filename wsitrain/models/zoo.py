@@ -16,7 +16,7 @@ from pathlib import Path
 from torch import nn
 
 from wsitrain.errors import WsiTrainError
-from wsitrain.models.attention import AttentionPool, AttentionScores, BranchClassifier
+from wsitrain.models.attention import AttentionPool, AttentionScores, BranchClassifier, InstanceSplit
 from wsitrain.models.darknet import darknet19_features
 from wsitrain.models.freeze import FreezeSpec, apply_freeze
 from wsitrain.models.frozen_bn import freeze_batchnorm
@@ -138,10 +138,14 @@ def _pool_layers(pool: str, attention: AttentionSpec, channels: int, classifier:
     if attention.dim is not None:
         # the library's pre-logits layers (a LayerNorm, an MLP) expect the trunk's width, not the projection's
         classifier = nn.Linear(attention.dim, num_classes)
+    pooled = AttentionPool(branches, attention.instance_k)
+    # the scores the instance loss reads end at ``flatten`` (InstanceSplit); without it, the plain layers
+    flatten: nn.Module = nn.Identity() if branches > 1 else nn.Flatten(1)
+    if attention.instance_k:
+        flatten = InstanceSplit(attention.instance_k, flatten=branches == 1)
     if branches > 1:  # (B, K, C) -> class k of branch k (B, K)
-        return {"attention": scores, "pool": AttentionPool(branches), "flatten": nn.Identity(),
-                "classifier": BranchClassifier(classifier)}  # fmt: skip
-    return {"attention": scores, "pool": AttentionPool(1), "flatten": nn.Flatten(1), "classifier": classifier}
+        return {"attention": scores, "pool": pooled, "flatten": flatten, "classifier": BranchClassifier(classifier)}
+    return {"attention": scores, "pool": pooled, "flatten": flatten, "classifier": classifier}
 
 
 def build(

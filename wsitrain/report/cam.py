@@ -17,7 +17,7 @@ from torch import nn
 from wsitrain.errors import WsiTrainError
 from wsitrain.models.attention import BranchClassifier
 from wsitrain.models.heads import ATTENTION, AVG, MAX, TOPK
-from wsitrain.sft.ops.attention_pool import AttentionPool
+from wsitrain.sft.ops.attention_pool import AttentionPool, InstanceSplit
 from wsitrain.sft.ops.pool_mask import MaskedPool
 from wsitrain.sft.ops.topk_pool import MaskedTopKMean
 
@@ -27,7 +27,7 @@ _POOLS: dict[type[nn.Module], str] = {
     nn.AdaptiveAvgPool2d: AVG, nn.AdaptiveMaxPool2d: MAX, AttentionPool: ATTENTION, MaskedTopKMean: TOPK,
 }
 # Modules between the pooling and the classifier that do not change a feature vector at inference.
-_PASS_THROUGH = (nn.Flatten, nn.Dropout, nn.Identity)
+_PASS_THROUGH = (nn.Flatten, nn.Dropout, nn.Identity, InstanceSplit)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from wsitrain.precision import autocast_dtype
 from wsitrain.sft import SFT, StepStats
 from wsitrain.tasks.objective import Objective
 from wsitrain.train.distributed import DistInfo, allreduce_gradients
+from wsitrain.train.instance_loss import Capture, InstanceLoss
 from wsitrain.train.optim import compute_loss, probabilities
 
 
@@ -115,8 +116,10 @@ class Trainer(Evaluator):
         dist: DistInfo | None = None,
         bucket_mb: float = 25.0,
         objective: Objective | None = None,
+        instance: InstanceLoss | None = None,
     ) -> None:
         super().__init__(model, device=device, precision=precision, loss=loss, objective=objective)
+        self.instance = instance  # model.attention.instance_loss, added to each slide's loss in training
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.clip_grad_norm = clip_grad_norm
@@ -129,21 +132,30 @@ class Trainer(Evaluator):
     def train_slide(self, image: torch.Tensor, label: int | torch.Tensor, scale: float) -> SlideStep:
         """Forward + backward of one slide; gradients accumulate into .grad (scaled by ``scale``).
 
-        ``label``: a class index, or a task's target tensor (``Objective.target``)."""
+        ``label``: a class index, or a task's target tensor (``Objective.target``). The step's ``loss`` is the
+        slide's own; with model.attention.instance_loss the backward also takes that loss, times its weight."""
         self.model.train()
         x = as_batch(image)
         self.meter.start()
         t0 = time.perf_counter()
-        with self.autocast():
+        with self.autocast(), self._captured() as cap:
             logits = self.model(x)
         loss = self._loss(logits, label)
+        total = loss
+        if self.instance is not None:
+            assert cap is not None and isinstance(label, int)
+            total = loss + self.instance.spec.weight * self.instance(cap, label)
         self._sync()
         t1 = time.perf_counter()
-        self.scaler.scale(loss * scale).backward()
+        self.scaler.scale(total * scale).backward()
         self._sync()
         t2 = time.perf_counter()
         probs = self._outputs(logits.detach())[0].cpu()
         return SlideStep(float(loss.detach()), probs, t1 - t0, t2 - t1, self.meter.peak(), self.model.last_stats)
+
+    def _captured(self) -> contextlib.AbstractContextManager[Capture | None]:
+        """The instance loss's capture of the pooled output, when the run has one."""
+        return self.instance.captured() if self.instance is not None else contextlib.nullcontext()
 
     def optimizer_step(self) -> OptimizerStep:
         """Average gradients over ranks, unscale, clip, step, advance the schedule; returns timing and norm."""

@@ -54,6 +54,7 @@ from wsitrain.train.engine import (
     wrap_engine,
 )
 from wsitrain.train.head_warmup import bags_over_budget, head_modules, trunk_channels, warm_up_head
+from wsitrain.train.instance_loss import InstanceLoss, instance_loss_spec
 from wsitrain.train.loop import Trainer, as_batch
 from wsitrain.train.metrics import classification_metrics
 from wsitrain.train.oom import OomRetry
@@ -227,7 +228,7 @@ class FitRecipe:
         self.trainer = Trainer(
             self.engine, optimizer, scheduler, device=self.device, precision=t.precision, loss=t.loss,
             clip_grad_norm=t.clip_grad_norm, dist=self.dist, bucket_mb=cfg.distributed.bucket_mb,
-            objective=self.objective,
+            objective=self.objective, instance=self._instance_loss(cfg),
         )  # fmt: skip
         rk = read_kwargs(cfg, self.model.stride)
         stream = cfg.data.stream_tiles
@@ -243,6 +244,15 @@ class FitRecipe:
         self.test_metrics: dict[str, float] = {}
         self._best_weights: dict[str, torch.Tensor] | None = None  # best.pt's weights, for the test evaluation
         return ckpt, resume_dir
+
+    def _instance_loss(self, cfg: WsiTrainConfig) -> InstanceLoss | None:
+        """model.attention.instance_loss on the engine-wrapped model, checked against the run's classes."""
+        a = cfg.model.attention
+        if a.instance_loss <= 0:
+            return None
+        names = self.data.class_names if self.objective is None else None
+        spec = instance_loss_spec(a.instance_loss, a.instance_cells, a.positive_class, a.branches == "per_class", names)
+        return InstanceLoss(self.engine, spec)
 
     def _open_run_folder(
         self, ckpt: dict[str, Any] | None, resume_dir: Path | None, force: bool, name: str | None

@@ -13,6 +13,14 @@ exists whole. Backward gives each recomputed tile the gradient softmax-then-sum 
 ``d``, pooled ``z`` and pooled gradient ``G`` (B, K, C)::
 
     dL/dh_p = sum_k a_kp G_k                 dL/ds_kp = a_kp (G_k . h_p - G_k . z_k)
+
+Instance scores (``instance_k`` > 0, for ``model.attention.instance_loss``): each branch's ``instance_k`` highest
+scores over the attended positions are appended to its pooled vector, (B, K, C + instance_k), largest first, ties by
+the lower row-major index (``topk_pool.ordered``), -inf past the positions the mask keeps. Fused, each tile's scores
+are merged into a running list in that same order, so the tiled forward keeps exactly the plain one's positions; in
+backward a tile adds each kept score's gradient at the position it holds::
+
+    dL/ds_kp += dL/dtop_kj    where top_kj is position p's score
 """
 
 from __future__ import annotations
@@ -24,10 +32,12 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from wsitrain.sft.ops.pool_mask import MaskedPool, MaskSource
+from wsitrain.sft.ops.topk_pool import ordered
 
 
 class AttentionPool(MaskedPool, nn.Module):
-    """(B, C + K, H, W) -> (B, K, C): each branch's attention-weighted mean of the C features.
+    """(B, C + K, H, W) -> (B, K, C): each branch's attention-weighted mean of the C features; with ``instance_k``,
+    (B, K, C + instance_k): each branch's highest scores follow its vector (``instance_scores``).
 
     ``mask`` (B or 1, 1, H, W) bool, set for one forward with ``masked()`` (pool_mask.MaskedPool): positions outside
     it get no attention (CLAM attends to tissue patches only). A sample whose mask is empty everywhere is an error,
@@ -36,11 +46,14 @@ class AttentionPool(MaskedPool, nn.Module):
 
     allows_empty_mask = False
 
-    def __init__(self, branches: int = 1) -> None:
+    def __init__(self, branches: int = 1, instance_k: int = 0) -> None:
         super().__init__()
         if branches < 1:
             raise ValueError(f"AttentionPool needs at least one branch, got {branches}")
+        if isinstance(instance_k, bool) or not isinstance(instance_k, int) or instance_k < 0:
+            raise ValueError(f"AttentionPool's instance_k must be an integer >= 0, got {instance_k!r}")
         self.branches = branches
+        self.instance_k = instance_k
         self.mask: MaskSource | None = None
 
     def weights(self, hs: torch.Tensor) -> torch.Tensor:
@@ -56,10 +69,49 @@ class AttentionPool(MaskedPool, nn.Module):
         with without_autocast(hs):
             h = hs[:, : -self.branches]  # (B, C, H, W)
             a = self.weights(hs).to(hs.dtype)  # (B, K, H, W)
-            return torch.einsum("bkn,bcn->bkc", a.flatten(2), h.flatten(2))  # (B, K, C)
+            z = torch.einsum("bkn,bcn->bkc", a.flatten(2), h.flatten(2))  # (B, K, C)
+            if not self.instance_k:
+                return z
+            s = hs[:, -self.branches :].to(_acc_dtype(hs.dtype))  # (B, K, H, W), as the fused pool reads them
+            mask = self.mask_at(s.shape[-2], s.shape[-1])
+            if mask is not None:
+                s = s.masked_fill(~mask.to(s.device), float("-inf"))
+            flat = s.flatten(2)  # (B, K, N)
+            top, _ = ordered(flat, torch.arange(flat.shape[-1], device=s.device), self.instance_k)
+            return torch.cat([z, padded(top, self.instance_k).to(z.dtype)], -1)  # (B, K, C + instance_k)
 
     def extra_repr(self) -> str:
-        return f"branches={self.branches}"
+        return f"branches={self.branches}" + (f", instance_k={self.instance_k}" if self.instance_k else "")
+
+
+class InstanceSplit(nn.Module):
+    """After an ``AttentionPool`` with ``instance_k``: (B, K, C + instance_k) -> the pooled vectors (B, K, C), or
+    (B, K * C) with ``flatten`` (one branch: what ``nn.Flatten(1)`` gives the classifier). The scores end here; a
+    training loss reads them on this module's input (``wsitrain.train.instance_loss``, a forward pre-hook)."""
+
+    def __init__(self, instance_k: int, flatten: bool) -> None:
+        super().__init__()
+        self.instance_k, self.flatten = instance_k, flatten
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        v = z[..., : z.shape[-1] - self.instance_k]  # (B, K, C)
+        return v.flatten(1) if self.flatten else v
+
+    def extra_repr(self) -> str:
+        return f"instance_k={self.instance_k}, flatten={self.flatten}"
+
+
+def padded(top: torch.Tensor, k: int) -> torch.Tensor:
+    """(B, K, n) ordered scores -> (B, K, k): -inf after the n a map smaller than k has."""
+    if top.shape[-1] >= k:
+        return top
+    return torch.cat([top, top.new_full((*top.shape[:-1], k - top.shape[-1]), float("-inf"))], -1)
+
+
+def instance_scores(pooled: torch.Tensor, instance_k: int) -> torch.Tensor:
+    """An ``AttentionPool``'s output (B, K, C + instance_k) -> each branch's highest scores (B, K, instance_k),
+    largest first, -inf past the positions its mask kept."""
+    return pooled[..., pooled.shape[-1] - instance_k :]
 
 
 def without_autocast(x: torch.Tensor) -> contextlib.AbstractContextManager[object]:
@@ -81,8 +133,12 @@ class AttentionAccumulator:
     kind = "attention"
     share_reads_output = True  # a tile's gradient share depends on its own output (reuse.py keeps it)
 
-    def __init__(self, branches: int, height: int, width: int, mask: torch.Tensor | None) -> None:
+    def __init__(self, branches: int, height: int, width: int, mask: torch.Tensor | None, instance_k: int = 0
+                 ) -> None:  # fmt: skip
         self.k, self.h, self.w = branches, height, width
+        self.instance_k = instance_k
+        self.top: torch.Tensor | None = None  # (B, K, <= instance_k) the running highest scores, ordered
+        self.top_index: torch.Tensor | None = None  # (B, K, <= instance_k) int64: their global flat positions
         if mask is not None and tuple(mask.shape[-2:]) != (height, width):
             raise ValueError(f"attention mask is {tuple(mask.shape[-2:])} but the map is {(height, width)}")
         self.mask = mask  # (B or 1, 1, H, W) bool, where the caller made it (read by holds_gradient: no device sync)
@@ -131,6 +187,20 @@ class AttentionAccumulator:
             d = self.d * old + d
             part = self.s * old[:, :, None] + part
         self.m, self.d, self.s = m_new, d, part
+        if self.instance_k:
+            self._add_top(s, rows, cols)
+
+    def _add_top(self, s: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> None:
+        """Merge the tile's scores (B, K, th, tw) into the running ordered list (``topk_pool.ordered``)."""
+        th, tw = s.shape[2], s.shape[3]
+        r = torch.arange(rows[0], rows[0] + th, device=s.device)
+        c = torch.arange(cols[0], cols[0] + tw, device=s.device)
+        flat, gidx = s.flatten(2), (r[:, None] * self.w + c[None, :]).flatten()  # (B, K, th * tw), (th * tw,)
+        if self.top is not None:
+            assert self.top_index is not None
+            flat = torch.cat([self.top, flat], -1)
+            gidx = torch.cat([self.top_index, gidx.expand(*flat.shape[:2], -1)], -1)
+        self.top, self.top_index = ordered(flat, gidx, self.instance_k)
 
     def pooled(self) -> torch.Tensor:
         """z (B, K, C) in the accumulation dtype."""
@@ -142,10 +212,14 @@ class AttentionAccumulator:
     def result(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The pooled (B, K, C), as plain PyTorch computes it (in ``dtype``, by default the tiles')."""
         assert self.dtype is not None, "no tile was added"
-        return self.pooled().to(dtype or self.dtype)
+        z = self.pooled().to(dtype or self.dtype)
+        if not self.instance_k:
+            return z
+        assert self.top is not None
+        return torch.cat([z, padded(self.top, self.instance_k).to(z.dtype)], -1)  # (B, K, C + instance_k)
 
     def grad_view(self, grad_out: torch.Tensor) -> torch.Tensor:
-        """The pooled value's gradient as (B, K, C)."""
+        """The pooled value's gradient as (B, K, C), or (B, K, C + instance_k)."""
         return grad_out.reshape(grad_out.shape[0], self.k, -1)
 
     def holds_gradient(self, rows: tuple[int, int], cols: tuple[int, int]) -> bool:
@@ -155,7 +229,7 @@ class AttentionAccumulator:
         return bool(self.mask[:, :, rows[0] : rows[1], cols[0] : cols[1]].any())
 
     def tile_grad(self, g: torch.Tensor, y: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> torch.Tensor:
-        """The gradient (B, C + K, th, tw) of tile ``y`` given the pooled gradient ``g`` (B, K, C)."""
+        """The gradient (B, C + K, th, tw) of tile ``y`` given the pooled gradient ``g`` (B, K, C [+ instance_k])."""
         with without_autocast(y):
             return self._tile_grad(g, y, rows, cols)
 
@@ -167,7 +241,24 @@ class AttentionAccumulator:
         safe = torch.where(torch.isinf(self.m), torch.zeros_like(self.m), self.m)
         a = torch.exp(s - safe[:, :, None, None]) / self.d[:, :, None, None]  # (B, K, th, tw): the tile's weights
         g = g.to(s.dtype)
+        g, g_top = (g[..., : -self.instance_k], g[..., -self.instance_k :]) if self.instance_k else (g, None)
         gh = torch.einsum("bkhw,bkc->bchw", a, g)  # (B, C, th, tw)
         gz = (g * self.pooled()).sum(-1)  # (B, K): G_k . z_k
         gs = a * (torch.einsum("bkc,bchw->bkhw", g, h) - gz[:, :, None, None])  # (B, K, th, tw)
+        if g_top is not None:
+            gs = gs + self._top_grad(g_top, rows, cols, s.shape[2], s.shape[3])
         return torch.cat([gh, gs], 1).to(y.dtype)
+
+    def _top_grad(self, g_top: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int], th: int, tw: int
+                  ) -> torch.Tensor:  # fmt: skip
+        """(B, K, th, tw): each kept score's gradient (B, K, instance_k) at its position, where the tile holds it."""
+        assert self.top_index is not None
+        n = self.top_index.shape[-1]  # fewer than instance_k on a smaller map: the rest are padding, never kept
+        r, c = self.top_index // self.w - rows[0], self.top_index % self.w - cols[0]
+        # off-mask positions (-inf, kept only where the mask keeps fewer than instance_k) take no gradient, as plain
+        # autograd's masked_fill gives them none
+        inside = (r >= 0) & (r < th) & (c >= 0) & (c < tw) & torch.isfinite(self.top)  # (B, K, n)
+        local = r.clamp(0, th - 1) * tw + c.clamp(0, tw - 1)
+        src = torch.where(inside, g_top[..., :n], torch.zeros((), dtype=g_top.dtype, device=g_top.device))
+        out = torch.zeros(*g_top.shape[:2], th * tw, dtype=g_top.dtype, device=g_top.device)
+        return out.scatter_add_(2, local, src).view(*g_top.shape[:2], th, tw)

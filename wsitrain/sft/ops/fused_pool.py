@@ -225,7 +225,7 @@ def new_accumulator(fusion: PoolFusion, pool: nn.Module | None, height: int, wid
     its branches and the mask set for this forward)."""
     if fusion.kind == ATTENTION:
         assert isinstance(pool, AttentionPool)
-        return AttentionAccumulator(pool.branches, height, width, pool.mask_at(height, width))
+        return AttentionAccumulator(pool.branches, height, width, pool.mask_at(height, width), pool.instance_k)
     if fusion.kind == TOPK:
         assert isinstance(pool, MaskedTopKMean)
         return TopKAccumulator(pool.k, height, width, pool.mask_at(height, width))

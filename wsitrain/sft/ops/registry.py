@@ -11,7 +11,7 @@ from typing import Any
 from torch import fx, nn
 
 from wsitrain.sft.ops.activations import ACTIVATIONS, is_pointwise_module, known_activation
-from wsitrain.sft.ops.attention_pool import AttentionPool
+from wsitrain.sft.ops.attention_pool import AttentionPool, InstanceSplit
 from wsitrain.sft.ops.functions import exact_in_place_function, function_spec, in_place_callable, out_of_place_callable
 from wsitrain.sft.ops.grn import grn_spec, is_grn_module
 from wsitrain.sft.ops.masked_pool import MaskedAmax
@@ -118,7 +118,7 @@ def _pool_windows(m: nn.MaxPool2d | nn.AvgPool2d) -> tuple[Window, Window]:
 
 _HEAD_MODULES = (
     nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d, nn.Flatten, nn.Linear, nn.Softmax, nn.LogSoftmax, AttentionPool,
-    MaskedAmax, MaskedTopKMean,
+    MaskedAmax, MaskedTopKMean, InstanceSplit,
 )
 # Per-sample drop modules (stochastic depth): their mask is drawn once per step and replayed (ops_drop.py).
 SAMPLE_DROP_NAMES = ("StochasticDepth", "DropPath")
@@ -266,7 +266,7 @@ def module_spec(m: nn.Module) -> OpSpec:
             why_not="global layers end the tiled part",
             saves_input=True,
             has_params=any(True for _ in m.parameters()),
-            layout_rule=RESHAPE if isinstance(m, nn.Flatten) else NCHW,
+            layout_rule=RESHAPE if isinstance(m, nn.Flatten) or (isinstance(m, InstanceSplit) and m.flatten) else NCHW,
         )
     return not_tileable(
         name,
