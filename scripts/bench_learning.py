@@ -53,14 +53,14 @@ THUMB_MPP = LESION_MPP * BLOCK  # pyramid level 2: 512 px for a 2048 px slide
 # Benchmark heads beyond plain ``model.pool`` values: name -> the config overrides that build it.
 # ``attention_per_class`` is CLAM-MB (one attention branch per class); its maps are scored on the positive class's
 # branch, the evidence for a lesion, where one branch for all classes also attends to what argues for "negative".
-# ``attention_mil`` is CLAM-MB with the MIL instance loss on the positive branch's scores
-# (model.attention.instance_loss, docs/plateau.md section 10).
+# ``attention_mil`` is CLAM-MB with the MIL instance loss on the positive branch's scores at its defaults
+# (model.attention.instance_loss, docs/plateau.md section 10); ``attention_mil_pos1`` pushes only a positive slide's
+# highest cell up, ``attention_mil_top1`` also only a negative slide's highest down.
 PER_CLASS = ["model.pool=attention", "model.attention.branches=per_class"]
-# ``attention_mil_top1`` pushes only a negative slide's highest cell down (model.attention.instance_cells=1), as far as
-# a positive slide's is pushed up.
 MIL = [*PER_CLASS, "model.attention.instance_loss=0.5"]
-HEADS = {"attention_per_class": PER_CLASS, "attention_mil": MIL,
-         "attention_mil_top1": [*MIL, "model.attention.instance_cells=1"]}  # fmt: skip
+POS1 = [*MIL, "model.attention.instance_positive_cells=1"]
+HEADS = {"attention_per_class": PER_CLASS, "attention_mil": MIL, "attention_mil_pos1": POS1,
+         "attention_mil_top1": [*POS1, "model.attention.instance_cells=1"]}  # fmt: skip
 
 
 def available_pools() -> list[str]:

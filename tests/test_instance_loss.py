@@ -37,7 +37,8 @@ def test_the_loss_is_bce_of_a_positive_s_top_score_and_of_a_negative_s_k_top_sco
                                                                                      branch: int) -> None:  # fmt: skip
     model = _model(per_class)
     x = torch.rand(1, 3, 160, 192, dtype=torch.float64)
-    loss = InstanceLoss(model, InstanceLossSpec(0.5, positive=1, branch=branch, negative_cells=5))
+    loss = InstanceLoss(model, InstanceLossSpec(0.5, positive=1, branch=branch, negative_cells=5,
+                                                   positive_cells=1))  # fmt: skip
     with loss.captured() as cap:
         model(x)
     s = _scores(model, x, branch)
@@ -45,9 +46,21 @@ def test_the_loss_is_bce_of_a_positive_s_top_score_and_of_a_negative_s_k_top_sco
     torch.testing.assert_close(loss(cap, 0), F.binary_cross_entropy_with_logits(s[:5], torch.zeros(5, dtype=s.dtype)))
 
 
+def test_a_positive_slide_may_push_several_of_its_highest_cells_up() -> None:
+    model = _model(per_class=True)
+    x = torch.rand(1, 3, 160, 192, dtype=torch.float64)
+    loss = InstanceLoss(model, InstanceLossSpec(0.5, positive=1, branch=1, negative_cells=5, positive_cells=3))
+    with loss.captured() as cap:
+        model(x)
+    s = _scores(model, x, 1)
+    torch.testing.assert_close(loss(cap, 1), F.binary_cross_entropy_with_logits(s[:3], torch.ones(3, dtype=s.dtype)))
+    with pytest.raises(ValueError, match="carries 8 scores, the loss reads 9"):
+        InstanceLoss(model, InstanceLossSpec(0.5, 1, 1, negative_cells=5, positive_cells=9))
+
+
 def test_the_capture_lives_only_inside_its_block_and_a_missing_forward_is_an_error() -> None:
     model = _model()
-    loss = InstanceLoss(model, InstanceLossSpec(1.0, 1, 1, 4))
+    loss = InstanceLoss(model, InstanceLossSpec(1.0, 1, 1, 4, 1))
     with loss.captured() as cap:
         pass
     with pytest.raises(RuntimeError, match="no forward ran"):
@@ -55,7 +68,7 @@ def test_the_capture_lives_only_inside_its_block_and_a_missing_forward_is_an_err
     split = next(m for m in model.modules() if isinstance(m, InstanceSplit))
     assert not split._forward_pre_hooks  # removed on leaving the block
     with pytest.raises(WsiTrainError, match="carry its scores"):
-        InstanceLoss(build("tiny", 2, pool="attention"), InstanceLossSpec(1.0, 1, 0, 4))
+        InstanceLoss(build("tiny", 2, pool="attention"), InstanceLossSpec(1.0, 1, 0, 4, 1))
 
 
 def test_cells_off_a_small_mask_are_not_cells() -> None:
@@ -64,7 +77,7 @@ def test_cells_off_a_small_mask_are_not_cells() -> None:
     x = torch.rand(1, 3, 128, 128, dtype=torch.float64)
     mask = torch.zeros(1, 1, 8, 8, dtype=torch.bool)
     mask[0, 0, 3, 4:6] = True
-    loss = InstanceLoss(model, InstanceLossSpec(1.0, 1, 0, 8))
+    loss = InstanceLoss(model, InstanceLossSpec(1.0, 1, 0, 8, 1))
     with loss.captured() as cap, model.pool.masked(mask):
         model(x)
     value = loss(cap, 0)
@@ -75,8 +88,9 @@ def test_cells_off_a_small_mask_are_not_cells() -> None:
 
 
 def test_the_spec_is_checked_against_the_run_s_classes() -> None:
-    assert instance_loss_spec(0.5, 64, None, True, ["negative", "positive"]) == InstanceLossSpec(0.5, 1, 1, 64)
-    assert instance_loss_spec(0.5, 64, "benign", True, ["benign", "tumour"]) == InstanceLossSpec(0.5, 0, 0, 64)
+    assert instance_loss_spec(0.5, 64, None, True, ["negative", "positive"]) == InstanceLossSpec(0.5, 1, 1, 64, 16)
+    assert instance_loss_spec(0.5, 64, None, True, ["negative", "positive"], 3).positive_cells == 3
+    assert instance_loss_spec(0.5, 64, "benign", True, ["benign", "tumour"]) == InstanceLossSpec(0.5, 0, 0, 64, 16)
     assert instance_loss_spec(0.5, 64, "benign", False, ["benign", "tumour"]).branch == 0  # one branch: that one
     with pytest.raises(WsiTrainError, match="positive_class is 'tumor', not one of") as err:
         instance_loss_spec(0.5, 64, "tumor", True, ["benign", "tumour"])
@@ -91,6 +105,11 @@ def test_config_builds_the_pool_that_carries_the_scores_and_round_trips() -> Non
     m = ModelConfig(pool="attention", attention={"branches": "per_class", "instance_loss": 0.5, "instance_cells": 16})
     assert m.attention.spec() == AttentionSpec(per_class=True, instance_k=16)
     assert AttentionConfig().spec().instance_k == 0  # off by default: the pool carries nothing
+    wide = ModelConfig(pool="attention", attention={"instance_loss": 0.5, "instance_cells": 4,
+                                                    "instance_positive_cells": 20})  # fmt: skip
+    assert wide.attention.spec().instance_k == 20  # enough for both sides
+    saved_wide = config_to_dict(WsiTrainConfig.model_validate({"model": wide.model_dump()}))["model"]["attention"]
+    assert AttentionSpec.from_dict(saved_wide) == wide.attention.spec()
     saved = config_to_dict(WsiTrainConfig.model_validate({"model": m.model_dump()}))["model"]["attention"]
     assert AttentionSpec.from_dict(saved) == m.attention.spec()  # what predict builds from a checkpoint
     with pytest.raises(ValueError, match="model.attention applies to pool"):
@@ -99,6 +118,8 @@ def test_config_builds_the_pool_that_carries_the_scores_and_round_trips() -> Non
         AttentionConfig(instance_loss=-1)
     with pytest.raises(ValueError, match="apply to instance_loss, which is 0"):
         AttentionConfig(positive_class="tumour")
+    with pytest.raises(ValueError, match="apply to instance_loss, which is 0"):
+        AttentionConfig(instance_positive_cells=4)
 
 
 def test_the_trainer_back_propagates_the_slide_loss_plus_the_weighted_instance_loss() -> None:
@@ -107,7 +128,7 @@ def test_the_trainer_back_propagates_the_slide_loss_plus_the_weighted_instance_l
     model = _model(per_class=True, k=6)
     reference = copy.deepcopy(model)
     x = torch.rand(3, 96, 128, dtype=torch.float64)
-    spec = InstanceLossSpec(0.5, positive=1, branch=1, negative_cells=6)
+    spec = InstanceLossSpec(0.5, positive=1, branch=1, negative_cells=6, positive_cells=2)
     for label in (0, 1):
         engine = SFT(model, tile_size=32, memory_budget="1GiB")
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -120,8 +141,8 @@ def test_the_trainer_back_propagates_the_slide_loss_plus_the_weighted_instance_l
         logits = reference(x[None])
         ce = F.cross_entropy(logits, torch.tensor([label]))
         s = _scores(reference, x[None], 1)
-        aux = F.binary_cross_entropy_with_logits(s[:1] if label else s[:6], torch.full_like(s[:1] if label else s[:6],
-                                                                                             float(label)))  # fmt: skip
+        top = s[:2] if label else s[:6]
+        aux = F.binary_cross_entropy_with_logits(top, torch.full_like(top, float(label)))
         (ce + 0.5 * aux).backward()
         # the trainer computes the slide's loss in float32 (train.optim.compute_loss), so float32's tolerance; the
         # instance scores' own exactness, float64 through the tiles, is test_sft_attention.py's

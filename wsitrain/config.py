@@ -38,6 +38,7 @@ from wsitrain.models.freeze import FreezeSpec
 from wsitrain.models.heads import (
     ATTENTION_POOLS,
     DEFAULT_INSTANCE_CELLS,
+    DEFAULT_INSTANCE_POSITIVE_CELLS,
     DEFAULT_TOPK,
     POOLS,
     TOPK,
@@ -225,19 +226,23 @@ class AttentionConfig(Section):
     instance_loss: float = Field(0.0, ge=0)
     # a negative slide's this many highest-scoring cells are pushed below 0
     instance_cells: int = Field(DEFAULT_INSTANCE_CELLS, ge=1, strict=True)
+    # a positive slide's this many highest-scoring cells are pushed above 0 (their mean BCE)
+    instance_positive_cells: int = Field(DEFAULT_INSTANCE_POSITIVE_CELLS, ge=1, strict=True)
     positive_class: str | None = None  # the class the MIL assumption calls positive; none: the second of two, sorted
 
     @model_validator(mode="after")
     def _instance_keys_need_the_loss(self) -> AttentionConfig:
         # not "was it set": config_to_dict writes every key, and its round trip must load
-        extra = self.positive_class is not None or self.instance_cells != DEFAULT_INSTANCE_CELLS
+        extra = (self.positive_class is not None or self.instance_cells != DEFAULT_INSTANCE_CELLS
+                 or self.instance_positive_cells != DEFAULT_INSTANCE_POSITIVE_CELLS)  # fmt: skip
         if self.instance_loss == 0 and extra:
-            raise ValueError("model.attention.instance_cells and positive_class apply to instance_loss, which is 0 "
+            raise ValueError("model.attention.instance_cells, instance_positive_cells and positive_class apply to "
+                             "instance_loss, which is 0 "
                              "(set model.attention.instance_loss, e.g. 0.5, or remove them)")  # fmt: skip
         return self
 
     def spec(self) -> AttentionSpec:
-        k = carried_scores(self.instance_loss, self.instance_cells)
+        k = carried_scores(self.instance_loss, max(self.instance_cells, self.instance_positive_cells))
         return AttentionSpec(self.dim, self.hidden, self.branches == "per_class", k)
 
 

@@ -5,15 +5,17 @@ negative slide is negative. The attention score of the positive class's branch i
 logit, and beside the slide's own loss the head is asked for what that assumption says:
 
     negative slide:  BCE(s, 0) averaged over its k highest scores (k = ``model.attention.instance_cells``)
-    positive slide:  BCE(max s, 1)
+    positive slide:  BCE(s, 1) averaged over its j highest (j = ``model.attention.instance_positive_cells``)
 
 A softmax ignores its scores' level, so this changes what the attention pool computes only through the scores'
 order: a cell that is also on negative slides (a look-alike, the slide's border) is pushed below 0, and a cell found
-only on positive slides (the lesion) above it, which is what the map's pointing game reads. Why (docs/plateau.md
-section 10, *measured*): one attention branch for all classes learnt to find the negative class's evidence, a
-look-alike, and put its peak there on every positive slide that also carried one (0 of 21 over six seeds, 1,440
-steps); with one branch per class and this loss, the positive branch put it in a lesion on all of them, on the seeds
-that learnt.
+only on positive slides (the lesion) above it, which is what the map's pointing game reads.
+
+Why (docs/plateau.md sections 9-10, *measured*): one attention branch for all classes learnt to find the negative
+class's evidence, a look-alike, and put its peak there on every positive slide that also carried one (0 of 21 over
+six seeds, 1,440 steps). With one branch per class and this loss (16 cells up, 64 down), the positive branch put its
+peak in a lesion on all 36 held-out positives of the learning benchmark's three seeds, the 8 beside a look-alike
+included, at accuracy 0.89 (docs/bench_learning_mil.md).
 
 The scores come from the pool's output (``AttentionPool(instance_k)``: each branch's highest scores follow its
 pooled vector, plain and fused alike), read on the input of the ``InstanceSplit`` module after it by a forward
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from wsitrain.errors import WsiTrainError
+from wsitrain.models.heads import DEFAULT_INSTANCE_POSITIVE_CELLS
 from wsitrain.sft.ops.attention_pool import InstanceSplit, instance_scores
 
 
@@ -43,6 +46,7 @@ class InstanceLossSpec:
     positive: int
     branch: int
     negative_cells: int
+    positive_cells: int = DEFAULT_INSTANCE_POSITIVE_CELLS
 
 
 class Capture:
@@ -62,8 +66,9 @@ class InstanceLoss:
                 "model.attention.instance_loss needs the attention pool to carry its scores, and this model's does not",
                 hint="build the model with wsitrain.models.build and model.attention.instance_loss set",
             )
-        if spec.negative_cells > split.instance_k:
-            raise ValueError(f"the pool carries {split.instance_k} scores, the loss reads {spec.negative_cells}")
+        if max(spec.negative_cells, spec.positive_cells) > split.instance_k:
+            raise ValueError(f"the pool carries {split.instance_k} scores, the loss reads "
+                             f"{max(spec.negative_cells, spec.positive_cells)}")  # fmt: skip
         self.split, self.spec = split, spec
 
     @contextmanager
@@ -86,17 +91,17 @@ class InstanceLoss:
             raise RuntimeError("no forward ran inside InstanceLoss.captured()")
         scores = instance_scores(cap.pooled, self.split.instance_k)[0, self.spec.branch]  # (k,), largest first
         scores = scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores
-        if label == self.spec.positive:
-            top = scores[:1]
-            return F.binary_cross_entropy_with_logits(top, torch.ones_like(top))
-        top = scores[: self.spec.negative_cells]
+        positive = label == self.spec.positive
+        top = scores[: self.spec.positive_cells if positive else self.spec.negative_cells]
         kept = torch.isfinite(top)  # -inf past the cells a small tissue mask keeps: not cells at all
-        each = F.binary_cross_entropy_with_logits(torch.where(kept, top, 0.0), torch.zeros_like(top), reduction="none")
+        target = torch.full_like(top, float(positive))
+        each = F.binary_cross_entropy_with_logits(torch.where(kept, top, 0.0), target, reduction="none")
         return (each * kept).sum() / kept.sum().clamp(min=1)  # no host read: a mask keeps at least one cell
 
 
 def instance_loss_spec(weight: float, cells: int, positive_class: str | None, per_class: bool,
-                       class_names: list[str] | None) -> InstanceLossSpec:  # fmt: skip
+                       class_names: list[str] | None, positive_cells: int = DEFAULT_INSTANCE_POSITIVE_CELLS
+                       ) -> InstanceLossSpec:  # fmt: skip
     """The loss's spec for a run's classes (``class_names``; None: the task is not a classification), checked
     before anything is written: exit 2 naming the key."""
     if class_names is None:
@@ -115,4 +120,4 @@ def instance_loss_spec(weight: float, cells: int, positive_class: str | None, pe
     else:
         raise WsiTrainError(f"model.attention.positive_class is {positive_class!r}, not one of the classes",
                             hint=f"choose one of: {', '.join(names)}")  # fmt: skip
-    return InstanceLossSpec(weight, positive, positive if per_class else 0, cells)
+    return InstanceLossSpec(weight, positive, positive if per_class else 0, cells, positive_cells)

@@ -251,7 +251,8 @@ class FitRecipe:
         if a.instance_loss <= 0:
             return None
         names = self.data.class_names if self.objective is None else None
-        spec = instance_loss_spec(a.instance_loss, a.instance_cells, a.positive_class, a.branches == "per_class", names)
+        spec = instance_loss_spec(a.instance_loss, a.instance_cells, a.positive_class, a.branches == "per_class", names,
+                                  a.instance_positive_cells)  # fmt: skip
         return InstanceLoss(self.engine, spec)
 
     def _open_run_folder(
