@@ -19,8 +19,8 @@ DEFAULT_TOPK = 16
 DEFAULT_INSTANCE_CELLS = 64
 # ... and a positive slide's this many highest pushed above 0 (their mean). With one (the max), the loss kept whatever
 # the initialisation ranked first when every slide shares it (the image border, the tissue's edge) on 2 of 3 seeds;
-# with 16 (about half a lesion's cells), CLAM-MB pointed at a lesion on all 36 held-out positives of the benchmark's
-# three seeds, 8 of them beside a look-alike, at accuracy 0.89 (docs/bench_learning_mil.md, measured)
+# with 16 (about half a lesion's cells) CLAM-MB pointed at a lesion on all 36 held-out positives of seeds 0-2, but on
+# 13 of 36 of seeds 3-5, run afterwards (docs/bench_learning_mil.md, measured)
 DEFAULT_INSTANCE_POSITIVE_CELLS = 16
 # Attention-MIL pooling: ABMIL (``w^T tanh(V h)``) and CLAM's gated form (``w^T (tanh(V h) * sigmoid(U h))``).
 ATTENTION_POOLS = (ATTENTION, GATED_ATTENTION)
