@@ -242,7 +242,7 @@ class AttentionConfig(Section):
         return self
 
     def spec(self) -> AttentionSpec:
-        k = carried_scores(self.instance_loss, max(self.instance_cells, self.instance_positive_cells))
+        k = carried_scores(self.instance_loss, self.instance_cells, self.instance_positive_cells)
         return AttentionSpec(self.dim, self.hidden, self.branches == "per_class", k)
 
 

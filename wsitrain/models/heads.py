@@ -40,12 +40,12 @@ class AttentionSpec:
     def from_dict(cls, d: dict[str, Any] | None) -> AttentionSpec:
         """From a checkpoint's saved config section (``model.attention``); missing keys take their defaults."""
         d = d or {}
-        cells = max(int(d.get("instance_cells") or DEFAULT_INSTANCE_CELLS),
-                    int(d.get("instance_positive_cells") or DEFAULT_INSTANCE_POSITIVE_CELLS))  # fmt: skip
-        k = carried_scores(float(d.get("instance_loss") or 0), cells)
+        k = carried_scores(float(d.get("instance_loss") or 0), int(d.get("instance_cells") or DEFAULT_INSTANCE_CELLS),
+                           int(d.get("instance_positive_cells") or DEFAULT_INSTANCE_POSITIVE_CELLS))  # fmt: skip
         return cls(d.get("dim"), d.get("hidden"), d.get("branches", "single") == "per_class", k)
 
 
-def carried_scores(instance_loss: float, instance_cells: int) -> int:
-    """How many scores per branch the attention pool carries for ``model.attention.instance_loss``: 0 when off."""
-    return instance_cells if instance_loss > 0 else 0
+def carried_scores(instance_loss: float, negative_cells: int, positive_cells: int) -> int:
+    """How many scores per branch the attention pool carries for ``model.attention.instance_loss``: enough for both
+    sides of the loss, 0 when it is off."""
+    return max(negative_cells, positive_cells) if instance_loss > 0 else 0

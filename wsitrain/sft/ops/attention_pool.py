@@ -32,7 +32,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from wsitrain.sft.ops.pool_mask import MaskedPool, MaskSource
-from wsitrain.sft.ops.topk_pool import ordered
+from wsitrain.sft.ops.topk_pool import merge_tile, ordered, scatter_kept
 
 
 class AttentionPool(MaskedPool, nn.Module):
@@ -187,20 +187,8 @@ class AttentionAccumulator:
             d = self.d * old + d
             part = self.s * old[:, :, None] + part
         self.m, self.d, self.s = m_new, d, part
-        if self.instance_k:
-            self._add_top(s, rows, cols)
-
-    def _add_top(self, s: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> None:
-        """Merge the tile's scores (B, K, th, tw) into the running ordered list (``topk_pool.ordered``)."""
-        th, tw = s.shape[2], s.shape[3]
-        r = torch.arange(rows[0], rows[0] + th, device=s.device)
-        c = torch.arange(cols[0], cols[0] + tw, device=s.device)
-        flat, gidx = s.flatten(2), (r[:, None] * self.w + c[None, :]).flatten()  # (B, K, th * tw), (th * tw,)
-        if self.top is not None:
-            assert self.top_index is not None
-            flat = torch.cat([self.top, flat], -1)
-            gidx = torch.cat([self.top_index, gidx.expand(*flat.shape[:2], -1)], -1)
-        self.top, self.top_index = ordered(flat, gidx, self.instance_k)
+        if self.instance_k:  # the tile's scores merged into the running ordered list
+            self.top, self.top_index = merge_tile(self.top, self.top_index, s, rows, cols, self.w, self.instance_k)
 
     def pooled(self) -> torch.Tensor:
         """z (B, K, C) in the accumulation dtype."""
@@ -245,20 +233,11 @@ class AttentionAccumulator:
         gh = torch.einsum("bkhw,bkc->bchw", a, g)  # (B, C, th, tw)
         gz = (g * self.pooled()).sum(-1)  # (B, K): G_k . z_k
         gs = a * (torch.einsum("bkc,bchw->bkhw", g, h) - gz[:, :, None, None])  # (B, K, th, tw)
-        if g_top is not None:
-            gs = gs + self._top_grad(g_top, rows, cols, s.shape[2], s.shape[3])
+        if g_top is not None:  # each kept score's gradient at its position, where this tile holds it
+            assert self.top is not None and self.top_index is not None
+            n = self.top_index.shape[-1]  # fewer than instance_k on a smaller map: the rest are padding
+            # off-mask positions (-inf, kept only where the mask keeps fewer than instance_k) take no gradient, as
+            # plain autograd's masked_fill gives them none
+            gs = gs + scatter_kept(g_top[..., :n], self.top_index, torch.isfinite(self.top), rows, cols,
+                                   tuple(gs.shape), self.w)  # fmt: skip
         return torch.cat([gh, gs], 1).to(y.dtype)
-
-    def _top_grad(self, g_top: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int], th: int, tw: int
-                  ) -> torch.Tensor:  # fmt: skip
-        """(B, K, th, tw): each kept score's gradient (B, K, instance_k) at its position, where the tile holds it."""
-        assert self.top_index is not None
-        n = self.top_index.shape[-1]  # fewer than instance_k on a smaller map: the rest are padding, never kept
-        r, c = self.top_index // self.w - rows[0], self.top_index % self.w - cols[0]
-        # off-mask positions (-inf, kept only where the mask keeps fewer than instance_k) take no gradient, as plain
-        # autograd's masked_fill gives them none
-        inside = (r >= 0) & (r < th) & (c >= 0) & (c < tw) & torch.isfinite(self.top)  # (B, K, n)
-        local = r.clamp(0, th - 1) * tw + c.clamp(0, tw - 1)
-        src = torch.where(inside, g_top[..., :n], torch.zeros((), dtype=g_top.dtype, device=g_top.device))
-        out = torch.zeros(*g_top.shape[:2], th * tw, dtype=g_top.dtype, device=g_top.device)
-        return out.scatter_add_(2, local, src).view(*g_top.shape[:2], th, tw)

@@ -40,6 +40,35 @@ def ordered(values: torch.Tensor, index: torch.Tensor, k: int) -> tuple[torch.Te
     return values.gather(-1, by_value), index.gather(-1, by_value)
 
 
+def merge_tile(value: torch.Tensor | None, index: torch.Tensor | None, tile: torch.Tensor, rows: tuple[int, int],
+               cols: tuple[int, int], width: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """A running ordered list (B, C, <= k) of values and global flat indices (None before the first tile) with tile
+    ``tile``'s values (B, C, th, tw) at ``rows`` x ``cols`` of a map ``width`` wide merged in (``ordered``)."""
+    th, tw = tile.shape[2], tile.shape[3]
+    r = torch.arange(rows[0], rows[0] + th, device=tile.device)
+    c = torch.arange(cols[0], cols[0] + tw, device=tile.device)
+    flat, gidx = tile.flatten(2), (r[:, None] * width + c[None, :]).flatten()  # (B, C, th * tw), (th * tw,)
+    if value is not None:
+        assert index is not None
+        flat = torch.cat([value, flat], -1)
+        gidx = torch.cat([index, gidx.expand(*flat.shape[:2], -1)], -1)
+    return ordered(flat, gidx, k)
+
+
+def scatter_kept(src: torch.Tensor, index: torch.Tensor, kept: torch.Tensor, rows: tuple[int, int],
+                 cols: tuple[int, int], shape: tuple[int, ...], width: int) -> torch.Tensor:  # fmt: skip
+    """A tile's gradient (B, C, th, tw) = ``shape``: each kept entry's ``src`` (B or 1, C, n) added at its global
+    flat ``index`` (B or 1, C, n) where the tile at ``rows``, ``cols`` holds it; ``kept`` (B or 1, C, n) bool."""
+    b, ch, th, tw = shape
+    r, c = index // width - rows[0], index % width - cols[0]
+    inside = kept & (r >= 0) & (r < th) & (c >= 0) & (c < tw)
+    local = r.clamp(0, th - 1) * tw + c.clamp(0, tw - 1)
+    src = torch.where(inside, src, torch.zeros((), dtype=src.dtype, device=src.device))
+    out = torch.zeros(b, ch, th * tw, dtype=src.dtype, device=src.device)
+    out.scatter_add_(2, local.expand(b, -1, -1), src.expand(b, -1, -1))
+    return out.view(b, ch, th, tw)
+
+
 def _mean_of_first(top: torch.Tensor, k_eff: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """(B, C, k) ordered values -> (B, C): the mean of the first ``k_eff`` (B or 1,) of each row."""
     rank = torch.arange(top.shape[-1], device=top.device)
@@ -105,20 +134,12 @@ class TopKAccumulator:
         """One tile ``y`` (B, C, th, tw) covering ``rows`` x ``cols`` of the map."""
         self.dtype = y.dtype
         th, tw = y.shape[2], y.shape[3]
-        flat = y.flatten(2)  # (B, C, th * tw)
         if self.mask is not None:
             if self._device_mask is None or self._device_mask.device != y.device:
                 self._device_mask = self.mask.to(y.device)
             m = self._device_mask[:, :, rows[0] : rows[0] + th, cols[0] : cols[0] + tw]
-            flat = flat.masked_fill(~m.flatten(2), float("-inf"))
-        r = torch.arange(rows[0], rows[0] + th, device=y.device)
-        c = torch.arange(cols[0], cols[0] + tw, device=y.device)
-        gidx = (r[:, None] * self.w + c[None, :]).flatten()  # (th * tw,)
-        if self.value is not None:
-            assert self.index is not None
-            flat = torch.cat([self.value, flat], -1)
-            gidx = torch.cat([self.index, gidx.expand(*flat.shape[:2], -1)], -1)
-        self.value, self.index = ordered(flat, gidx, self.k)
+            y = y.masked_fill(~m, float("-inf"))
+        self.value, self.index = merge_tile(self.value, self.index, y, rows, cols, self.w, self.k)
 
     def result(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The pooled (B, C), as ``topk_mean`` computes it on the whole map."""
@@ -149,9 +170,4 @@ class TopKAccumulator:
         th, tw = y.shape[2], y.shape[3]
         inside = self._inside((rows[0], rows[0] + th), (cols[0], cols[0] + tw))  # (B, C, k)
         share = (g.to(_acc_dtype(g.dtype)) / self.k_eff.to(g.device)[:, None]).to(y.dtype)  # (B, C)
-        r, c = self.index // self.w - rows[0], self.index % self.w - cols[0]
-        local = (r.clamp(0, th - 1) * tw + c.clamp(0, tw - 1))  # (B, C, k)
-        src = torch.where(inside, share[:, :, None], torch.zeros((), dtype=y.dtype, device=y.device))
-        out = torch.zeros(y.shape[0], y.shape[1], th * tw, dtype=y.dtype, device=y.device)
-        out.scatter_add_(2, local.expand(y.shape[0], -1, -1), src.expand(y.shape[0], -1, -1))
-        return out.view_as(y)
+        return scatter_kept(share[:, :, None].expand_as(inside), self.index, inside, rows, cols, tuple(y.shape), self.w)
