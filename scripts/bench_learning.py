@@ -54,12 +54,14 @@ THUMB_MPP = LESION_MPP * BLOCK  # pyramid level 2: 512 px for a 2048 px slide
 # ``attention_per_class`` is CLAM-MB (one attention branch per class); its maps are scored on the positive class's
 # branch, the evidence for a lesion, where one branch for all classes also attends to what argues for "negative".
 # ``attention_mil`` is CLAM-MB with the MIL instance loss on the positive branch's scores at its defaults
-# (model.attention.instance_loss, docs/plateau.md section 10); ``attention_mil_pos1`` pushes only a positive slide's
-# highest cell up, ``attention_mil_top1`` also only a negative slide's highest down.
+# (model.attention.instance_loss, docs/plateau.md sections 10-11; the map's outer ring left out, border_cells' default
+# with the loss), ``attention_mil_w01`` the same at a fifth of the weight; ``attention_mil_pos1`` pushes only a
+# positive slide's highest cell up, ``attention_mil_top1`` also only a negative slide's highest down.
 PER_CLASS = ["model.pool=attention", "model.attention.branches=per_class"]
 MIL = [*PER_CLASS, "model.attention.instance_loss=0.5"]
 POS1 = [*MIL, "model.attention.instance_positive_cells=1"]
-HEADS = {"attention_per_class": PER_CLASS, "attention_mil": MIL, "attention_mil_pos1": POS1,
+HEADS = {"attention_per_class": PER_CLASS, "attention_mil": MIL,
+         "attention_mil_w01": [*PER_CLASS, "model.attention.instance_loss=0.1"], "attention_mil_pos1": POS1,
          "attention_mil_top1": [*POS1, "model.attention.instance_cells=1"]}  # fmt: skip
 
 

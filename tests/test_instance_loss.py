@@ -103,8 +103,14 @@ def test_the_spec_is_checked_against_the_run_s_classes() -> None:
 
 def test_config_builds_the_pool_that_carries_the_scores_and_round_trips() -> None:
     m = ModelConfig(pool="attention", attention={"branches": "per_class", "instance_loss": 0.5, "instance_cells": 16})
-    assert m.attention.spec() == AttentionSpec(per_class=True, instance_k=16)
+    assert m.attention.spec() == AttentionSpec(per_class=True, instance_k=16, border=1)  # the loss leaves the ring out
     assert AttentionConfig().spec().instance_k == 0  # off by default: the pool carries nothing
+    assert AttentionConfig().spec().border == 0  # and attends to the border as to any tissue
+    assert AttentionConfig(instance_loss=0.5, border_cells=0).spec().border == 0
+    assert AttentionConfig(border_cells=2).spec() == AttentionSpec(border=2)  # for any attention head
+    assert AttentionSpec.from_dict({"border_cells": 2}).border == 2
+    assert AttentionSpec.from_dict({"instance_loss": 0.5}).border == 1  # a checkpoint from before the key: its loss's
+    assert build("tiny", 2, pool="attention", attention=AttentionSpec(border=2)).pool.border == 2
     wide = ModelConfig(pool="attention", attention={"instance_loss": 0.5, "instance_cells": 4,
                                                     "instance_positive_cells": 20})  # fmt: skip
     assert wide.attention.spec().instance_k == 20  # enough for both sides
@@ -120,6 +126,8 @@ def test_config_builds_the_pool_that_carries_the_scores_and_round_trips() -> Non
         AttentionConfig(positive_class="tumour")
     with pytest.raises(ValueError, match="apply to instance_loss, which is 0"):
         AttentionConfig(instance_positive_cells=4)
+    with pytest.raises(ValueError, match="greater than or equal to 0"):
+        AttentionConfig(border_cells=-1)
 
 
 def test_the_trainer_back_propagates_the_slide_loss_plus_the_weighted_instance_loss() -> None:

@@ -111,6 +111,42 @@ def test_masked_tiles_skip_their_backward() -> None:
     assert sft.last_stats is not None and sft.last_stats.skipped_backward > 0
 
 
+@pytest.mark.parametrize("border", [1, 2])
+@pytest.mark.parametrize("masked", [False, True], ids=["all", "masked"])
+def test_the_border_rings_are_left_out_and_exact(border: int, masked: bool) -> None:
+    """``AttentionPool(border=b)``: the map's outer b rings take no attention (sample 1's lone position on the top row
+    is dropped, its block against the left and bottom edges trimmed), plain and tiled alike."""
+    torch.manual_seed(12)
+    model = net(3, True).double()
+    model.pool = AttentionPool(3, border=border)
+    mask = tissue() if masked else None
+    compare(model, mask)
+    x = torch.randn(*SHAPE, dtype=torch.float64)
+    with torch.no_grad(), model.pool.masked(mask):
+        a = model.pool.weights(model.attention(model.features(x)))  # (B, K, 22, 31)
+    ring = torch.ones(22, 31, dtype=torch.bool)
+    ring[border:-border, border:-border] = False
+    assert a[..., ring].abs().max() == 0 and (a.sum((-2, -1)) - 1).abs().max() < 1e-12
+    expected = ~ring if mask is None else mask[:, 0] & ~ring  # (B or 1, 22, 31)
+    assert torch.equal(a[:, 0] > 0, expected.expand(2, 22, 31))
+
+
+def test_a_slide_whose_tissue_lies_only_on_the_border_keeps_it() -> None:
+    """Tissue only on the ring: the sample attends to it (nothing to attend to would be an error), and the other
+    sample still loses its ring; a map too small to have an inside keeps its border."""
+    pool = AttentionPool(1, border=1)
+    mask = torch.zeros(2, 1, 22, 31, dtype=torch.bool)
+    mask[0, :, 0, 4:9] = True  # the top row only
+    mask[1, :, :3, :3] = True  # a corner: its cells off the ring, (1..2, 1..2), stay
+    hs = torch.randn(2, 5 + 1, 22, 31, dtype=torch.float64)
+    with pool.masked(mask):
+        a = pool.weights(hs)[:, 0]
+    assert torch.equal(a[0] > 0, mask[0, 0]) and (a[1] > 0).nonzero().tolist() == [[1, 1], [1, 2], [2, 1], [2, 2]]
+    with pool.masked(None):
+        small = pool.weights(torch.randn(1, 6, 2, 5, dtype=torch.float64))
+    assert bool((small > 0).all())
+
+
 def test_after_a_host_checkpoint() -> None:
     torch.manual_seed(4)
     model = net(3, True, dim=7).double()
@@ -338,6 +374,20 @@ def test_instance_scores_are_exact(branches: int, masked: bool, k: int) -> None:
 def test_instance_scores_ragged_tiles_gated(tile: int) -> None:
     torch.manual_seed(8)
     compare_instances(instance_net(3, 5, gated=True).double(), tissue(), 5, tile=tile)
+
+
+def test_instance_scores_skip_the_border_rings() -> None:
+    """With ``border``, the carried scores are the highest off the ring, plain and tiled alike."""
+    torch.manual_seed(13)
+    model = instance_net(3, 5).double()
+    model.pool = AttentionPool(3, instance_k=5, border=1)
+    compare_instances(model, tissue(), 5)
+    x = torch.randn(*SHAPE, dtype=torch.float64)
+    with torch.no_grad(), model.pool.masked(None):
+        hs = model.attention(model.features(x))
+        top = instance_scores(model.pool(hs), 5)  # (B, K, 5)
+    inner = hs[:, -3:, 1:-1, 1:-1].flatten(2).sort(-1, descending=True).values[..., :5]
+    torch.testing.assert_close(top, inner, **F64)
 
 
 def test_instance_scores_past_a_small_mask_are_minus_inf_and_take_no_gradient() -> None:

@@ -43,6 +43,7 @@ from wsitrain.models.heads import (
     POOLS,
     TOPK,
     AttentionSpec,
+    attention_border,
     carried_scores,
 )
 from wsitrain.models.registry import ModelNameError, is_imagenet, resolve_model_name
@@ -222,13 +223,16 @@ class AttentionConfig(Section):
     hidden: int | None = Field(None, ge=1)  # width of the attention layers V (and U); none: min(256, the width)
     branches: Literal["single", "per_class"] = "single"  # per_class: one attention branch per class (CLAM-MB)
     # the MIL instance loss on the positive class's attention scores (wsitrain.train.instance_loss), its weight beside
-    # the slide's loss; 0: off (0.5 measured, docs/plateau.md section 10)
+    # the slide's loss; 0: off (0.1 and 0.5 measured, docs/plateau.md sections 10-11)
     instance_loss: float = Field(0.0, ge=0)
     # a negative slide's this many highest-scoring cells are pushed below 0
     instance_cells: int = Field(DEFAULT_INSTANCE_CELLS, ge=1, strict=True)
     # a positive slide's this many highest-scoring cells are pushed above 0 (their mean BCE)
     instance_positive_cells: int = Field(DEFAULT_INSTANCE_POSITIVE_CELLS, ge=1, strict=True)
     positive_class: str | None = None  # the class the MIL assumption calls positive; none: the second of two, sorted
+    # the map's outer rings of cells the attention pool leaves out (zero padding sets them apart on every slide);
+    # none: 1 with instance_loss, else 0
+    border_cells: int | None = Field(None, ge=0, strict=True)
 
     @model_validator(mode="after")
     def _instance_keys_need_the_loss(self) -> AttentionConfig:
@@ -243,7 +247,8 @@ class AttentionConfig(Section):
 
     def spec(self) -> AttentionSpec:
         k = carried_scores(self.instance_loss, self.instance_cells, self.instance_positive_cells)
-        return AttentionSpec(self.dim, self.hidden, self.branches == "per_class", k)
+        return AttentionSpec(self.dim, self.hidden, self.branches == "per_class", k,
+                             attention_border(self.instance_loss, self.border_cells))  # fmt: skip
 
 
 class FreezeConfig(Section):

@@ -15,13 +15,19 @@ POOLS = (AVG, MAX, ATTENTION, GATED_ATTENTION, TOPK)
 DEFAULT_TOPK = 16
 # model.attention.instance_loss: a negative slide's this many highest attention scores pushed below 0. 64 cells hold
 # about two of the synthetic cohort's look-alikes (boxes of 88 px, 6 x 6 cells at a stride of 16); a negative slide's
-# top cell alone was worse on every seed (docs/bench_learning_mil.md, measured)
+# top cell alone was worse on every seed (docs/bench_learning_mil_before_ring.md, measured)
 DEFAULT_INSTANCE_CELLS = 64
 # ... and a positive slide's this many highest pushed above 0 (their mean). With one (the max), the loss kept whatever
 # the initialisation ranked first when every slide shares it (the image border, the tissue's edge) on 2 of 3 seeds;
 # with 16 (about half a lesion's cells) CLAM-MB pointed at a lesion on all 36 held-out positives of seeds 0-2, but on
-# 13 of 36 of seeds 3-5, run afterwards (docs/bench_learning_mil.md, measured)
+# 13 of 36 of seeds 3-5, run afterwards (docs/bench_learning_mil_before_ring.md, measured)
 DEFAULT_INSTANCE_POSITIVE_CELLS = 16
+# ... and the map's outer ring of cells left out of the attention pool while it is on. The ring is computed against
+# the trunk's zero padding, so it looks the same on every slide; the loss pushes a positive slide's 16 cells up and a
+# negative slide's 64 down, each side's mean, so a structure of n < 64 cells found on every slide settles above 0, and
+# the ring held the peak on 4 of 9 seeds (an edge row 3.4-4.9 above the inside on a blank image; docs/plateau.md
+# section 11, measured). Left out, no run kept an edge more than 0.6 above the inside.
+DEFAULT_INSTANCE_BORDER_CELLS = 1
 # Attention-MIL pooling: ABMIL (``w^T tanh(V h)``) and CLAM's gated form (``w^T (tanh(V h) * sigmoid(U h))``).
 ATTENTION_POOLS = (ATTENTION, GATED_ATTENTION)
 
@@ -35,14 +41,27 @@ class AttentionSpec:
     per_class: bool = False  # one attention branch per class (CLAM-MB) instead of one for all (ABMIL, CLAM-SB)
     # each branch's this many highest scores follow its pooled vector, for the instance loss (0: none)
     instance_k: int = 0
+    # the map's outer rings of cells the pool leaves out (wsitrain.sft.ops.attention_pool: zero padding's border)
+    border: int = 0
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> AttentionSpec:
         """From a checkpoint's saved config section (``model.attention``); missing keys take their defaults."""
         d = d or {}
-        k = carried_scores(float(d.get("instance_loss") or 0), int(d.get("instance_cells") or DEFAULT_INSTANCE_CELLS),
+        loss = float(d.get("instance_loss") or 0)
+        k = carried_scores(loss, int(d.get("instance_cells") or DEFAULT_INSTANCE_CELLS),
                            int(d.get("instance_positive_cells") or DEFAULT_INSTANCE_POSITIVE_CELLS))  # fmt: skip
-        return cls(d.get("dim"), d.get("hidden"), d.get("branches", "single") == "per_class", k)
+        cells = d.get("border_cells")
+        return cls(d.get("dim"), d.get("hidden"), d.get("branches", "single") == "per_class", k,
+                   attention_border(loss, None if cells is None else int(cells)))  # fmt: skip
+
+
+def attention_border(instance_loss: float, cells: int | None) -> int:
+    """The rings of map cells an attention pool leaves out (``model.attention.border_cells``); None: 1 with the
+    instance loss (whose peak the ring held on 4 of 9 seeds without it), else 0 (the heads measured before it)."""
+    if cells is not None:
+        return cells
+    return DEFAULT_INSTANCE_BORDER_CELLS if instance_loss > 0 else 0
 
 
 def carried_scores(instance_loss: float, negative_cells: int, positive_cells: int) -> int:

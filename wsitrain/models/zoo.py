@@ -138,7 +138,7 @@ def _pool_layers(pool: str, attention: AttentionSpec, channels: int, classifier:
     if attention.dim is not None:
         # the library's pre-logits layers (a LayerNorm, an MLP) expect the trunk's width, not the projection's
         classifier = nn.Linear(attention.dim, num_classes)
-    pooled = AttentionPool(branches, attention.instance_k)
+    pooled = AttentionPool(branches, attention.instance_k, attention.border)
     # the scores the instance loss reads end at ``flatten`` (InstanceSplit); without it, the plain layers
     flatten: nn.Module = nn.Identity() if branches > 1 else nn.Flatten(1)
     if attention.instance_k:

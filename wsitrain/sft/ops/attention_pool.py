@@ -21,6 +21,12 @@ are merged into a running list in that same order, so the tiled forward keeps ex
 backward a tile adds each kept score's gradient at the position it holds::
 
     dL/ds_kp += dL/dtop_kj    where top_kj is position p's score
+
+Border (``border`` > 0, ``model.attention.border_cells``): the map's outer ``border`` rings of cells are left out of
+the mask, as background is. Their features are computed against the trunk's zero padding, so they differ from the
+tissue's in the same way on every slide; an attention head can rank them first on every slide, and the instance loss
+held its peak there (docs/plateau.md section 11, measured). A sample whose kept positions all lie on the border keeps
+them: a slide is never left with nothing to attend to.
 """
 
 from __future__ import annotations
@@ -46,15 +52,34 @@ class AttentionPool(MaskedPool, nn.Module):
 
     allows_empty_mask = False
 
-    def __init__(self, branches: int = 1, instance_k: int = 0) -> None:
+    def __init__(self, branches: int = 1, instance_k: int = 0, border: int = 0) -> None:
         super().__init__()
         if branches < 1:
             raise ValueError(f"AttentionPool needs at least one branch, got {branches}")
-        if isinstance(instance_k, bool) or not isinstance(instance_k, int) or instance_k < 0:
-            raise ValueError(f"AttentionPool's instance_k must be an integer >= 0, got {instance_k!r}")
+        for name, value in (("instance_k", instance_k), ("border", border)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"AttentionPool's {name} must be an integer >= 0, got {value!r}")
         self.branches = branches
         self.instance_k = instance_k
+        self.border = border
         self.mask: MaskSource | None = None
+
+    def mask_at(self, height: int, width: int) -> torch.Tensor | None:
+        """The set mask (``MaskedPool.mask_at``) without the map's outer ``border`` rings: (B or 1, 1, H, W) bool, or
+        None (everywhere) without either. Plain and fused read it here alike."""
+        mask = super().mask_at(height, width)
+        b = self.border
+        if not b or height <= 2 * b or width <= 2 * b:  # a map with no inside keeps its border
+            return mask
+        inside = torch.zeros(1, 1, height, width, dtype=torch.bool)
+        inside[..., b : height - b, b : width - b] = True
+        if mask is None:
+            return inside
+        kept = mask & inside.to(mask.device)  # (B, 1, H, W)
+        if is_fake(kept):
+            return kept
+        on_border_only = ~kept.flatten(1).any(1)  # (B,)
+        return torch.where(on_border_only[:, None, None, None], mask, kept) if bool(on_border_only.any()) else kept
 
     def weights(self, hs: torch.Tensor) -> torch.Tensor:
         """The attention weights (B, K, H, W) this pool gives ``hs``: softmax over the map, 0 outside the mask."""
@@ -81,7 +106,8 @@ class AttentionPool(MaskedPool, nn.Module):
             return torch.cat([z, padded(top, self.instance_k).to(z.dtype)], -1)  # (B, K, C + instance_k)
 
     def extra_repr(self) -> str:
-        return f"branches={self.branches}" + (f", instance_k={self.instance_k}" if self.instance_k else "")
+        return (f"branches={self.branches}" + (f", instance_k={self.instance_k}" if self.instance_k else "")
+                + (f", border={self.border}" if self.border else ""))  # fmt: skip
 
 
 class InstanceSplit(nn.Module):
