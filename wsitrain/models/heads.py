@@ -25,7 +25,7 @@ DEFAULT_INSTANCE_POSITIVE_CELLS = 16
 # ... and the map's outer ring of cells left out of the attention pool while it is on. The ring is computed against
 # the trunk's zero padding, so it looks the same on every slide; the loss pushes a positive slide's 16 cells up and a
 # negative slide's 64 down, each side's mean, so a structure of n < 64 cells found on every slide settles above 0, and
-# the ring held the peak on 4 of 9 seeds (an edge row 3.4-4.9 above the inside on a blank image; docs/plateau.md
+# the ring held the peak on 5 of 9 seeds (an edge row 3.4-4.9 above the inside on a blank image; docs/plateau.md
 # section 11, measured). Left out, no run kept an edge more than 0.6 above the inside.
 DEFAULT_INSTANCE_BORDER_CELLS = 1
 # Attention-MIL pooling: ABMIL (``w^T tanh(V h)``) and CLAM's gated form (``w^T (tanh(V h) * sigmoid(U h))``).
@@ -58,7 +58,7 @@ class AttentionSpec:
 
 def attention_border(instance_loss: float, cells: int | None) -> int:
     """The rings of map cells an attention pool leaves out (``model.attention.border_cells``); None: 1 with the
-    instance loss (whose peak the ring held on 4 of 9 seeds without it), else 0 (the heads measured before it)."""
+    instance loss (whose peak the ring held on 5 of 9 seeds without it), else 0 (the heads measured before it)."""
     if cells is not None:
         return cells
     return DEFAULT_INSTANCE_BORDER_CELLS if instance_loss > 0 else 0
