@@ -426,13 +426,16 @@ def test_instance_scores_plain_are_each_branch_s_highest_in_row_major_tie_order(
     assert hs.grad is not None and hs.grad[0, 4, 0, 1] == 1 and hs.grad[0, 4].abs().sum() == 1
 
 
+@pytest.mark.parametrize("border", [0, 1])
 @pytest.mark.parametrize("name", ["torchvision/resnet18", "timm/resnet18"])
-def test_library_models_carry_exact_instance_scores(name: str) -> None:
-    """A backbone users bring with one branch per class and the instance scores: exact against plain, masked."""
+def test_library_models_carry_exact_instance_scores(name: str, border: int) -> None:
+    """A backbone users bring with one branch per class and the instance scores: exact against plain, masked, with
+    and without the border ring left out (``model.attention.border_cells``: sample 1 then keeps 4 cells of 6)."""
     if name.startswith("timm/"):
         pytest.importorskip("timm", reason="timm is an optional extra (wsitrain[timm])")
     torch.manual_seed(0)
-    model = build(name, 2, pool="attention", attention=AttentionSpec(per_class=True, instance_k=6)).double().eval()
+    spec = AttentionSpec(per_class=True, instance_k=6, border=border)
+    model = build(name, 2, pool="attention", attention=spec).double().eval()
     x = torch.rand(2, 3, 160, 192, dtype=torch.float64)
     mask = torch.zeros(2, 1, 5, 6, dtype=torch.bool)
     mask[0, :, 1:4, 1:5] = True
