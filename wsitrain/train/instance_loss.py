@@ -14,8 +14,9 @@ slides (the lesion) above it, which is what the map's pointing game reads.
 The two sides are means over different counts, so a structure of n < k cells that every slide has settles above 0:
 where (1 - sigmoid(s)) = (n / k) sigmoid(s) for j <= n, at sigmoid(s) = k / (j + k) for fewer than j. The map's outer
 ring, computed against the trunk's zero padding, is such a structure, and it held the positive branch's peak on 5 of
-9 seeds (an edge row scoring 3.4-4.9 above the inside on a blank image, docs/plateau.md section 11). With the loss on, the attention pool leaves that ring out
-(``model.attention.border_cells``, 1 by default with the loss: ``AttentionPool(border)``).
+9 seeds (an edge row scoring 3.4-4.9 above the inside on a blank image, docs/plateau.md section 11). With the loss
+on, the attention pool leaves that ring out (``model.attention.border_cells``, 1 by default with the loss:
+``AttentionPool(border)``).
 
 Why (docs/plateau.md sections 9-10, *measured*): one attention branch for all classes learnt to find the negative
 class's evidence, a look-alike, and put its peak there on every positive slide that also carried one (0 of 21 over
