@@ -77,6 +77,15 @@ def head_overrides(pool: str) -> list[str]:
     return HEADS.get(pool, [f"model.pool={pool}"])
 
 
+def map_key(pool: str) -> str:
+    """Which of a run's heatmaps its localisation is scored on: the attention map for a head whose ``model.pool`` is
+    an attention pool, else the positive class's CAM (read from the head's overrides, not its name)."""
+    from wsitrain.models.heads import ATTENTION_POOLS
+
+    built = next((o.split("=", 1)[1] for o in head_overrides(pool) if o.startswith("model.pool=")), pool)
+    return "attention" if built in ATTENTION_POOLS else "cam"
+
+
 def base_config(labels: Path, cohort: Path, runs: Path, args: argparse.Namespace) -> dict[str, Any]:
     """The fit config both inputs share; the input and pool are overrides (see ``run_one``)."""
     cfg: dict[str, Any] = {
@@ -280,8 +289,7 @@ def localise(cfg: Any, run_dir: Path, labels: Path, pool: str) -> dict[str, floa
     with open(os.devnull, "w") as sink:
         run_predict(cfg, checkpoint=run_dir / "last.pt", slides=held, out=run_dir / "held_out.csv",
                     console=Console(file=sink), heatmaps=maps, viewer_files=False)  # fmt: skip
-    key = "attention" if "attention" in pool else "cam"
-    return score_heatmaps(maps, slides_dir / "lesions.json", key=key)
+    return score_heatmaps(maps, slides_dir / "lesions.json", key=map_key(pool))
 
 
 def lookalike_split(where: dict[str, float] | None) -> dict[str, Any]:
@@ -304,7 +312,7 @@ def rescore(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in rows:
         maps = Path(r.get("run_dir") or "") / "heatmaps"
         if r.get("input") == "whole slide" and (maps / "heatmaps.json").exists():
-            where = score_heatmaps(maps, lesions, key="attention" if "attention" in r["pool"] else "cam")
+            where = score_heatmaps(maps, lesions, key=map_key(r["pool"]))
             r = {**r, "pointing_game": _num(where["pointing_game"]), "lesion_mass": _num(where["lesion_mass"]),
                  **lookalike_split(where)}  # fmt: skip
         out.append(r)

@@ -70,3 +70,14 @@ def test_offline_paths_refuse_bad_input(bench: ModuleType, tmp_path: Path, capsy
     assert bench.main(["--out", str(out), "--rerun-baseline", "7"]) == 2
     err = capsys.readouterr().err
     assert "--rerun-baseline 7" in err and "run with --baseline" in err  # the record has no baseline at all
+
+
+def test_a_head_s_map_is_chosen_by_the_pool_it_builds_not_by_its_name(
+    bench: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A named head scores its attention map when its overrides build an attention pool, whatever it is called."""
+    monkeypatch.setitem(bench.HEADS, "clam_w01", ["model.pool=gated_attention", "model.attention.instance_loss=0.1"])
+    assert [bench.map_key(p) for p in ("attention", "gated_attention", "attention_mil_w01", "clam_w01")] == [
+        "attention"] * 4  # fmt: skip
+    assert [bench.map_key(p) for p in ("max", "avg", "topk")] == ["cam"] * 3
+
