@@ -284,7 +284,8 @@ def test_score_layers_are_planned_at_float32_under_bf16() -> None:
 
 
 @pytest.mark.parametrize(("pool", "spec"), [("attention", AttentionSpec()), ("gated_attention", AttentionSpec(dim=16)),
-                                             ("attention", AttentionSpec(per_class=True, instance_k=64))])
+                                             ("attention", AttentionSpec(per_class=True, instance_k=64)),
+                                             ("attention", AttentionSpec(per_class=True, instance_k=64, border=1))])
 def test_budget_holds_when_simulated(pool: str, spec: AttentionSpec) -> None:
     """The real executor on the simulated CUDA device (fake tensors): a whole-slide-sized tiny model with an
     attention head stays within the budget and within 3% above the planner's replay (the accumulator included)."""
