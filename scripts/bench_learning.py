@@ -56,13 +56,23 @@ THUMB_MPP = LESION_MPP * BLOCK  # pyramid level 2: 512 px for a 2048 px slide
 # ``attention_mil`` is CLAM-MB with the MIL instance loss on the positive branch's scores at its defaults
 # (model.attention.instance_loss, docs/plateau.md sections 10-11; the map's outer ring left out, border_cells' default
 # with the loss), ``attention_mil_w01`` the same at a fifth of the weight; ``attention_mil_pos1`` pushes only a
-# positive slide's highest cell up, ``attention_mil_top1`` also only a negative slide's highest down.
+# positive slide's highest cell up, ``attention_mil_top1`` also only a negative slide's highest down;
+# ``attention_mil_stream`` is ``attention_mil`` whose positive branch's 16 highest scores add to the positive logit
+# (model.attention.instance_stream) and whose scores read the trunk's map standardised over the slide (norm: slide);
+# ``attention_mil_w01_stream`` the same at weight 0.1, ``attention_mil_stream_cell`` that with each cell standardised
+# over its channels instead (norm: cell), ``attention_mil_stream_only`` weight 0.1 and the stream without a norm
+# (docs/plateau.md section 12).
 PER_CLASS = ["model.pool=attention", "model.attention.branches=per_class"]
 MIL = [*PER_CLASS, "model.attention.instance_loss=0.5"]
 POS1 = [*MIL, "model.attention.instance_positive_cells=1"]
-HEADS = {"attention_per_class": PER_CLASS, "attention_mil": MIL,
-         "attention_mil_w01": [*PER_CLASS, "model.attention.instance_loss=0.1"], "attention_mil_pos1": POS1,
-         "attention_mil_top1": [*POS1, "model.attention.instance_cells=1"]}  # fmt: skip
+W01 = [*PER_CLASS, "model.attention.instance_loss=0.1"]
+STREAM = [*W01, "model.attention.instance_stream=true"]
+HEADS = {"attention_per_class": PER_CLASS, "attention_mil": MIL, "attention_mil_w01": W01, "attention_mil_pos1": POS1,
+         "attention_mil_top1": [*POS1, "model.attention.instance_cells=1"],
+         "attention_mil_stream": [*MIL, "model.attention.instance_stream=true", "model.attention.norm=slide"],
+         "attention_mil_w01_stream": [*STREAM, "model.attention.norm=slide"],
+         "attention_mil_stream_cell": [*STREAM, "model.attention.norm=cell"],
+         "attention_mil_stream_only": STREAM}  # fmt: skip
 
 
 def available_pools() -> list[str]:

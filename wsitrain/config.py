@@ -36,15 +36,20 @@ from pydantic import (
 from wsitrain.errors import ConfigError, WsiTrainError
 from wsitrain.models.freeze import FreezeSpec
 from wsitrain.models.heads import (
+    ATTENTION_NORMS,
     ATTENTION_POOLS,
+    CELL_NORM,
     DEFAULT_INSTANCE_CELLS,
     DEFAULT_INSTANCE_POSITIVE_CELLS,
     DEFAULT_TOPK,
+    NO_NORM,
     POOLS,
+    SLIDE_NORM,
     TOPK,
     AttentionSpec,
     attention_border,
     carried_scores,
+    positive_index,
 )
 from wsitrain.models.registry import ModelNameError, is_imagenet, resolve_model_name
 from wsitrain.precision import Precision
@@ -233,6 +238,18 @@ class AttentionConfig(Section):
     # the map's outer rings of cells the attention pool leaves out (zero padding sets them apart on every slide);
     # none: 1 with instance_loss, else 0
     border_cells: int | None = Field(None, ge=0, strict=True)
+    # slide: each channel of the scores' input standardised over the slide's map (models/heads.py ATTENTION_NORMS)
+    norm: str = NO_NORM
+    # the positive class's logit adds the mean of its branch's instance_positive_cells highest scores (DSMIL's
+    # max-instance stream): the instance loss's logits decide the slide too
+    instance_stream: bool = False
+
+    @field_validator("norm")
+    @classmethod
+    def _known_norm(cls, value: str) -> str:
+        if value not in ATTENTION_NORMS:
+            raise ValueError(f"unknown norm {value!r}: choose one of {', '.join(ATTENTION_NORMS)}")
+        return value
 
     @model_validator(mode="after")
     def _instance_keys_need_the_loss(self) -> AttentionConfig:
@@ -243,12 +260,19 @@ class AttentionConfig(Section):
             raise ValueError("model.attention.instance_cells, instance_positive_cells and positive_class apply to "
                              "instance_loss, which is 0 "
                              "(set model.attention.instance_loss, e.g. 0.5, or remove them)")  # fmt: skip
+        if self.instance_stream and (self.instance_loss == 0 or self.branches != "per_class"):
+            raise ValueError("model.attention.instance_stream adds the positive branch's instance scores to its "
+                             "class's logit, so it needs instance_loss > 0 and branches: per_class "
+                             "(set both, e.g. instance_loss: 0.1, or remove instance_stream)")  # fmt: skip
         return self
 
-    def spec(self) -> AttentionSpec:
+    def spec(self, class_names: Sequence[str] | None = None) -> AttentionSpec:
+        """The build's spec; ``class_names`` (the run's) place the instance stream on the positive class."""
         k = carried_scores(self.instance_loss, self.instance_cells, self.instance_positive_cells)
+        stream = positive_index(self.positive_class, class_names) if self.instance_stream else None
         return AttentionSpec(self.dim, self.hidden, self.branches == "per_class", k,
-                             attention_border(self.instance_loss, self.border_cells))  # fmt: skip
+                             attention_border(self.instance_loss, self.border_cells), self.norm == SLIDE_NORM,
+                             stream, self.instance_positive_cells, self.norm == CELL_NORM)  # fmt: skip
 
 
 class FreezeConfig(Section):

@@ -48,10 +48,16 @@ class AttentionScores(nn.Module):
     """(B, C, H, W) -> (B, D + K, H, W): projected features ``h`` (D = ``dim`` or C) and K attention scores."""
 
     def __init__(self, channels: int, branches: int = 1, dim: int | None = None, hidden: int | None = None,
-                 gated: bool = False) -> None:  # fmt: skip
+                 gated: bool = False, slide_norm: bool = False, cell_norm: bool = False) -> None:  # fmt: skip
         super().__init__()
         self.project = nn.Conv2d(channels, dim, 1) if dim is not None else None
         width = dim if dim is not None else channels
+        # ``slide_norm``: the scores read each channel standardised over the map (batch statistics always: no running
+        # ones, so training and prediction alike; the engine tiles it exactly in two sweeps, as train-mode BN). Only
+        # the scores read it; the pooled vector stays the trunk's. Why: docs/plateau.md section 12.
+        self.norm = nn.BatchNorm2d(width, affine=False, track_running_stats=False) if slide_norm else None
+        # ``cell_norm``: each cell's vector standardised over its channels (a LayerNorm, pointwise in space)
+        self.cell_norm = nn.LayerNorm(width, elementwise_affine=False) if cell_norm else None
         hidden = hidden or min(DEFAULT_HIDDEN, width)
         self.v = Float32Conv1x1(width, hidden)
         self.u = Float32Conv1x1(width, hidden) if gated else None
@@ -61,9 +67,12 @@ class AttentionScores(nn.Module):
 
     def forward(self, f: torch.Tensor) -> torch.Tensor:
         h = F.relu(self.project(f)) if self.project is not None else f  # (B, D, H, W)
-        a = torch.tanh(self.v(h))
+        z = self.norm(h) if self.norm is not None else h  # (B, D, H, W), per channel mean 0 and variance 1
+        if self.cell_norm is not None:
+            z = self.cell_norm(z.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)  # (B, D, H, W), per cell
+        a = torch.tanh(self.v(z))
         if self.u is not None:
-            a = a * torch.sigmoid(self.u(h))
+            a = a * torch.sigmoid(self.u(z))
         return torch.cat([h, self.w(a)], 1)  # (B, D + K, H, W); float32 under autocast (the scores are)
 
 
@@ -82,6 +91,39 @@ class BranchClassifier(nn.Module):
         return torch.diagonal(scores, dim1=1, dim2=2)  # (B, K)
 
 
+class InstanceStream(InstanceSplit):
+    """CLAM-MB's head with a max-instance stream (``model.attention.instance_stream``): (B, K, C + instance_k) ->
+    (B, K) logits, branch k's vector scored by ``bag`` (a ``BranchClassifier``), and the positive class's logit
+    plus the mean of its branch's ``cells`` highest scores (each kept cell's; -inf past a small mask's are none).
+
+    Why (DSMIL's dual stream, read with the instance loss's logits): without it (and with ``norm: slide``), the
+    instance loss made the positive branch's highest score rank one seed's held-out slides at AUC 0.99 while the
+    attention-pooled classifier still gave every slide about 0.5 (docs/plateau.md section 12, measured). The stream
+    lets those logits decide, and gives the trunk the top cells' gradient undiluted by the map's size, as max pooling
+    does.
+
+    An ``InstanceSplit``: the loss reads its input (the scores) as it reads the split's."""
+
+    def __init__(self, bag: nn.Module, instance_k: int, positive: int, cells: int) -> None:
+        super().__init__(instance_k, flatten=False)
+        if not 0 < cells <= instance_k:
+            raise ValueError(f"the stream reads {cells} scores of the {instance_k} the pool carries")
+        self.bag, self.positive, self.cells = bag, positive, cells
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        c = z.shape[-1] - self.instance_k
+        logits = self.bag(z[..., :c])  # (B, K)
+        top = z[:, self.positive, c : c + self.cells]  # (B, cells), largest first
+        kept = torch.isfinite(top)
+        stream = torch.where(kept, top, 0.0).sum(-1) / kept.sum(-1).clamp(min=1)  # (B,)
+        p = self.positive  # no one-hot tensor: it would be made on the CPU while the engine traces on meta
+        bumped = logits[:, p : p + 1] + stream[:, None].to(logits.dtype)  # (B, 1)
+        return torch.cat([logits[:, :p], bumped, logits[:, p + 1 :]], 1)
+
+    def extra_repr(self) -> str:
+        return f"instance_k={self.instance_k}, positive={self.positive}, cells={self.cells}"
+
+
 def feature_mask(tissue: torch.Tensor, out_hw: tuple[int, int], stride: int) -> torch.Tensor:
     """Tissue mask (B, 1, H, W) or (H, W) at image resolution -> (B, 1, h, w) bool at the map's: a map position
     attends when any pixel of its ``stride`` x ``stride`` cell is tissue (cells past the image edge count as none)."""
@@ -93,4 +135,4 @@ def feature_mask(tissue: torch.Tensor, out_hw: tuple[int, int], stride: int) -> 
     return F.max_pool2d(t, stride, stride) > 0
 
 
-__all__ = ["AttentionPool", "AttentionScores", "BranchClassifier", "InstanceSplit", "feature_mask"]
+__all__ = ["AttentionPool", "AttentionScores", "BranchClassifier", "InstanceSplit", "InstanceStream", "feature_mask"]

@@ -55,7 +55,9 @@ def freeze_batchnorm(model: nn.Module) -> nn.Module:
     identity (an optimizer built earlier still holds them) and ``isinstance(m, nn.BatchNorm2d)`` holds.
     """
     for m in model.modules():
-        if isinstance(m, nn.BatchNorm2d) and not is_frozen_bn(m):
+        # a BatchNorm without running statistics always normalises with its batch's (attention.norm: slide): it has
+        # nothing to freeze
+        if isinstance(m, nn.BatchNorm2d) and not is_frozen_bn(m) and m.running_mean is not None:
             m.__class__ = FrozenBatchNorm2d if type(m) is nn.BatchNorm2d else _frozen_subclass(type(m))
             m.training = False
     return model

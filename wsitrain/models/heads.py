@@ -5,6 +5,7 @@ Torch-free at import: config validation imports this module.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,13 @@ DEFAULT_INSTANCE_POSITIVE_CELLS = 16
 # the ring held the peak on 5 of 9 seeds (an edge row 3.4-4.9 above the inside on a blank image; docs/plateau.md
 # section 11, measured). Left out, no run kept an edge more than 0.6 above the inside.
 DEFAULT_INSTANCE_BORDER_CELLS = 1
+# ``model.attention.norm``: the scores' input as the trunk gives it, or each channel standardised over the slide's map
+# (an instance normalisation: BatchNorm without running statistics, one slide per batch), or each cell's vector over
+# its channels (a LayerNorm). Why: on 6 of 7 attention runs probed, tiny's features grew from a level of 0.03-0.05 at
+# initialisation to 2.4-136 while training and 41-100% of the scores' tanh inputs lay beyond +-2, so the scores were
+# flat; standardised, the level does not reach them (docs/plateau.md section 12, measured).
+NO_NORM, SLIDE_NORM, CELL_NORM = "none", "slide", "cell"
+ATTENTION_NORMS = (NO_NORM, SLIDE_NORM, CELL_NORM)
 # Attention-MIL pooling: ABMIL (``w^T tanh(V h)``) and CLAM's gated form (``w^T (tanh(V h) * sigmoid(U h))``).
 ATTENTION_POOLS = (ATTENTION, GATED_ATTENTION)
 
@@ -43,17 +51,35 @@ class AttentionSpec:
     instance_k: int = 0
     # the map's outer rings of cells the pool leaves out (wsitrain.sft.ops.attention_pool: zero padding's border)
     border: int = 0
+    # each channel of the scores' input standardised over the slide's map first (``model.attention.norm: slide``)
+    slide_norm: bool = False
+    # the class whose logit adds the mean of its branch's this many highest scores (``instance_stream``); None: off
+    stream_class: int | None = None
+    stream_cells: int = DEFAULT_INSTANCE_POSITIVE_CELLS
+    cell_norm: bool = False  # each cell's feature vector standardised over its channels (``norm: cell``)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> AttentionSpec:
-        """From a checkpoint's saved config section (``model.attention``); missing keys take their defaults."""
+    def from_dict(cls, d: dict[str, Any] | None, class_names: Sequence[str] | None = None) -> AttentionSpec:
+        """From a checkpoint's saved config section (``model.attention``) and its class names; missing keys take
+        their defaults."""
         d = d or {}
         loss = float(d.get("instance_loss") or 0)
-        k = carried_scores(loss, int(d.get("instance_cells") or DEFAULT_INSTANCE_CELLS),
-                           int(d.get("instance_positive_cells") or DEFAULT_INSTANCE_POSITIVE_CELLS))  # fmt: skip
+        positive_cells = int(d.get("instance_positive_cells") or DEFAULT_INSTANCE_POSITIVE_CELLS)
+        k = carried_scores(loss, int(d.get("instance_cells") or DEFAULT_INSTANCE_CELLS), positive_cells)
         cells = d.get("border_cells")
+        stream = positive_index(d.get("positive_class"), class_names) if d.get("instance_stream") else None
         return cls(d.get("dim"), d.get("hidden"), d.get("branches", "single") == "per_class", k,
-                   attention_border(loss, None if cells is None else int(cells)))  # fmt: skip
+                   attention_border(loss, None if cells is None else int(cells)), d.get("norm") == SLIDE_NORM,
+                   stream, positive_cells, d.get("norm") == CELL_NORM)  # fmt: skip
+
+
+def positive_index(positive_class: str | None, class_names: Sequence[str] | None) -> int:
+    """The class the MIL assumption calls positive (``model.attention.positive_class``): its index among the run's
+    two classes, the second of them when None. Without the class names (planning on shapes) the second."""
+    if positive_class is None or class_names is None:
+        return 1
+    names = [str(c) for c in class_names]
+    return names.index(positive_class) if positive_class in names else 1
 
 
 def attention_border(instance_loss: float, cells: int | None) -> int:

@@ -16,7 +16,13 @@ from pathlib import Path
 from torch import nn
 
 from wsitrain.errors import WsiTrainError
-from wsitrain.models.attention import AttentionPool, AttentionScores, BranchClassifier, InstanceSplit
+from wsitrain.models.attention import (
+    AttentionPool,
+    AttentionScores,
+    BranchClassifier,
+    InstanceSplit,
+    InstanceStream,
+)
 from wsitrain.models.darknet import darknet19_features
 from wsitrain.models.freeze import FreezeSpec, apply_freeze
 from wsitrain.models.frozen_bn import freeze_batchnorm
@@ -134,7 +140,8 @@ def _pool_layers(pool: str, attention: AttentionSpec, channels: int, classifier:
             glob = nn.AdaptiveAvgPool2d(1) if pool == AVG else nn.AdaptiveMaxPool2d(1)
         return {"pool": glob, "flatten": nn.Flatten(1), "classifier": classifier}
     branches = num_classes if attention.per_class else 1
-    scores = AttentionScores(channels, branches, attention.dim, attention.hidden, gated=pool == GATED_ATTENTION)
+    scores = AttentionScores(channels, branches, attention.dim, attention.hidden, gated=pool == GATED_ATTENTION,
+                             slide_norm=attention.slide_norm, cell_norm=attention.cell_norm)  # fmt: skip
     if attention.dim is not None:
         # the library's pre-logits layers (a LayerNorm, an MLP) expect the trunk's width, not the projection's
         classifier = nn.Linear(attention.dim, num_classes)
@@ -143,6 +150,12 @@ def _pool_layers(pool: str, attention: AttentionSpec, channels: int, classifier:
     flatten: nn.Module = nn.Identity() if branches > 1 else nn.Flatten(1)
     if attention.instance_k:
         flatten = InstanceSplit(attention.instance_k, flatten=branches == 1)
+    if attention.stream_class is not None:  # the scores reach the classifier: no split before it
+        if branches == 1 or not attention.instance_k:
+            raise ValueError("an instance stream needs one attention branch per class and the pool's instance scores")
+        stream = InstanceStream(BranchClassifier(classifier), attention.instance_k, attention.stream_class,
+                                attention.stream_cells)  # fmt: skip
+        return {"attention": scores, "pool": pooled, "classifier": stream}
     if branches > 1:  # (B, K, C) -> class k of branch k (B, K)
         return {"attention": scores, "pool": pooled, "flatten": flatten, "classifier": BranchClassifier(classifier)}
     return {"attention": scores, "pool": pooled, "flatten": flatten, "classifier": classifier}

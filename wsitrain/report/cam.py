@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from wsitrain.errors import WsiTrainError
-from wsitrain.models.attention import BranchClassifier
+from wsitrain.models.attention import BranchClassifier, InstanceStream
 from wsitrain.models.heads import ATTENTION, AVG, MAX, TOPK
 from wsitrain.sft.ops.attention_pool import AttentionPool, InstanceSplit
 from wsitrain.sft.ops.pool_mask import MaskedPool
@@ -42,6 +42,7 @@ class ClassifierHead:
     linear_path: str  # the Linear's module path, for messages
     attention: AttentionPool | None = None  # the attention pool: the trunk's map ends in its branches' scores
     masked: MaskedPool | None = None  # a max / average pool that reads the tissue mask set on it (masked_pool.py)
+    stream: InstanceStream | None = None  # attention with an instance stream: the logits' own head
 
     @property
     def branches(self) -> int:
@@ -86,7 +87,8 @@ def find_head(model: nn.Module) -> ClassifierHead:
     masked = mods[i] if isinstance(mods[i], MaskedPool) and pool is None else None
     name_ = _pool_name(mods[i])
     assert name_ is not None
-    return ClassifierHead(inner[:i], name_, lin.weight.detach(), bias.detach(), name, pool, masked)
+    stream = next((m for m in mods[i + 1 :] if isinstance(m, InstanceStream)), None)
+    return ClassifierHead(inner[:i], name_, lin.weight.detach(), bias.detach(), name, pool, masked, stream)
 
 
 def _pool_name(m: nn.Module) -> str | None:
@@ -95,7 +97,10 @@ def _pool_name(m: nn.Module) -> str | None:
 
 
 def _inner_linear(m: nn.Module) -> nn.Module:
-    """CLAM-MB's ``BranchClassifier`` around a Linear scores as that Linear does (class k of branch k)."""
+    """CLAM-MB's ``BranchClassifier`` around a Linear scores as that Linear does (class k of branch k); an
+    ``InstanceStream`` around one scores the map as its bag classifier does (its stream adds to the logit only)."""
+    if isinstance(m, InstanceStream):
+        m = m.bag
     return m.classifier if isinstance(m, BranchClassifier) else m
 
 

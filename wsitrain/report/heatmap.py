@@ -111,7 +111,10 @@ def slide_maps(
 def _plain_head(head: ClassifierHead, f: torch.Tensor) -> torch.Tensor:
     w, b = head.weight.to(f.device), head.bias.to(f.device)
     if head.attention is not None:
-        v = head.attention(f).to(w.dtype)  # (B, branches, C)
+        pooled = head.attention(f)  # (B, branches, C + the instance scores it carries)
+        if head.stream is not None:
+            return head.stream(pooled)
+        v = pooled[..., : w.shape[1]].to(w.dtype)  # (B, branches, C)
         return v[:, 0] @ w.T + b if v.shape[1] == 1 else (v * w).sum(-1) + b  # one branch per class: its own
     mask = head.masked.mask_at(f.shape[-2], f.shape[-1]) if head.masked is not None else None
     if isinstance(head.masked, MaskedTopKMean):

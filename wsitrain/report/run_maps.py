@@ -34,8 +34,9 @@ def validation_heatmaps(run_dir: Path, out_dir: Path, console: Any = None) -> st
     ckpt = load_checkpoint(ckpt_path)
     classes = [str(c) for c in ckpt.get("class_names") or val["classes"]]
     m = cfg.model
-    model = build(m.name, len(classes), weights=None, pool=m.pool, freeze_bn=m.freeze_bn, attention=m.attention.spec(),
-                  freeze=m.freeze_spec(), mask_pool=m.mask_pool, topk=m.topk)  # fmt: skip
+    model = build(m.name, len(classes), weights=None, pool=m.pool, freeze_bn=m.freeze_bn,
+                  attention=m.attention.spec(classes), freeze=m.freeze_spec(), mask_pool=m.mask_pool,
+                  topk=m.topk)  # fmt: skip
     model.load_state_dict(ckpt["model"])
     device = "cuda" if cfg.engine.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
     e = cfg.engine

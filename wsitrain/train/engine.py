@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -46,9 +47,11 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         torch.backends.cudnn.benchmark = False
 
 
-def build_model(m: ModelConfig, num_classes: int) -> nn.Module:
+def build_model(m: ModelConfig, num_classes: int, class_names: Sequence[str] | None = None) -> nn.Module:
+    """The run's model; ``class_names`` (a classification's) place an attention head's instance stream."""
     return build(
-        m.name, num_classes, weights=m.weights, pool=m.pool, freeze_bn=m.freeze_bn, attention=m.attention.spec(),
+        m.name, num_classes, weights=m.weights, pool=m.pool, freeze_bn=m.freeze_bn,
+        attention=m.attention.spec(class_names),
         freeze=m.freeze_spec(),
         mask_pool=m.mask_pool, topk=m.topk,
     )
@@ -56,16 +59,21 @@ def build_model(m: ModelConfig, num_classes: int) -> nn.Module:
 
 def batchnorm_note(model: nn.Module, freeze_bn: bool) -> str:
     """One log line saying what happens to BatchNorm, since it changes what training does."""
-    n = sum(isinstance(mod, nn.modules.batchnorm._BatchNorm) for mod in model.modules())
+    norms = [mod for mod in model.modules() if isinstance(mod, nn.modules.batchnorm._BatchNorm)]
+    n = sum(mod.running_mean is not None for mod in norms)
+    # model.attention.norm: slide has no running statistics: neither frozen nor in training mode, always the slide's
+    slide = (f"; {len(norms) - n} without running statistics (model.attention.norm: slide) normalise with each "
+             "slide's own, in extra sweeps") if len(norms) > n else ""  # fmt: skip
     if n == 0:
-        return "BatchNorm: the model has none"
+        return "BatchNorm: the model has none" + slide
     if freeze_bn:
         return (
             f"BatchNorm: {n} layers frozen (running statistics fixed, affine trained; model.freeze_bn: false to change)"
+            + slide
         )
     return (
         f"BatchNorm: {n} layers in training mode (statistics of the whole batch; tiled segments holding them "
-        "run extra sweeps over their tiles)"
+        "run extra sweeps over their tiles)" + slide
     )
 
 

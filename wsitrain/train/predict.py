@@ -134,7 +134,7 @@ def run_predict(
     m = {**config_to_dict(cfg)["model"], **(trained.get("model") or {})}
     n_outputs = objective.n_outputs if objective is not None else len(class_names)
     model = build(m["name"], n_outputs, weights=None, pool=m["pool"], freeze_bn=m["freeze_bn"],
-                  attention=AttentionSpec.from_dict(m.get("attention")), mask_pool=m["mask_pool"],
+                  attention=AttentionSpec.from_dict(m.get("attention"), class_names), mask_pool=m["mask_pool"],
                   freeze=FreezeSpec.from_dict(m.get("freeze")), topk=m.get("topk", DEFAULT_TOPK))  # fmt: skip
     model.load_state_dict(ckpt["model"])
     device = resolve_device(cfg.engine.device)

@@ -201,7 +201,7 @@ class FitRecipe:
         n_outputs = self.objective.n_outputs if self.objective is not None else len(self.data.class_names)
 
         seed_everything(cfg.seed, cfg.deterministic)
-        self.model = build_model(cfg.model, n_outputs)
+        self.model = build_model(cfg.model, n_outputs, self.data.class_names if self.objective is None else None)
         softmax_loss = self.objective is None and str(t.loss) == "cross_entropy"
         self.engine = wrap_engine(
             self.model, cfg.engine, self.device, self.budget.bytes, t.optimizer, one_pass_loss(n_outputs, softmax_loss),
