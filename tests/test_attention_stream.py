@@ -6,7 +6,6 @@ The slide norm is a BatchNorm without running statistics on the scores' input: t
 
 from __future__ import annotations
 
-import copy
 from collections import OrderedDict
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-from test_sft_attention import F64, SHAPE, assert_same, step, tissue
+from test_sft_attention import F64, check_bf16, check_library_model, compare, tissue
 from test_sft_multipass import multipass_segments
 from tiny_runs import config_file, finished_run, invoke, synthetic_slides
 from torch import nn
@@ -25,7 +24,6 @@ from wsitrain.models.attention import AttentionScores, BranchClassifier, Instanc
 from wsitrain.models.frozen_bn import freeze_batchnorm
 from wsitrain.models.heads import AttentionSpec
 from wsitrain.report.cam import find_head
-from wsitrain.sft import SFT
 from wsitrain.sft.ops.attention_pool import AttentionPool, instance_scores
 from wsitrain.train.instance_loss import InstanceLoss, InstanceLossSpec
 
@@ -44,19 +42,6 @@ def net(slide_norm: bool, stream: bool, k: int = 4, border: int = 0, gated: bool
         ("pool", AttentionPool(2, k if stream else 0, border)),
         *head,
     ]))  # fmt: skip
-
-
-def compare(model: nn.Module, mask: torch.Tensor | None, tile: int = 16) -> SFT:
-    torch.manual_seed(1)
-    x = torch.randn(*SHAPE, dtype=torch.float64)
-    twin = copy.deepcopy(model)
-    ref = step(model, x, mask)
-    sft = SFT(twin, tile_size=tile, memory_budget="1GiB")
-    got = step(sft, x, mask)
-    assert_same(got, ref, [n for n, _ in model.named_parameters()])
-    p = sft.plan_for(SHAPE, input_dtype=torch.float64)
-    assert p.segments[-1].fused_pool == "attention" and p.segments[-1].n_tiles > 1, "must fuse and really tile"
-    return sft
 
 
 @pytest.mark.parametrize("masked", [False, True], ids=["all", "masked"])
@@ -123,13 +108,7 @@ def test_library_models_with_the_norm_and_the_stream(name: str) -> None:
     spec = AttentionSpec(per_class=True, instance_k=6, border=1, slide_norm=True, stream_class=1, stream_cells=4)
     model = build(name, 2, pool="attention", attention=spec).double().eval()
     assert isinstance(model.classifier, InstanceStream) and model.attention.norm is not None
-    x = torch.rand(2, 3, 160, 192, dtype=torch.float64)
-    mask = torch.zeros(2, 1, 5, 6, dtype=torch.bool)
-    mask[0, :, 1:4, 1:5] = True
-    mask[1, :, 2:, :3] = True
-    ref = step(model, x, mask)
-    got = step(SFT(copy.deepcopy(model), tile_size=64, memory_budget="2GiB"), x, mask)
-    assert_same(got, ref, [n for n, _ in model.named_parameters()])
+    check_library_model(model)
 
 
 def test_frozen_batchnorm_leaves_the_slide_norm_alone() -> None:
@@ -219,19 +198,8 @@ def test_budget_holds_when_simulated(norm: str) -> None:
 @pytest.mark.parametrize("norm", ["slide", "cell"])
 def test_bf16_no_worse_than_plain(norm: str) -> None:
     """Under bf16 autocast the tiled step's gradients are as close to float64's as plain bf16's."""
-    from test_sft_multipass import assert_bf16_no_worse
-
     torch.manual_seed(8)
-    model = net(norm == "slide", stream=True, cell_norm=norm == "cell")
-    twin, ref = copy.deepcopy(model), copy.deepcopy(model).double()
-    x = torch.randn(*SHAPE)
-    mask = tissue()
-    with ref.pool.masked(mask):
-        ref(x.double()).square().sum().backward()
-    with torch.autocast("cpu", dtype=torch.bfloat16), model.pool.masked(mask), twin.pool.masked(mask):
-        model(x).float().square().sum().backward()
-        SFT(twin, tile_size=16, memory_budget="1GiB")(x).float().square().sum().backward()
-    assert_bf16_no_worse(ref, model, twin)
+    check_bf16(net(norm == "slide", stream=True, cell_norm=norm == "cell"))
 
 
 def test_the_log_line_says_what_the_slide_norm_does() -> None:

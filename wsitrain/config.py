@@ -92,6 +92,13 @@ class Section(BaseModel):
         return value
 
 
+def one_of(value: str, choices: Sequence[str], what: str) -> str:
+    """``value`` when it is one of a vocabulary's ``choices``; else the error naming them."""
+    if value not in choices:
+        raise ValueError(f"unknown {what} {value!r}: choose one of {', '.join(choices)}")
+    return value
+
+
 def check_run_name(name: str, what: str = "name") -> str | None:
     """A problem text when ``name`` cannot be a run folder directly inside log.dir, else None.
 
@@ -244,12 +251,7 @@ class AttentionConfig(Section):
     # max-instance stream): the instance loss's logits decide the slide too
     instance_stream: bool = False
 
-    @field_validator("norm")
-    @classmethod
-    def _known_norm(cls, value: str) -> str:
-        if value not in ATTENTION_NORMS:
-            raise ValueError(f"unknown norm {value!r}: choose one of {', '.join(ATTENTION_NORMS)}")
-        return value
+    _known_norm = field_validator("norm")(lambda value: one_of(value, ATTENTION_NORMS, "norm"))
 
     @model_validator(mode="after")
     def _instance_keys_need_the_loss(self) -> AttentionConfig:
@@ -322,12 +324,7 @@ class ModelConfig(Section):
     # no class decided on the background or the image border (README "Pooling"; false: the whole map, as before)
     mask_pool: Annotated[bool, Field(strict=True)] = True
 
-    @field_validator("pool")
-    @classmethod
-    def _known_pool(cls, value: str) -> str:
-        if value not in POOLS:
-            raise ValueError(f"unknown pool {value!r}: choose one of {', '.join(POOLS)}")
-        return value
+    _known_pool = field_validator("pool")(lambda value: one_of(value, POOLS, "pool"))
 
     @model_validator(mode="after")
     def _attention_needs_attention_pool(self) -> ModelConfig:
