@@ -28,8 +28,7 @@ from wsitrain.sft.ops.attention_pool import AttentionPool, instance_scores
 from wsitrain.train.instance_loss import InstanceLoss, InstanceLossSpec
 
 
-def net(slide_norm: bool, stream: bool, k: int = 4, border: int = 0, gated: bool = False,
-        cell_norm: bool = False) -> nn.Sequential:  # fmt: skip
+def net(norm: str, stream: bool, k: int = 4, border: int = 0, gated: bool = False) -> nn.Sequential:
     """conv-ReLU-maxpool-conv-ReLU, two attention branches (CLAM-MB), the pool carrying k scores, then the stream
     head (class 1's logit plus branch 1's 3 highest scores' mean) or the plain split."""
     layers = [nn.Conv2d(3, 6, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(6, 5, 3, padding=1), nn.ReLU()]
@@ -38,7 +37,7 @@ def net(slide_norm: bool, stream: bool, k: int = 4, border: int = 0, gated: bool
         ("fc", bag)]  # fmt: skip
     return nn.Sequential(OrderedDict([
         ("features", nn.Sequential(*layers)),
-        ("attention", AttentionScores(5, 2, hidden=4, gated=gated, slide_norm=slide_norm, cell_norm=cell_norm)),
+        ("attention", AttentionScores(5, 2, hidden=4, gated=gated, norm=norm)),
         ("pool", AttentionPool(2, k if stream else 0, border)),
         *head,
     ]))  # fmt: skip
@@ -49,7 +48,7 @@ def net(slide_norm: bool, stream: bool, k: int = 4, border: int = 0, gated: bool
 def test_the_slide_norm_is_exact_and_runs_in_sweeps(masked: bool, tile: int) -> None:
     """Ragged tiles, batch 2 (the statistics are the batch's, as plain BatchNorm's), with and without a mask."""
     torch.manual_seed(0)
-    sft = compare(net(slide_norm=True, stream=False).double(), tissue() if masked else None, tile)
+    sft = compare(net("slide", stream=False).double(), tissue() if masked else None, tile)
     segs = multipass_segments(sft)
     assert segs and all(s.regions.grid[0] * s.regions.grid[1] > 1 for s in segs), "the norm's barrier must tile"
 
@@ -59,15 +58,14 @@ def test_the_slide_norm_is_exact_and_runs_in_sweeps(masked: bool, tile: int) -> 
 @pytest.mark.parametrize("masked", [False, True], ids=["all", "masked"])
 def test_the_stream_is_exact(norm: str, border: int, masked: bool) -> None:
     torch.manual_seed(0)
-    model = net(norm == "slide", stream=True, border=border, gated=border == 1, cell_norm=norm == "cell")
-    compare(model.double(), tissue() if masked else None)
+    compare(net(norm, stream=True, border=border, gated=border == 1).double(), tissue() if masked else None)
 
 
 def test_the_stream_adds_the_positive_branch_s_highest_scores_to_its_class() -> None:
     """logits = the bag classifier's + (class 1 only) the mean of branch 1's 3 highest kept scores; a sample whose
     mask keeps fewer cells than that averages the ones it has (no -inf, no nan)."""
     torch.manual_seed(2)
-    model = net(slide_norm=False, stream=True).double()
+    model = net("none", stream=True).double()
     x = torch.randn(2, 3, 20, 24, dtype=torch.float64)  # a 10 x 12 map
     mask = torch.zeros(2, 1, 10, 12, dtype=torch.bool)
     mask[0, :, 2:6, 3:9] = True
@@ -89,7 +87,7 @@ def test_the_stream_adds_the_positive_branch_s_highest_scores_to_its_class() -> 
 def test_the_instance_loss_reads_the_stream_s_scores() -> None:
     """The stream is the split the loss hooks: it reads the same scores as without the stream."""
     torch.manual_seed(3)
-    model = net(slide_norm=True, stream=True).double()
+    model = net("slide", stream=True).double()
     loss = InstanceLoss(model, InstanceLossSpec(0.5, positive=1, branch=1, negative_cells=4, positive_cells=3))
     x = torch.randn(1, 3, 20, 24, dtype=torch.float64)
     with loss.captured() as cap:
@@ -105,7 +103,7 @@ def test_library_models_with_the_norm_and_the_stream(name: str) -> None:
     if name.startswith("timm/"):
         pytest.importorskip("timm", reason="timm is an optional extra (wsitrain[timm])")
     torch.manual_seed(0)
-    spec = AttentionSpec(per_class=True, instance_k=6, border=1, slide_norm=True, stream_class=1, stream_cells=4)
+    spec = AttentionSpec(per_class=True, instance_k=6, border=1, norm="slide", stream_class=1, stream_cells=4)
     model = build(name, 2, pool="attention", attention=spec).double().eval()
     assert isinstance(model.classifier, InstanceStream) and model.attention.norm is not None
     check_library_model(model)
@@ -114,7 +112,7 @@ def test_library_models_with_the_norm_and_the_stream(name: str) -> None:
 def test_frozen_batchnorm_leaves_the_slide_norm_alone() -> None:
     """freeze_bn (every run's default) freezes the trunk's BatchNorms; the slide norm has no running statistics, so
     it keeps normalising with the slide's own, in training and prediction alike."""
-    spec = AttentionSpec(per_class=True, instance_k=4, slide_norm=True, stream_class=1, stream_cells=4)
+    spec = AttentionSpec(per_class=True, instance_k=4, norm="slide", stream_class=1, stream_cells=4)
     model = freeze_batchnorm(build("resnet18", 2, pool="attention", attention=spec, freeze_bn=False))
     assert type(model.attention.norm) is nn.BatchNorm2d and model.attention.norm.running_mean is None
     assert type(model.features.bn1) is not nn.BatchNorm2d  # the trunk's were frozen
@@ -127,14 +125,14 @@ def test_config_and_checkpoints() -> None:
     m = ModelConfig(pool="attention", attention={"branches": "per_class", "instance_loss": 0.1, "norm": "slide",
                                                  "instance_stream": True})  # fmt: skip
     assert m.attention.spec(["benign", "tumour"]) == AttentionSpec(
-        per_class=True, instance_k=64, border=1, slide_norm=True, stream_class=1, stream_cells=16)
+        per_class=True, instance_k=64, border=1, norm="slide", stream_class=1, stream_cells=16)
     first = AttentionConfig(branches="per_class", instance_loss=0.1, instance_stream=True, positive_class="a")
     assert first.spec(["a", "b"]).stream_class == 0  # the positive class, wherever it sorts
     assert first.spec().stream_class == 1  # planning on shapes: the index does not change a shape
     assert AttentionConfig().spec() == AttentionSpec()  # both off by default
-    assert AttentionConfig(norm="slide").spec() == AttentionSpec(slide_norm=True)  # the norm works for any head
-    assert AttentionConfig(norm="cell").spec() == AttentionSpec(cell_norm=True)
-    assert AttentionSpec.from_dict({"norm": "cell"}) == AttentionSpec(cell_norm=True)
+    assert AttentionConfig(norm="slide").spec() == AttentionSpec(norm="slide")  # the norm works for any head
+    assert AttentionConfig(norm="cell").spec() == AttentionSpec(norm="cell")
+    assert AttentionSpec.from_dict({"norm": "cell"}) == AttentionSpec(norm="cell")
     saved = config_to_dict(WsiTrainConfig.model_validate({"model": m.model_dump()}))["model"]["attention"]
     assert AttentionSpec.from_dict(saved, ["benign", "tumour"]) == m.attention.spec(["benign", "tumour"])
     assert AttentionSpec.from_dict({"instance_loss": 0.5}) == AttentionSpec(instance_k=64, border=1)  # older ones
@@ -148,7 +146,7 @@ def test_config_and_checkpoints() -> None:
 
 def test_heatmaps_read_through_the_stream() -> None:
     """The maps' head is the bag classifier's Linear, the stream is the logits' own: a plain model's logits agree."""
-    spec = AttentionSpec(per_class=True, instance_k=4, slide_norm=True, stream_class=1, stream_cells=2)
+    spec = AttentionSpec(per_class=True, instance_k=4, norm="slide", stream_class=1, stream_cells=2)
     model = build("tiny", 2, pool="attention", attention=spec).double().eval()
     head = find_head(model)
     assert head.stream is model.classifier and head.weight.shape == (2, 32) and head.pool == "attention"
@@ -185,8 +183,7 @@ def test_budget_holds_when_simulated(norm: str) -> None:
     gap is bounded here so that a larger one fails."""
     from wsitrain.sft.simulate import simulate_step, simulation_text
 
-    spec = AttentionSpec(per_class=True, instance_k=64, border=1, slide_norm=norm == "slide",
-                         cell_norm=norm == "cell", stream_class=1, stream_cells=16)  # fmt: skip
+    spec = AttentionSpec(per_class=True, instance_k=64, border=1, norm=norm, stream_class=1, stream_cells=16)
     with torch.device("meta"):
         m = build("tiny", 2, pool="attention", attention=spec)
     s = simulate_step(m, (1, 3, 4096, 4096), "200MiB")
@@ -199,13 +196,13 @@ def test_budget_holds_when_simulated(norm: str) -> None:
 def test_bf16_no_worse_than_plain(norm: str) -> None:
     """Under bf16 autocast the tiled step's gradients are as close to float64's as plain bf16's."""
     torch.manual_seed(8)
-    check_bf16(net(norm == "slide", stream=True, cell_norm=norm == "cell"))
+    check_bf16(net(norm, stream=True))
 
 
 def test_the_log_line_says_what_the_slide_norm_does() -> None:
     from wsitrain.train.engine import batchnorm_note
 
-    spec = AttentionSpec(per_class=True, instance_k=4, slide_norm=True, stream_class=1, stream_cells=4)
+    spec = AttentionSpec(per_class=True, instance_k=4, norm="slide", stream_class=1, stream_cells=4)
     assert batchnorm_note(build("tiny", 2, pool="attention", attention=spec), True) == (
         "BatchNorm: the model has none; 1 without running statistics (model.attention.norm: slide) normalise with "
         "each slide's own, in extra sweeps")  # fmt: skip

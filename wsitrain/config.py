@@ -38,13 +38,11 @@ from wsitrain.models.freeze import FreezeSpec
 from wsitrain.models.heads import (
     ATTENTION_NORMS,
     ATTENTION_POOLS,
-    CELL_NORM,
     DEFAULT_INSTANCE_CELLS,
     DEFAULT_INSTANCE_POSITIVE_CELLS,
     DEFAULT_TOPK,
     NO_NORM,
     POOLS,
-    SLIDE_NORM,
     TOPK,
     AttentionSpec,
     attention_border,
@@ -245,7 +243,8 @@ class AttentionConfig(Section):
     # the map's outer rings of cells the attention pool leaves out (zero padding sets them apart on every slide);
     # none: 1 with instance_loss, else 0
     border_cells: int | None = Field(None, ge=0, strict=True)
-    # slide: each channel of the scores' input standardised over the slide's map (models/heads.py ATTENTION_NORMS)
+    # what the scores read (models/heads.py ATTENTION_NORMS): none, the trunk's map; slide, each channel standardised
+    # over the slide's map; cell, each cell's vector over its channels
     norm: str = NO_NORM
     # the positive class's logit adds the mean of its branch's instance_positive_cells highest scores (DSMIL's
     # max-instance stream): the instance loss's logits decide the slide too
@@ -273,8 +272,8 @@ class AttentionConfig(Section):
         k = carried_scores(self.instance_loss, self.instance_cells, self.instance_positive_cells)
         stream = positive_index(self.positive_class, class_names) if self.instance_stream else None
         return AttentionSpec(self.dim, self.hidden, self.branches == "per_class", k,
-                             attention_border(self.instance_loss, self.border_cells), self.norm == SLIDE_NORM,
-                             stream, self.instance_positive_cells, self.norm == CELL_NORM)  # fmt: skip
+                             attention_border(self.instance_loss, self.border_cells), self.norm, stream,
+                             self.instance_positive_cells)  # fmt: skip
 
 
 class FreezeConfig(Section):

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from wsitrain.models.heads import ATTENTION_NORMS, CELL_NORM, NO_NORM, SLIDE_NORM
 from wsitrain.sft.ops.attention_pool import AttentionPool, InstanceSplit, without_autocast
 
 # ABMIL / CLAM's attention width (CLAM "small": 512 -> 256); with a projection the hidden width follows it.
@@ -44,20 +45,33 @@ class Float32Conv1x1(nn.Conv2d):
             return super().forward(x.to(self.weight.dtype))
 
 
+class CellNorm(nn.LayerNorm):
+    """(B, C, H, W) -> each position's C values standardised (a LayerNorm over channels, pointwise in space; the engine
+    traces it as permute, layer_norm, permute, as ConvNeXt's LayerNorm2d)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
 class AttentionScores(nn.Module):
     """(B, C, H, W) -> (B, D + K, H, W): projected features ``h`` (D = ``dim`` or C) and K attention scores."""
 
     def __init__(self, channels: int, branches: int = 1, dim: int | None = None, hidden: int | None = None,
-                 gated: bool = False, slide_norm: bool = False, cell_norm: bool = False) -> None:  # fmt: skip
+                 gated: bool = False, norm: str = NO_NORM) -> None:  # fmt: skip
         super().__init__()
         self.project = nn.Conv2d(channels, dim, 1) if dim is not None else None
         width = dim if dim is not None else channels
-        # ``slide_norm``: the scores read each channel standardised over the map (batch statistics always: no running
-        # ones, so training and prediction alike; the engine tiles it exactly in two sweeps, as train-mode BN). Only
-        # the scores read it; the pooled vector stays the trunk's. Why: docs/plateau.md section 12.
-        self.norm = nn.BatchNorm2d(width, affine=False, track_running_stats=False) if slide_norm else None
-        # ``cell_norm``: each cell's vector standardised over its channels (a LayerNorm, pointwise in space)
-        self.cell_norm = nn.LayerNorm(width, elementwise_affine=False) if cell_norm else None
+        # ``norm`` (heads.ATTENTION_NORMS): what the scores read. SLIDE_NORM: each channel standardised over the map
+        # (batch statistics always: no running ones, so training and prediction alike; the engine tiles it exactly in
+        # two sweeps, as train-mode BN); CELL_NORM: each cell's vector over its channels. Only the scores read it; the
+        # pooled vector stays the trunk's. Why: docs/plateau.md section 12.
+        self.norm: nn.Module | None = None
+        if norm == SLIDE_NORM:
+            self.norm = nn.BatchNorm2d(width, affine=False, track_running_stats=False)
+        elif norm == CELL_NORM:
+            self.norm = CellNorm(width, elementwise_affine=False)
+        elif norm != NO_NORM:
+            raise ValueError(f"unknown norm {norm!r}: choose one of {', '.join(ATTENTION_NORMS)}")
         hidden = hidden or min(DEFAULT_HIDDEN, width)
         self.v = Float32Conv1x1(width, hidden)
         self.u = Float32Conv1x1(width, hidden) if gated else None
@@ -67,9 +81,7 @@ class AttentionScores(nn.Module):
 
     def forward(self, f: torch.Tensor) -> torch.Tensor:
         h = F.relu(self.project(f)) if self.project is not None else f  # (B, D, H, W)
-        z = self.norm(h) if self.norm is not None else h  # (B, D, H, W), per channel mean 0 and variance 1
-        if self.cell_norm is not None:
-            z = self.cell_norm(z.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)  # (B, D, H, W), per cell
+        z = self.norm(h) if self.norm is not None else h  # (B, D, H, W)
         a = torch.tanh(self.v(z))
         if self.u is not None:
             a = a * torch.sigmoid(self.u(z))

@@ -51,12 +51,12 @@ class AttentionSpec:
     instance_k: int = 0
     # the map's outer rings of cells the pool leaves out (wsitrain.sft.ops.attention_pool: zero padding's border)
     border: int = 0
-    # each channel of the scores' input standardised over the slide's map first (``model.attention.norm: slide``)
-    slide_norm: bool = False
+    # what the scores read: the trunk's map (NO_NORM), or it standardised per channel over the slide (SLIDE_NORM) or
+    # per cell over its channels (CELL_NORM): ``model.attention.norm``
+    norm: str = NO_NORM
     # the class whose logit adds the mean of its branch's this many highest scores (``instance_stream``); None: off
     stream_class: int | None = None
     stream_cells: int = DEFAULT_INSTANCE_POSITIVE_CELLS
-    cell_norm: bool = False  # each cell's feature vector standardised over its channels (``norm: cell``)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None, class_names: Sequence[str] | None = None) -> AttentionSpec:
@@ -69,8 +69,8 @@ class AttentionSpec:
         cells = d.get("border_cells")
         stream = positive_index(d.get("positive_class"), class_names) if d.get("instance_stream") else None
         return cls(d.get("dim"), d.get("hidden"), d.get("branches", "single") == "per_class", k,
-                   attention_border(loss, None if cells is None else int(cells)), d.get("norm") == SLIDE_NORM,
-                   stream, positive_cells, d.get("norm") == CELL_NORM)  # fmt: skip
+                   attention_border(loss, None if cells is None else int(cells)), d.get("norm") or NO_NORM, stream,
+                   positive_cells)  # fmt: skip
 
 
 def positive_index(positive_class: str | None, class_names: Sequence[str] | None) -> int:

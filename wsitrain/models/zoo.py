@@ -141,7 +141,7 @@ def _pool_layers(pool: str, attention: AttentionSpec, channels: int, classifier:
         return {"pool": glob, "flatten": nn.Flatten(1), "classifier": classifier}
     branches = num_classes if attention.per_class else 1
     scores = AttentionScores(channels, branches, attention.dim, attention.hidden, gated=pool == GATED_ATTENTION,
-                             slide_norm=attention.slide_norm, cell_norm=attention.cell_norm)  # fmt: skip
+                             norm=attention.norm)  # fmt: skip
     if attention.dim is not None:
         # the library's pre-logits layers (a LayerNorm, an MLP) expect the trunk's width, not the projection's
         classifier = nn.Linear(attention.dim, num_classes)
