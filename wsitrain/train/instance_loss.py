@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from wsitrain.errors import WsiTrainError
-from wsitrain.models.heads import DEFAULT_INSTANCE_POSITIVE_CELLS
+from wsitrain.models.heads import DEFAULT_INSTANCE_POSITIVE_CELLS, positive_index
 from wsitrain.sft.ops.attention_pool import InstanceSplit, instance_scores
 
 
@@ -121,11 +121,8 @@ def instance_loss_spec(weight: float, cells: int, positive_class: str | None, pe
                             f"labels have {len(class_names)}: {', '.join(map(str, class_names))}",
                             hint="remove model.attention.instance_loss (or set it to 0)")  # fmt: skip
     names = [str(c) for c in class_names]
-    if positive_class is None:
-        positive = 1
-    elif positive_class in names:
-        positive = names.index(positive_class)
-    else:
+    if positive_class is not None and positive_class not in names:
         raise WsiTrainError(f"model.attention.positive_class is {positive_class!r}, not one of the classes",
                             hint=f"choose one of: {', '.join(names)}")  # fmt: skip
+    positive = positive_index(positive_class, names)  # the class the instance stream, if on, adds to as well
     return InstanceLossSpec(weight, positive, positive if per_class else 0, cells, positive_cells)
