@@ -12,8 +12,9 @@ at thumbnail scale separates the classes.
 
 For each seed, the slides are split, stratified by label, into ``--train`` training slides and the rest held out
 (the CSV's ``split`` column: ``train`` / ``val``; the held-out slides are never used to choose anything: the AUC
-reported is the last epoch's, not the best). Then the *same product run* trains the ``tiny`` built-in model, through
-``wsitrain fit``'s Python API (``run_fit``) with the config below and the seed's ``seed``, on two inputs:
+reported is the last epoch's, not the best). Then the *same product run* trains the ``tiny`` built-in model
+(``--model``: another, from random weights; ``--device cuda``: on a GPU), through ``wsitrain fit``'s Python API
+(``run_fit``) with the config below and the seed's ``seed``, on two inputs:
 
 - **whole slide**: level 0 (every pixel, 2.5 um/px), cropped to the tissue, once per ``--pools`` entry
   (``model.pool``: ``avg``, ``max``, and ``attention`` where this wsitrain has it);
@@ -107,10 +108,10 @@ def base_config(labels: Path, cohort: Path, runs: Path, args: argparse.Namespace
             "read_threads": 1,
             "augment": {"flips": True, "rot90": True},
         },
-        "model": {"name": "tiny", "pool": "max"},
+        "model": {"name": args.model, "pool": "max"},
         # Large enough that the tiny model runs plain at 2048 px (no tiling: the fastest on a CPU); the engine
         # still plans every slide.
-        "engine": {"memory_budget": "6GiB", "device": "cpu"},
+        "engine": {"memory_budget": "6GiB", "device": args.device},
         "train": {
             "epochs": args.epochs,
             "optimizer": "adamw",
@@ -144,8 +145,10 @@ def split_csv(cohort: Path, labels_csv: Path, seed: int, n_train: int, out: Path
     return path
 
 
-def run_one(base: dict[str, Any], work: Path, labels: Path, seed: int, pool: str, thumbnail: bool) -> dict[str, Any]:
-    """One ``wsitrain fit`` run; its held-out metrics from the run folder's summary.json."""
+def run_one(base: dict[str, Any], work: Path, labels: Path, seed: int, pool: str, thumbnail: bool,
+            extra: tuple[str, ...] = ()) -> dict[str, Any]:  # fmt: skip
+    """One ``wsitrain fit`` run (``extra``: more config overrides); its held-out metrics from the run folder's
+    summary.json."""
     from rich.console import Console
 
     from wsitrain.train.fit import run_fit
@@ -153,7 +156,7 @@ def run_one(base: dict[str, Any], work: Path, labels: Path, seed: int, pool: str
     cfg_path = work / "base.yaml"
     cfg_path.write_text(yaml.safe_dump(base))
     name = f"{'thumb' if thumbnail else 'whole'}-{pool}-seed{seed}"
-    overrides = [f"seed={seed}", *head_overrides(pool), f"data.labels={labels}", f"name={name}"]
+    overrides = [f"seed={seed}", *head_overrides(pool), *extra, f"data.labels={labels}", f"name={name}"]
     if thumbnail:
         overrides.append(f"data.mpp={THUMB_MPP}")
     cfg = load_config(cfg_path, overrides)
@@ -167,7 +170,12 @@ def run_one(base: dict[str, Any], work: Path, labels: Path, seed: int, pool: str
     last = val[-1] if val else {}
     sizes = [m.get("shape") for m in metrics if m.get("kind") == "train"]
     t1 = time.perf_counter()
-    where = None if thumbnail else localise(cfg, run_dir, labels, pool)
+    where, failed = None, None
+    if not thumbnail:
+        try:  # a run's metrics are measured even where its maps cannot be made; the row says why
+            where = localise(cfg, run_dir, labels, pool)
+        except Exception as e:  # noqa: BLE001 (any failure of predict --heatmaps)
+            failed = f"{type(e).__name__}: {e}"
     return {
         "kind": "run",
         "input": "thumbnail" if thumbnail else "whole slide",
@@ -183,6 +191,7 @@ def run_one(base: dict[str, Any], work: Path, labels: Path, seed: int, pool: str
         "lesion_mass": None if where is None else _num(where["lesion_mass"]),
         **lookalike_split(where),
         "localise_s": None if where is None else round(time.perf_counter() - t1, 1),
+        "localise_error": failed,
         "first_train_loss": _num(summary.get("first_epoch_train_loss")),
         "last_train_loss": _num(summary.get("last_epoch_train_loss")),
         "mean_slide_s": _num(summary.get("mean_slide_s")),
@@ -351,6 +360,7 @@ def _num(x: Any) -> float | None:
 def machine() -> dict[str, Any]:
     return {
         "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "nproc": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "platform": platform.platform(),
@@ -415,20 +425,34 @@ def _mean_std(xs: list[float]) -> str:
     return f"{statistics.mean(xs):.3f} ± {sd:.3f}"
 
 
+def _where(setup: dict[str, Any]) -> str:
+    """The machine a table was measured on: the GPU when the runs used one, else the CPU."""
+    m = setup["machine"]
+    if setup.get("device") == "cuda":
+        return f"one {m.get('gpu')} ({m['nproc']}-core host)"
+    return f"a {m['nproc']}-core CPU (no GPU)"
+
+
+def _with(setup: dict[str, Any]) -> str:
+    """The runs' extra config overrides (``--set``), as the table's setup line names them."""
+    return "".join(f", `{o}`" for o in setup.get("overrides") or [])
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
     head = next(r for r in rows if r["kind"] == "setup")
     m = head["machine"]
     lines = [
         "# Why whole slides: a learning benchmark (measured)",
         "",
-        f"Measured on a {m['nproc']}-core CPU (no GPU), {m['torch_threads']} intra-op thread, torch {m['torch']}, "
+        f"Measured on {_where(head)}, {m['torch_threads']} intra-op thread, torch {m['torch']}, "
         f"{m['date']}; `python scripts/bench_learning.py {head['argv']}` (total wall time "
         f"{head.get('total_wall_s', 0) / 60:.1f} min).",
         "",
         f"Cohort: `wsitrain synth --lesions small`, {head['n']} slides of {head['size']} px at {LESION_MPP} um/px "
         f"(seed {head['cohort_seed']}), half positive; per seed {head['n_train']} training and "
         f"{head['n'] - head['n_train']} held-out slides (stratified). Lesions: {head['lesion_share']}. "
-        f"Model `tiny`, {head['epochs']} epochs, AdamW lr {head['lr']}, {head.get('schedule', 'cosine')} schedule, "
+        f"Model `{head.get('model', 'tiny')}` (random initial weights{_with(head)}), {head['epochs']} epochs, AdamW lr "
+        f"{head['lr']}, {head.get('schedule', 'cosine')} schedule, "
         "flips and rot90; held-out AUC of the last epoch (no model selection on held-out slides)"
         + (f"; `train.head_warmup` of {head['head_warmup']} head-only steps before each end-to-end run (kept only "
            "when it learnt)." if head.get("head_warmup") else "."),
@@ -539,7 +563,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
             a.imshow(img, interpolation="nearest")
             a.set_title(title, fontsize=7)
             a.axis("off")
-    fig.suptitle(f"measured on a {m['nproc']}-core CPU, {m['torch_threads']} thread, torch {m['torch']}; "
+    fig.suptitle(f"measured on {_where(head)}, {m['torch_threads']} thread, torch {m['torch']}, model "
+                 f"{head.get('model', 'tiny')}; "
                  f"{len(head['seeds'])} seeds (dots), bars: mean ± std", fontsize=8, y=0.02)  # fmt: skip
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(path, dpi=110)
@@ -589,6 +614,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--schedule", choices=("cosine", "constant"), default="constant", help="train.schedule")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (the machine is shared)")
+    ap.add_argument("--model", default="tiny", help="model.name: the trunk, random initial weights (default tiny)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="engine.device")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for every run, as `wsitrain fit --set` (e.g. model.freeze_bn=false)")
     ap.add_argument("--no-thumbnail", action="store_true", help="skip the thumbnail baseline")
     ap.add_argument("--baseline", action="store_true",
                     help="also the frozen-feature baseline per seed (frozen trunk, patch features)")  # fmt: skip
@@ -647,7 +676,7 @@ def main(argv: list[str] | None = None) -> int:
     setup = {
         "kind": "setup", "n": args.n, "size": args.size, "n_train": args.train, "seeds": seeds, "pools": pools,
         "epochs": args.epochs, "lr": args.lr, "schedule": args.schedule, "cohort_seed": 0, "machine": machine(),
-        "head_warmup": args.warmup,
+        "head_warmup": args.warmup, "model": args.model, "device": args.device, "overrides": args.set,
         "cohort": str(cohort),
         "argv": " ".join(sys.argv[1:] if argv is None else argv),
         "lesion_share": f"{100 * min(shares):.2f}-{100 * max(shares):.2f}% of the tissue per positive slide",
@@ -663,7 +692,7 @@ def main(argv: list[str] | None = None) -> int:
         inputs = [False] + ([] if args.no_thumbnail else [True])
         for thumbnail in inputs:
             for pool in pools:
-                row = run_one(base, work, csv_path, seed, pool, thumbnail)
+                row = run_one(base, work, csv_path, seed, pool, thumbnail, tuple(args.set))
                 row.update(torch=torch.__version__, nproc=os.cpu_count(), torch_threads=torch.get_num_threads())
                 rows.append(row)
                 print(f"seed {seed} {row['input']:11s} {pool:9s} AUC {row['roc_auc']} acc {row['accuracy']} "

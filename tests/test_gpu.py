@@ -296,3 +296,32 @@ def test_products_in_bf16_tiles_match_the_convolutions() -> None:
     torch.testing.assert_close(with_products["y"], with_convs["y"], rtol=2e-2, atol=2e-2)
     for a, b in zip(with_convs["grads"], with_products["grads"], strict=True):
         torch.testing.assert_close(b, a, rtol=5e-2, atol=5e-2)
+
+
+def attention_norm_and_stream_on(dev: torch.device, norm: str) -> SFT:
+    """CLAM-MB with ``model.attention.norm`` and the instance stream, masked, batch 2, the border ring left out, tiled
+    at 16 px on ``dev``: plain autograd's outputs, gradients and input gradient in float64. Returns the engine."""
+    from test_attention_stream import net
+    from test_sft_attention import SHAPE, assert_same, step, tissue
+
+    torch.manual_seed(0)
+    model = net(norm, stream=True, border=1, gated=True).double().to(dev)
+    x = torch.randn(*SHAPE, dtype=torch.float64, device=dev)
+    mask = tissue().to(dev)
+    twin = copy.deepcopy(model)
+    ref = step(model, x, mask)
+    sft = SFT(twin, tile_size=16, memory_budget="1GiB")
+    assert_same(step(sft, x, mask), ref, [n for n, _ in model.named_parameters()])
+    return sft
+
+
+@pytest.mark.parametrize("norm", ["slide", "cell"])
+def test_attention_norm_and_stream_exact_on_cuda(norm: str) -> None:
+    """The slide norm's two sweeps (a barrier across tiles) and the stream's top-k on the device, as plain."""
+    from test_sft_attention import SHAPE
+    from test_sft_multipass import multipass_segments
+
+    sft = attention_norm_and_stream_on(torch.device("cuda"), norm)
+    plan = sft.plan_for(SHAPE, input_dtype=torch.float64)
+    assert plan.device == "cuda" and plan.segments[-1].n_tiles > 1, "the test must really tile"
+    assert bool(multipass_segments(sft)) == (norm == "slide"), "the slide norm runs in sweeps, the cell norm in one"

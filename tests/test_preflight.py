@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 import wsitrain.preflight as pf
 from wsitrain.cli import app
 from wsitrain.config import WsiTrainConfig
-from wsitrain.preflight import PreflightError, run_preflight, slide_shape
+from wsitrain.preflight import PreflightError, random_batchnorm_warnings, run_preflight, slide_shape
 from wsitrain.slides.stream import read_slide_region
 from wsitrain.slides.synth import write_synthetic_slide
 from wsitrain.units import parse_bytes
@@ -261,3 +261,36 @@ def test_bucket_null_plans_each_shape_rounded_to_the_stride(cohort: Path) -> Non
     assert {s.slide: s.bucket for s in report.slides} == {"good.svs": (192, 192), "good2.svs": (240, 240)}
     cfg.data.bucket = 1  # one edge per doubling: powers of two (in stride units)
     assert {s.bucket for s in run_preflight(cfg, 15 * MiB, "cpu").slides} == {(256, 256)}
+
+
+@pytest.mark.parametrize(
+    ("model", "warned"),
+    [
+        ({"name": "resnet18"}, True),  # random weights, BatchNorm frozen at them: the default
+        ({"name": "resnet18", "freeze_bn": False}, False),  # BatchNorm trains: it normalises each slide
+        ({"name": "tiny"}, False),  # no BatchNorm
+    ],
+)
+def test_frozen_batchnorm_on_random_weights_is_warned(cohort: Path, model: dict, warned: bool) -> None:
+    """ResNet-18 from random weights with its BatchNorm frozen started at a loss of 37 to 290,000 (measured): the
+    preflight says so, and names both ways out; validate prints it."""
+    cfg = make_cfg(cohort, "good-labels.csv").model_copy(update={"model": make_cfg(cohort).model.model_validate(model)})
+    report = run_preflight(cfg, parse_bytes("2GiB"), "cpu", shapes_only=True)  # ResNet-18's weights need more
+    lines = [w for w in report.warnings if "BatchNorm layers are frozen" in w]
+    assert len(lines) == warned
+    if warned:
+        assert "resnet18's 20 BatchNorm layers" in lines[0] and "model.weights: imagenet" in lines[0]
+        assert "model.freeze_bn: false" in lines[0]
+    with_weights = cfg.model_copy(update={"model": cfg.model.model_copy(update={"weights": cohort / "w.pt"})})
+    assert not random_batchnorm_warnings(with_weights, pf._meta_model(with_weights, 2))  # pretrained statistics
+
+
+def test_validate_prints_the_random_batchnorm_warning(cohort: Path, tmp_path: Path) -> None:
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        f"data: {{labels: {cohort / 'good-labels.csv'}, mpp: 0.5, region: whole}}\nmodel: {{name: resnet18}}\n"
+        "engine: {memory_budget: 2GiB, device: cpu}\n"
+    )
+    res = runner.invoke(app, ["validate", str(config), "--shapes-only"], env={"COLUMNS": "400", "NO_COLOR": "1"})
+    assert res.exit_code == 0, res.output
+    assert "warning: model: resnet18's 20 BatchNorm layers are frozen" in res.output

@@ -62,7 +62,7 @@ def step(model: nn.Module, x: torch.Tensor, mask: torch.Tensor | None) -> tuple:
     xr = x.detach().clone().requires_grad_(True)
     with inner.pool.masked(mask):
         y = model(xr)
-    (y * torch.arange(1.0, 1.0 + y.shape[1], dtype=y.dtype)).square().sum().backward()
+    (y * torch.arange(1.0, 1.0 + y.shape[1], dtype=y.dtype, device=y.device)).square().sum().backward()
     grads = [p.grad.clone() if p.grad is not None else None for p in inner.parameters()]
     return y.detach(), grads, xr.grad, [b.clone() for b in inner.buffers()]
 

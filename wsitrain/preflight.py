@@ -33,6 +33,7 @@ from wsitrain.errors import PlanError, SlideError, WsiTrainError
 from wsitrain.gpus import run_budget
 from wsitrain.host_need import HostNeed, host_need, ranks_per_node, streamed_bytes
 from wsitrain.memory import available_host_bytes
+from wsitrain.models.frozen_bn import is_frozen_bn
 from wsitrain.precision import activation_dtype, check_device_precision
 from wsitrain.sft.plan_types import Plan
 from wsitrain.sft.planning.placement import image_on_disk, place_host
@@ -192,6 +193,23 @@ def tissue_warnings(slides: Sequence[SlideShape]) -> list[str]:
     return out
 
 
+def random_batchnorm_warnings(cfg: WsiTrainConfig, model: nn.Module) -> list[str]:
+    """One line when BatchNorm is frozen (``model.freeze_bn``, the default) on random weights (``model.weights``
+    unset): frozen layers keep their initial statistics and normalise nothing, so nothing holds the trunk's
+    activations in range while the weights move. ResNet-18 on the learning benchmark's 1024 px slides (AdamW lr 1e-3)
+    starts near a loss of 5 and averaged 37 to 290,000 over its first epoch, then gave a constant output, every seed
+    (measured on an H200, docs/bench_learning_h200_resnet18.md)."""
+    m = cfg.model
+    n = sum(is_frozen_bn(mod) for mod in model.modules())
+    if m.weights is not None or not m.freeze_bn or n == 0:
+        return []
+    return [f"model: {m.name}'s {n} BatchNorm layers are frozen (model.freeze_bn: true, the default) at the initial "
+            "statistics of random weights (model.weights is unset): they normalise nothing while the weights move "
+            "(ResNet-18 at lr 1e-3: a mean first-epoch loss of 37 to 290,000, then a constant output, measured); "
+            "start from pretrained weights (model.weights: imagenet, or a checkpoint) or set "
+            "model.freeze_bn: false"]  # fmt: skip
+
+
 class PreflightError(WsiTrainError):
     """The preflight found problems; ``problems`` lists every one, ``report`` holds what was found."""
 
@@ -271,7 +289,7 @@ def run_preflight(
                 report.slides.append(shape_or_problem)
             bar.advance()
 
-    report.warnings += tissue_warnings(report.slides)
+    report.warnings += random_batchnorm_warnings(cfg, model) + tissue_warnings(report.slides)
     report.buckets = _group(report.slides, transposed=cfg.data.augment.rot90)
     report.problems += _plan_buckets(cfg, model, report, dev)
     report.problems += _host_problems(cfg, report, dev)
