@@ -81,3 +81,39 @@ def test_a_head_s_map_is_chosen_by_the_pool_it_builds_not_by_its_name(
         "attention"] * 4  # fmt: skip
     assert [bench.map_key(p) for p in ("max", "avg", "topk")] == ["cam"] * 3
 
+
+
+def test_the_table_names_the_machine_the_model_and_the_overrides(bench: ModuleType) -> None:
+    """A run on a GPU with another trunk and ``--set`` overrides says so in the setup line; the committed CPU tables
+    (no such keys) still read as before."""
+    rows = [json.loads(x) for x in (ROOT / "docs" / "bench_learning_h200_resnet18.jsonl").read_text().splitlines()]
+    setup = {**rows[0], "overrides": ["model.freeze_bn=false"]}
+    text = bench.markdown([setup, *rows[1:]])
+    assert "Measured on one NVIDIA H200 (16-core host)" in text
+    assert "Model `resnet18` (random initial weights, `model.freeze_bn=false`)" in text
+    cpu = [json.loads(x) for x in (ROOT / "docs" / "bench_learning.jsonl").read_text().splitlines() if x.strip()]
+    text = bench.markdown(cpu)
+    assert "Measured on a 2-core CPU (no GPU)" in text and "Model `tiny` (random initial weights)" in text
+
+
+def test_a_run_whose_maps_fail_keeps_its_metrics(bench: ModuleType, monkeypatch: pytest.MonkeyPatch,
+                                                 tmp_path: Path) -> None:  # fmt: skip
+    """predict --heatmaps failing after a fit: the row keeps the fit's metrics and says why it has no pointing."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "summary.json").write_text(json.dumps({"val_roc_auc": 0.75}))
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"kind": "val", "accuracy": 0.5, "loss": 0.7}) + "\n")
+    labels = tmp_path / "labels.csv"
+    labels.write_text("slide,label,split\na.svs,positive,train\nb.svs,negative,val\n")
+    seen: list[list[str]] = []
+    monkeypatch.setattr(bench, "load_config", lambda path, overrides: seen.append(overrides) or overrides)
+    monkeypatch.setattr("wsitrain.train.fit.run_fit", lambda cfg, console, quiet: run_dir)
+
+    def broken(*a: object) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access")
+
+    monkeypatch.setattr(bench, "localise", broken)
+    row = bench.run_one({"a": 1}, tmp_path, labels, 3, "max", False, ("model.freeze_bn=false",))
+    assert row["roc_auc"] == 0.75 and row["accuracy"] == 0.5 and row["pointing_game"] is None
+    assert row["localise_error"] == "RuntimeError: CUDA error: an illegal memory access"
+    assert "model.freeze_bn=false" in seen[0] and "model.pool=max" in seen[0]  # --set reaches the run's config
