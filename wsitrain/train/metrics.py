@@ -1,4 +1,4 @@
-"""Slide-level classification metrics: accuracy, balanced accuracy and ROC AUC (numpy only, no sklearn)."""
+"""Slide-level classification metrics: accuracy, balanced accuracy, ROC AUC and the outputs' spread (numpy only)."""
 
 from __future__ import annotations
 
@@ -70,8 +70,18 @@ def roc_auc(labels: np.ndarray, probs: np.ndarray) -> float:
     return float(np.mean(aucs)) if aucs else math.nan
 
 
+def output_spread(probs: np.ndarray) -> float:
+    """How much the model's answer varies between slides: the largest standard deviation over the slides of one
+    class's probability (N, C) (two classes: that of p(class 1)); near 0, every slide gets about the same output.
+    nan for fewer than two slides."""
+    probs = np.asarray(probs, dtype=np.float64)
+    if probs.ndim != 2 or probs.shape[0] < 2:
+        return math.nan
+    return float(probs.std(axis=0).max())
+
+
 def classification_metrics(labels: np.ndarray, probs: np.ndarray) -> dict[str, float]:
-    """accuracy, balanced_accuracy and roc_auc for labels (N,) and class probabilities (N, C)."""
+    """accuracy, balanced_accuracy, roc_auc and output_spread for labels (N,) and class probabilities (N, C)."""
     labels = np.asarray(labels)
     probs = np.asarray(probs, dtype=np.float64)
     predicted = probs.argmax(axis=1) if probs.size else np.zeros(0, dtype=int)
@@ -79,4 +89,5 @@ def classification_metrics(labels: np.ndarray, probs: np.ndarray) -> dict[str, f
         "accuracy": accuracy(labels, predicted),
         "balanced_accuracy": balanced_accuracy(labels, predicted),
         "roc_auc": roc_auc(labels, probs),
+        "output_spread": output_spread(probs),
     }

@@ -59,6 +59,7 @@ from wsitrain.train.loop import Trainer, as_batch
 from wsitrain.train.metrics import classification_metrics
 from wsitrain.train.oom import OomRetry
 from wsitrain.train.optim import build_optimizer, build_scheduler, parameter_groups
+from wsitrain.train.plateau import flat_outputs_note
 from wsitrain.train.preempt import Preempted, SafePoint, StopSignals, find_job_run, parse_signal, write_job_file
 from wsitrain.train.progress import FitProgress
 from wsitrain.train.recorder import RunRecorder
@@ -510,6 +511,9 @@ class FitRecipe:
             metrics = self.validate()
             self.recorder.validation(epoch, st.global_step, metrics)
             progress.validation(epoch, metrics)
+            flat = flat_outputs_note(metrics, epoch + 1, t.epochs)
+            if flat is not None:
+                self.say.print(f"[yellow]{escape(flat)}[/yellow]")
             st.history[-1].update({f"val_{k}": v for k, v in metrics.items()})
             score = self._selection_score(metrics)
             improved = score < st.best
@@ -676,7 +680,7 @@ class FitRecipe:
     def summary(self, wall_s: float) -> dict[str, Any]:
         out = self.recorder.summary(self.run_dir, self.state, wall_s)
         if self.objective is not None:  # the task's validation metrics replace classification's
-            for key in ("val_accuracy", "val_balanced_accuracy", "val_roc_auc", "best_val_loss"):
+            for key in ("val_accuracy", "val_balanced_accuracy", "val_roc_auc", "val_output_spread", "best_val_loss"):
                 out.pop(key, None)
             last = self.recorder.last_validation
             out.update({f"val_{k}": v for k, v in last.items() if k not in ("loss", "seconds")})

@@ -164,6 +164,8 @@ class RunRecorder:
             "val_accuracy": self._last_val.get("accuracy", math.nan),
             "val_balanced_accuracy": self._last_val.get("balanced_accuracy", math.nan),
             "val_roc_auc": self._last_val.get("roc_auc", math.nan),
+            # near 0: every validation slide got about the same output (wsitrain.train.plateau)
+            "val_output_spread": self._last_val.get("output_spread", math.nan),
             "best_val_loss": state.best if self._last_val else math.nan,
             "mean_read_s": mean("read_s"),
             # Per-slide rates averaged (not total px / total s): the figure a slow slide or format stands out in.
