@@ -224,3 +224,13 @@ def test_predict_saliency_needs_heatmaps(tmp_path: Path) -> None:
     assert result.exit_code == 2
     assert "--saliency needs --heatmaps" in result.output
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("spread", "flagged"), [(0.0031, True), (0.25, False)])
+def test_report_flags_near_constant_outputs(run_dir: Path, spread: float, flagged: bool) -> None:
+    """summary.json's val_output_spread below FLAT_SPREAD: the page says the run is still on the plateau."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    (run_dir / "summary.json").write_text(json.dumps({**summary, "val_output_spread": spread}))
+    page = write_report(run_dir, heatmaps=False).read_text()
+    assert ("val_output_spread 0.0031 is below 0.02" in page) == flagged
+    assert "val_output_spread" in page  # the row of the summary table either way

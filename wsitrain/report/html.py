@@ -18,6 +18,7 @@ import yaml
 from wsitrain.errors import WsiTrainError
 from wsitrain.report.figures import plan_memory_figure, tile_histograms
 from wsitrain.report.runlog import VALIDATION, plans, read_json, step_peaks, tile_times
+from wsitrain.train.plateau import FLAT_SPREAD
 from wsitrain.units import format_bytes
 from wsitrain.write_errors import named_write_errors
 
@@ -139,7 +140,12 @@ def _header(run_dir: Path) -> str:
     # a task's metrics and the held-out test figures, where the run has them (test_ keys: marked as test)
     keys += tuple(k for k in s if k not in keys and (k == "task" or k.startswith(("val_", "best_val_", "test_"))))
     shown = {(f"{k} (held-out test)" if k.startswith("test_") else k): s.get(k) for k in keys if k in s}
-    return head + "<h2>Summary</h2>" + _kv_table(shown, ("peak_bytes",))
+    spread = s.get("val_output_spread")
+    flat = (_note(f"val_output_spread {spread:.4f} is below {FLAT_SPREAD}: the model gave every validation slide "
+                  "about the same output, so it had not left the plateau of near-constant outputs and its ROC AUC "
+                  "ranks tiny differences (docs/plateau.md)")
+            if isinstance(spread, float) and spread < FLAT_SPREAD else "")  # fmt: skip
+    return head + "<h2>Summary</h2>" + flat + _kv_table(shown, ("peak_bytes",))
 
 
 def _curves(run_dir: Path) -> str:
