@@ -204,8 +204,8 @@ def test_the_log_line_says_what_the_slide_norm_does() -> None:
 
     spec = AttentionSpec(per_class=True, instance_k=4, norm="slide", stream_class=1, stream_cells=4)
     assert batchnorm_note(build("tiny", 2, pool="attention", attention=spec), True) == (
-        "BatchNorm: the model has none; 1 without running statistics (model.attention.norm: slide) normalise with "
-        "each slide's own, in extra sweeps")  # fmt: skip
+        "BatchNorm: the model has none; 1 without running statistics (model.map_norm or model.attention.norm: "
+        "slide) normalise with each slide's own, in extra sweeps")  # fmt: skip
     note = batchnorm_note(build("resnet18", 2, pool="attention", attention=spec), True)
     assert note.startswith("BatchNorm: 20 layers frozen") and note.endswith("each slide's own, in extra sweeps")
     assert batchnorm_note(build("tiny", 2), True) == "BatchNorm: the model has none"

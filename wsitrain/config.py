@@ -41,6 +41,7 @@ from wsitrain.models.heads import (
     DEFAULT_INSTANCE_CELLS,
     DEFAULT_INSTANCE_POSITIVE_CELLS,
     DEFAULT_TOPK,
+    MAP_NORMS,
     NO_NORM,
     POOLS,
     TOPK,
@@ -316,6 +317,8 @@ class ModelConfig(Section):
     topk: int = Field(DEFAULT_TOPK, ge=1, strict=True)
     freeze_bn: bool = True
     freeze: FreezeConfig | None = None  # fine-tuning: layers kept fixed (forward-only in the engine)
+    # "slide": the head reads the trunk's map standardised per channel over the slide (wsitrain.models.zoo.build)
+    map_norm: str = NO_NORM
 
     def freeze_spec(self) -> FreezeSpec | None:
         return self.freeze.spec() if self.freeze is not None else None
@@ -324,6 +327,7 @@ class ModelConfig(Section):
     mask_pool: Annotated[bool, Field(strict=True)] = True
 
     _known_pool = field_validator("pool")(lambda value: one_of(value, POOLS, "pool"))
+    _known_map_norm = field_validator("map_norm")(lambda value: one_of(value, MAP_NORMS, "map_norm"))
 
     @model_validator(mode="after")
     def _attention_needs_attention_pool(self) -> ModelConfig:

@@ -36,6 +36,9 @@ DEFAULT_INSTANCE_BORDER_CELLS = 1
 # flat; standardised, the level does not reach them (docs/plateau.md section 12, measured).
 NO_NORM, SLIDE_NORM, CELL_NORM = "none", "slide", "cell"
 ATTENTION_NORMS = (NO_NORM, SLIDE_NORM, CELL_NORM)
+# ``model.map_norm``: what the whole head reads, the trunk's map as it is (NO_NORM) or standardised per channel over
+# the slide (SLIDE_NORM; docs/plateau.md section 13)
+MAP_NORMS = (NO_NORM, SLIDE_NORM)
 # Attention-MIL pooling: ABMIL (``w^T tanh(V h)``) and CLAM's gated form (``w^T (tanh(V h) * sigmoid(U h))``).
 ATTENTION_POOLS = (ATTENTION, GATED_ATTENTION)
 

@@ -26,7 +26,18 @@ from wsitrain.models.attention import (
 from wsitrain.models.darknet import darknet19_features
 from wsitrain.models.freeze import FreezeSpec, apply_freeze
 from wsitrain.models.frozen_bn import freeze_batchnorm
-from wsitrain.models.heads import ATTENTION_POOLS, AVG, DEFAULT_TOPK, GATED_ATTENTION, POOLS, TOPK, AttentionSpec
+from wsitrain.models.heads import (
+    ATTENTION_POOLS,
+    AVG,
+    DEFAULT_TOPK,
+    GATED_ATTENTION,
+    MAP_NORMS,
+    NO_NORM,
+    POOLS,
+    SLIDE_NORM,
+    TOPK,
+    AttentionSpec,
+)
 from wsitrain.models.normalize import IMAGENET_MEAN, IMAGENET_STD, InputNormalization
 from wsitrain.models.registry import BUILTIN_NAMES, ModelSpec, is_imagenet, resolve_model_name
 from wsitrain.models.weights import load_weights
@@ -171,6 +182,7 @@ def build(
     freeze: FreezeSpec | None = None,
     mask_pool: bool = True,
     topk: int = DEFAULT_TOPK,
+    map_norm: str = NO_NORM,
 ) -> nn.Sequential:
     """Build model ``name`` (a built-in, ``torchvision/<name>`` or ``timm/<name>``) with a ``num_classes``-way head.
 
@@ -184,8 +196,15 @@ def build(
     ``mask_pool``: an "avg" or "max" pool that reduces over the positions of a mask set with ``model.pool.masked(mask)``
     only (wsitrain.sft.ops.masked_pool; fit and predict set the slide's tissue); False: torch's own pools.
     ``topk``: the k of ``pool="topk"`` (each channel's mean of its k largest positions, wsitrain.sft.ops.topk_pool).
+    ``map_norm``: "slide" puts a ``map_norm`` module between the trunk and the head that standardises each channel of
+    the trunk's map over the slide (a BatchNorm without running statistics or affine parameters: batch statistics in
+    training and prediction alike; the engine runs it exactly in two sweeps). The pool, the attention and the
+    classifier, and so the CAM, read the standardised map. "none" (the default): no such module.
     """
     spec = resolve_model_name(name)
+    if map_norm not in MAP_NORMS:
+        raise WsiTrainError(f"unknown map_norm {map_norm!r} for model {name!r}", hint=f"choose one of: "
+                            f"{', '.join(MAP_NORMS)}")  # fmt: skip
     if pool not in POOLS:
         raise WsiTrainError(f"unknown pool {pool!r} for model {name!r}", hint=f"choose one of: {', '.join(POOLS)}")
     if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
@@ -196,7 +215,11 @@ def build(
     parts = _builtin_parts if spec.is_builtin else _library_parts
     features, classifier, channels, stride, (mean, std) = parts(spec, num_classes, imagenet)
     head = _pool_layers(pool, attention or AttentionSpec(), channels, classifier, num_classes, mask_pool, topk)
-    model = nn.Sequential(OrderedDict(normalize=InputNormalization(mean, std), features=features, **head))
+    # why a map norm: the trunk's level drifts while it trains, and a head reading it raw can stay on the plateau
+    # (docs/plateau.md sections 12-13)
+    norm = {"map_norm": nn.BatchNorm2d(channels, affine=False, track_running_stats=False)} if map_norm == SLIDE_NORM \
+        else {}  # fmt: skip
+    model = nn.Sequential(OrderedDict(normalize=InputNormalization(mean, std), features=features, **norm, **head))
     model.name = spec.name
     model.stride = stride
     if weights is not None and not imagenet:

@@ -53,7 +53,7 @@ def build_model(m: ModelConfig, num_classes: int, class_names: Sequence[str] | N
         m.name, num_classes, weights=m.weights, pool=m.pool, freeze_bn=m.freeze_bn,
         attention=m.attention.spec(class_names),
         freeze=m.freeze_spec(),
-        mask_pool=m.mask_pool, topk=m.topk,
+        mask_pool=m.mask_pool, topk=m.topk, map_norm=m.map_norm,
     )
 
 
@@ -61,9 +61,10 @@ def batchnorm_note(model: nn.Module, freeze_bn: bool) -> str:
     """One log line saying what happens to BatchNorm, since it changes what training does."""
     norms = [mod for mod in model.modules() if isinstance(mod, nn.modules.batchnorm._BatchNorm)]
     n = sum(mod.running_mean is not None for mod in norms)
-    # model.attention.norm: slide has no running statistics: neither frozen nor in training mode, always the slide's
-    slide = (f"; {len(norms) - n} without running statistics (model.attention.norm: slide) normalise with each "
-             "slide's own, in extra sweeps") if len(norms) > n else ""  # fmt: skip
+    # model.map_norm / model.attention.norm: slide has no running statistics: neither frozen nor in training mode,
+    # always the slide's
+    slide = (f"; {len(norms) - n} without running statistics (model.map_norm or model.attention.norm: slide) "
+             "normalise with each slide's own, in extra sweeps") if len(norms) > n else ""  # fmt: skip
     if n == 0:
         return "BatchNorm: the model has none" + slide
     if freeze_bn:

@@ -17,7 +17,7 @@ from wsitrain.gpus import run_budget
 from wsitrain.memory import tune_owned_process
 from wsitrain.models import build
 from wsitrain.models.freeze import FreezeSpec
-from wsitrain.models.heads import DEFAULT_TOPK, AttentionSpec
+from wsitrain.models.heads import DEFAULT_TOPK, NO_NORM, AttentionSpec
 from wsitrain.report.decision import DecisionWatch
 from wsitrain.report.heatmap_files import HeatmapWriter
 from wsitrain.slides.readers import open_slide
@@ -135,7 +135,8 @@ def run_predict(
     n_outputs = objective.n_outputs if objective is not None else len(class_names)
     model = build(m["name"], n_outputs, weights=None, pool=m["pool"], freeze_bn=m["freeze_bn"],
                   attention=AttentionSpec.from_dict(m.get("attention"), class_names), mask_pool=m["mask_pool"],
-                  freeze=FreezeSpec.from_dict(m.get("freeze")), topk=m.get("topk", DEFAULT_TOPK))  # fmt: skip
+                  freeze=FreezeSpec.from_dict(m.get("freeze")), topk=m.get("topk", DEFAULT_TOPK),
+                  map_norm=m.get("map_norm") or NO_NORM)  # fmt: skip
     model.load_state_dict(ckpt["model"])
     device = resolve_device(cfg.engine.device)
     budget = run_budget(cfg.engine.memory_budget, device)
