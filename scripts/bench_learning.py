@@ -62,7 +62,8 @@ THUMB_MPP = LESION_MPP * BLOCK  # pyramid level 2: 512 px for a 2048 px slide
 # (model.attention.instance_stream) and whose scores read the trunk's map standardised over the slide (norm: slide);
 # ``attention_mil_w01_stream`` the same at weight 0.1, ``attention_mil_stream_cell`` that with each cell standardised
 # over its channels instead (norm: cell), ``attention_mil_stream_only`` weight 0.1 and the stream without a norm
-# (docs/plateau.md section 12).
+# (docs/plateau.md section 12). ``*_map_norm``: the head reads the trunk's map standardised over the slide
+# (model.map_norm: slide, docs/plateau.md section 13).
 PER_CLASS = ["model.pool=attention", "model.attention.branches=per_class"]
 MIL = [*PER_CLASS, "model.attention.instance_loss=0.5"]
 POS1 = [*MIL, "model.attention.instance_positive_cells=1"]
@@ -73,7 +74,10 @@ HEADS = {"attention_per_class": PER_CLASS, "attention_mil": MIL, "attention_mil_
          "attention_mil_stream": [*MIL, "model.attention.instance_stream=true", "model.attention.norm=slide"],
          "attention_mil_w01_stream": [*STREAM, "model.attention.norm=slide"],
          "attention_mil_stream_cell": [*STREAM, "model.attention.norm=cell"],
-         "attention_mil_stream_only": STREAM}  # fmt: skip
+         "attention_mil_stream_only": STREAM,
+         "max_map_norm": ["model.pool=max", "model.map_norm=slide"],
+         "attention_map_norm": ["model.pool=attention", "model.map_norm=slide"],
+         "attention_mil_w01_map_norm": [*W01, "model.map_norm=slide"]}  # fmt: skip
 
 
 def available_pools() -> list[str]:
