@@ -294,3 +294,16 @@ def test_validate_prints_the_random_batchnorm_warning(cohort: Path, tmp_path: Pa
     res = runner.invoke(app, ["validate", str(config), "--shapes-only"], env={"COLUMNS": "400", "NO_COLOR": "1"})
     assert res.exit_code == 0, res.output
     assert "warning: model: resnet18's 20 BatchNorm layers are frozen" in res.output
+
+
+def test_fit_quiet_keeps_the_preflight_warnings(cohort: Path, tmp_path: Path) -> None:
+    """fit --quiet drops the setup chatter (the preflight's summary) but not its warnings."""
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        f"data: {{labels: {cohort / 'good-labels.csv'}, mpp: 0.5, region: whole}}\nmodel: {{name: resnet18}}\n"
+        f"engine: {{memory_budget: 2GiB, device: cpu}}\ntrain: {{epochs: 1}}\nlog: {{dir: {tmp_path / 'runs'}}}\n"
+    )
+    res = runner.invoke(app, ["--quiet", "fit", str(config)], env={"COLUMNS": "400", "NO_COLOR": "1"})
+    assert res.exit_code == 0, res.output
+    assert "warning: model: resnet18's 20 BatchNorm layers are frozen" in res.output
+    assert "preflight: 2 slides" not in res.output

@@ -234,9 +234,11 @@ def check_run(
     shapes_only: bool = False,
     console: Console | None = None,
     budget_bytes: int | None = None,
+    warn: Console | None = None,
 ) -> PreflightReport | None:
     """The preflight of ``wsitrain fit`` and ``validate``: the run's device (``engine.device`` when not given) and
-    budget; None when the config names no slides yet (``data.labels`` unset, which fit reports by itself)."""
+    budget; None when the config names no slides yet (``data.labels`` unset, which fit reports by itself).
+    ``console`` gets the summary, ``warn`` (``console`` when None) the warnings: fit's ``--quiet`` keeps those."""
     if device is None:
         device = resolve_device(cfg.engine.device)
     check_device_precision(cfg.train.precision, torch.device(device))  # bf16 before Ampere: before anything else
@@ -247,10 +249,12 @@ def check_run(
     report = run_preflight(cfg, budget_bytes, device, shapes_only=shapes_only, progress=console)
     if console is not None:
         console.print(report.summary(), markup=False)
+    warnings_to = warn if warn is not None else console
+    if warnings_to is not None:
         for w in report.warnings:
-            console.print(f"[yellow]warning: {escape(w)}[/]", soft_wrap=True)
-        if report.stream_read is not None:
-            console.print(report.stream_read.text(), markup=False, highlight=False, soft_wrap=True)
+            warnings_to.print(f"[yellow]warning: {escape(w)}[/]", soft_wrap=True)
+    if console is not None and report.stream_read is not None:
+        console.print(report.stream_read.text(), markup=False, highlight=False, soft_wrap=True)
     return report
 
 

@@ -181,7 +181,7 @@ class FitRecipe:
         self.allocator_note = tune_owned_process(self.device, self.budget.bytes)
         # every slide and shape bucket planned within the budget, all problems at once, before any folder exists
         report = check_run(cfg, self.device, shapes_only=self.shapes_only, console=self.out,
-                           budget_bytes=self.budget.bytes)  # fmt: skip
+                           budget_bytes=self.budget.bytes, warn=self.say)  # fmt: skip
         plans = [b.plan for b in report.buckets if b.plan is not None] if report is not None else []
         # whole slides past engine.host_memory are decoded into engine.spill_dir (one more with data.prefetch)
         self.slide_spill = slide_spill(cfg.engine, plans, cfg.data.stream_tiles)
