@@ -119,3 +119,14 @@ def test_fit_predict_and_validate(tmp_path: Path) -> None:
     assert len(out.read_text().splitlines()) == 5 and (tmp_path / "maps" / "heatmaps.json").exists()
     bad = invoke("validate", str(cfg), "--set", "model.map_norm=cell")
     assert bad.exit_code == 2 and "model.map_norm" in bad.output and "choose one of none, slide" in bad.output
+
+
+def test_plan_takes_the_map_norm() -> None:
+    """``wsitrain plan --map-norm slide`` plans the model with the norm (the tiled part ends at it); a bad value is
+    exit 2 naming the option."""
+    res = invoke("plan", "--model", "tiny", "--size", "2048", "--memory", "512MiB", "--pool", "max", "--map-norm",
+                 "slide", "--no-max-size")  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert ".. map_norm]" in res.output  # the trunk's last segment ends at the norm
+    bad = invoke("plan", "--model", "tiny", "--size", "2048", "--memory", "512MiB", "--map-norm", "cell")
+    assert bad.exit_code == 2 and "--map-norm: unknown map_norm 'cell'" in bad.output

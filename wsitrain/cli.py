@@ -285,6 +285,8 @@ def plan(
         "tissue (masked background computed once), e.g. 0.4.",
     ),
     pool: str = typer.Option("avg", "--pool", help="The head's pooling: avg, max, attention, gated_attention or topk."),
+    map_norm: str = typer.Option("none", "--map-norm", help="model.map_norm: slide standardises the trunk's map over "
+                                 "the slide before the head (none: as it is)."),
     freeze: str | None = typer.Option(
         None, "--freeze", help="Plan fine-tuning with layers frozen (model.freeze): up to a module (layer2) or a list "
         "(conv1,layer1); shows the saving against nothing frozen.",
@@ -333,6 +335,7 @@ def plan(
         every_tile=every_tile,
         tissue=tissue,
         pool=pool,
+        map_norm=map_norm,
         freeze=freeze,
         host_memory=host_memory,
         with_max_size=max_size,

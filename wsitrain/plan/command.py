@@ -23,7 +23,7 @@ from wsitrain.gpus import Budget, gpu_preset, resolve_budget
 from wsitrain.host_need import host_need, ranks_per_node, streamed_bytes
 from wsitrain.models import build
 from wsitrain.models.freeze import FreezeSpec, Frozen
-from wsitrain.models.heads import AVG, POOLS
+from wsitrain.models.heads import AVG, MAP_NORMS, NO_NORM, POOLS
 from wsitrain.models.registry import resolve_model_name
 from wsitrain.precision import Precision, activation_dtype, check_precision
 from wsitrain.sft import Plan, max_square_size
@@ -265,6 +265,7 @@ def make_plan(
     pool: str = AVG,
     freeze: str | None = None,
     host_memory: str | int | None = None,
+    map_norm: str = NO_NORM,
 ) -> PlanReport:
     """Validate the inputs, plan on the meta device, and return the plan with the command's envelope.
 
@@ -274,6 +275,7 @@ def make_plan(
     generation. bf16/fp16 are planned but not simulated (the
     simulated device has no autocast). ``every_tile``: simulate every tile, not only the representative ones.
     ``pool``: the head's pooling (wsitrain.models.heads.POOLS; attention with its default settings).
+    ``map_norm``: ``model.map_norm`` (wsitrain.models.heads.MAP_NORMS).
     ``freeze``: ``--freeze`` (``parse_freeze``): plan with those layers frozen, and the same plan unfrozen beside it.
     ``host_memory``: ``--host-memory``, host RAM per rank (default: this node's RAM over its ranks); the host
     checkpoints it does not hold are placed on disk (``wsitrain.sft.planning.placement``).
@@ -281,6 +283,8 @@ def make_plan(
     _check_model(model)
     if pool not in POOLS:
         raise WsiTrainError(f"--pool: unknown pool {pool!r}", hint=f"choose one of: {', '.join(POOLS)}")
+    if map_norm not in MAP_NORMS:
+        raise WsiTrainError(f"--map-norm: unknown map_norm {map_norm!r}", hint=f"choose one of: {', '.join(MAP_NORMS)}")
     prec = check_precision(precision)
     activation_dtype(prec)  # an unknown precision fails here, before any model is built
     budget = resolve_budget(gpu, memory)
@@ -297,7 +301,7 @@ def make_plan(
     host_budget = (default_host_memory(ranks_per_node()) if host_memory is None
                    else parse_bytes(host_memory, what="--host-memory"))  # fmt: skip
     with torch.device("meta"):  # shapes only: no parameter or activation is ever allocated
-        net = build(model, PLAN_NUM_CLASSES, pool=pool, freeze=spec)
+        net = build(model, PLAN_NUM_CLASSES, pool=pool, freeze=spec, map_norm=map_norm)
     h, w = parse_size(size, net.stride, model)
     shape = (batch, 3, h, w)
     plan_it = functools.partial(_plan_net, shape=shape, budget=budget, prec=prec, optimizer=optimizer, tile=tile,
@@ -307,7 +311,7 @@ def make_plan(
     if spec is None:
         return report
     with torch.device("meta"):  # the same model with nothing frozen: what freezing saves
-        plain = build(model, PLAN_NUM_CLASSES, pool=pool)
+        plain = build(model, PLAN_NUM_CLASSES, pool=pool, map_norm=map_norm)
     return dataclasses.replace(report, frozen=net.frozen, unfrozen=plan_it(plain, with_max_size=False))
 
 
@@ -463,6 +467,7 @@ def run_plan(
     freeze: str | None = None,
     host_memory: str | None = None,
     with_max_size: bool = True,
+    map_norm: str = NO_NORM,
 ) -> int:
     """``wsitrain plan``: print the plan (readable, or one JSON object); exit code 0 when it fits, 1 when not.
 
@@ -472,6 +477,7 @@ def run_plan(
         model=model, size=size, gpu=gpu, memory=memory, batch=batch, precision=precision, tile=tile,
         optimizer=optimizer, simulate=simulate, progress=_progress_bar(console) if simulate and not as_json else None,
         every_tile=every_tile, pool=pool, freeze=freeze, host_memory=host_memory, with_max_size=with_max_size,
+        map_norm=map_norm,
     )  # fmt: skip
     if as_json:
         d = report.to_dict()
