@@ -45,6 +45,13 @@ class Float32Conv1x1(nn.Conv2d):
             return super().forward(x.to(self.weight.dtype))
 
 
+def slide_norm(channels: int) -> nn.BatchNorm2d:
+    """Each channel standardised over the slide's map: a BatchNorm without affine parameters or running statistics,
+    so batch statistics in training and prediction alike (``model.map_norm`` and ``model.attention.norm: slide``;
+    the engine tiles it exactly in two sweeps, as train-mode BatchNorm)."""
+    return nn.BatchNorm2d(channels, affine=False, track_running_stats=False)
+
+
 class CellNorm(nn.LayerNorm):
     """(B, C, H, W) -> each position's C values standardised (a LayerNorm over channels, pointwise in space; the engine
     traces it as permute, layer_norm, permute, as ConvNeXt's LayerNorm2d)."""
@@ -67,7 +74,7 @@ class AttentionScores(nn.Module):
         # pooled vector stays the trunk's. Why: docs/plateau.md section 12.
         self.norm: nn.Module | None = None
         if norm == SLIDE_NORM:
-            self.norm = nn.BatchNorm2d(width, affine=False, track_running_stats=False)
+            self.norm = slide_norm(width)
         elif norm == CELL_NORM:
             self.norm = CellNorm(width, elementwise_affine=False)
         elif norm != NO_NORM:

@@ -22,6 +22,7 @@ from wsitrain.models.attention import (
     BranchClassifier,
     InstanceSplit,
     InstanceStream,
+    slide_norm,
 )
 from wsitrain.models.darknet import darknet19_features
 from wsitrain.models.freeze import FreezeSpec, apply_freeze
@@ -217,8 +218,7 @@ def build(
     head = _pool_layers(pool, attention or AttentionSpec(), channels, classifier, num_classes, mask_pool, topk)
     # why a map norm: the trunk's level drifts while it trains, and a head reading it raw can stay on the plateau
     # (docs/plateau.md sections 12-13)
-    norm = {"map_norm": nn.BatchNorm2d(channels, affine=False, track_running_stats=False)} if map_norm == SLIDE_NORM \
-        else {}  # fmt: skip
+    norm = {"map_norm": slide_norm(channels)} if map_norm == SLIDE_NORM else {}
     model = nn.Sequential(OrderedDict(normalize=InputNormalization(mean, std), features=features, **norm, **head))
     model.name = spec.name
     model.stride = stride
