@@ -39,7 +39,8 @@ def test_forward_shape_and_chain_layout(models: dict[str, nn.Module], name: str)
 
 
 def test_strides() -> None:
-    expected = {"tiny": 16, "vgg16": 32, "vgg19": 32, "darknet19": 32, "resnet18": 32, "resnet34": 32, "resnet50": 32}
+    expected = {"tiny": 16, "tiny_bn": 16, "vgg16": 32, "vgg19": 32, "darknet19": 32, "resnet18": 32, "resnet34": 32,
+                "resnet50": 32}
     assert {n: build(n, 2).stride for n in MODEL_NAMES} == expected
 
 

@@ -266,12 +266,17 @@ def report(
 @app.command()
 @_handled
 def plan(
-    model: str = typer.Option(..., "--model", help=MODEL_HELP),
-    size: str = typer.Option(..., "--size", help="Input edge in pixels (20480) or HxW (20480x10240)."),
+    model: str | None = typer.Option(None, "--model", help=MODEL_HELP + " Not with --config."),
+    size: str | None = typer.Option(
+        None, "--size", help="Input edge in pixels (20480) or HxW (20480x10240); with --config, data.size by default."
+    ),
     gpu: str | None = typer.Option(None, "--gpu", help="Plan for a known card, e.g. 2080ti, v100, a100, h100."),
     memory: str | None = typer.Option(None, "--memory", help="Plan for this memory budget instead, e.g. 24GiB."),
     batch: int = typer.Option(1, "--batch", min=1, help="Images per step."),
-    precision: str = typer.Option("fp32", "--precision", help="Activation precision: fp32, bf16 or fp16."),
+    precision: str | None = typer.Option(
+        None, "--precision", help="Activation precision: fp32 (the default), bf16 or fp16; with --config, "
+        "train.precision by default."
+    ),
     tile: int | None = typer.Option(None, "--tile", min=1, help="Force this tile edge in input pixels."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
     simulate: bool = typer.Option(
@@ -284,9 +289,15 @@ def plan(
         None, "--tissue", min=0.0, max=1.0, help="Also predict the step time when this share of the tiles holds "
         "tissue (masked background computed once), e.g. 0.4.",
     ),
-    pool: str = typer.Option("avg", "--pool", help="The head's pooling: avg, max, attention, gated_attention or topk."),
-    map_norm: str = typer.Option("none", "--map-norm", help="model.map_norm: slide standardises the trunk's map over "
-                                 "the slide before the head (none: as it is)."),
+    pool: str | None = typer.Option(
+        None, "--pool", help="The head's pooling: avg (the default), max, attention, gated_attention or topk."
+    ),
+    map_norm: str | None = typer.Option(None, "--map-norm", help="model.map_norm: slide standardises the trunk's map "
+                                        "over the slide before the head (none, the default: as it is)."),
+    config: Path | None = typer.Option(
+        None, "--config", help="Plan a run's config: its model section as fit builds it (attention keys, map_norm, "
+        "freeze, freeze_bn), with its precision, optimizer, engine budget and tile size unless given here.",
+    ),
     freeze: str | None = typer.Option(
         None, "--freeze", help="Plan fine-tuning with layers frozen (model.freeze): up to a module (layer2) or a list "
         "(conv1,layer1); shows the saving against nothing frozen.",
@@ -319,6 +330,8 @@ def plan(
       wsitrain plan --model resnet50 --size 8192 --gpu 2080ti --freeze layer2
 
       wsitrain plan --model resnet50 --size 200000 --gpu rtx3090 --host-memory 16GiB
+
+      wsitrain plan --config configs/demo.yaml --size 8192 --gpu 2080ti
     """
     run_plan = _entry("wsitrain.plan.command", "run_plan", "plan")
     code = run_plan(
@@ -339,6 +352,7 @@ def plan(
         freeze=freeze,
         host_memory=host_memory,
         with_max_size=max_size,
+        config=config,
     )
     if code:
         raise typer.Exit(int(code))

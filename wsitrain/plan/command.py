@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ from wsitrain.models import build
 from wsitrain.models.freeze import FreezeSpec, Frozen
 from wsitrain.models.heads import AVG, MAP_NORMS, NO_NORM, POOLS
 from wsitrain.models.registry import resolve_model_name
+from wsitrain.plan.from_config import PLAN_NUM_CLASSES, from_config
 from wsitrain.precision import Precision, activation_dtype, check_precision
 from wsitrain.sft import Plan, max_square_size
 from wsitrain.sft import plan as plan_model
@@ -42,7 +44,6 @@ from wsitrain.slides.tile_source import READ_AHEAD
 from wsitrain.spill_dir import default_host_memory
 from wsitrain.units import format_bytes, parse_bytes
 
-PLAN_NUM_CLASSES = 2  # the head is tiny next to the trunk; any class count plans the same
 DEFAULT_OPTIMIZER = "adamw"  # what ``wsitrain fit`` trains with unless train.optimizer says otherwise
 
 
@@ -250,22 +251,23 @@ def _check_model(model: str) -> None:
 
 def make_plan(
     *,
-    model: str,
-    size: str,
+    model: str | None,
+    size: str | None,
     gpu: str | None,
     memory: str | None,
     batch: int = 1,
-    precision: str = "fp32",
+    precision: str | None = None,
     tile: int | None = None,
     optimizer: str | None = None,
     with_max_size: bool = True,
     simulate: bool = False,
     progress: Progress | None = None,
     every_tile: bool = False,
-    pool: str = AVG,
+    pool: str | None = None,
     freeze: str | None = None,
     host_memory: str | int | None = None,
-    map_norm: str = NO_NORM,
+    map_norm: str | None = None,
+    config: str | Path | None = None,
 ) -> PlanReport:
     """Validate the inputs, plan on the meta device, and return the plan with the command's envelope.
 
@@ -279,15 +281,37 @@ def make_plan(
     ``freeze``: ``--freeze`` (``parse_freeze``): plan with those layers frozen, and the same plan unfrozen beside it.
     ``host_memory``: ``--host-memory``, host RAM per rank (default: this node's RAM over its ranks); the host
     checkpoints it does not hold are placed on disk (``wsitrain.sft.planning.placement``).
+    ``config``: a run's config (``wsitrain.plan.from_config``): its model section is planned as fit builds it, and
+    it fills the precision, optimizer, budget, tile and size the call leaves at None.
     """
-    _check_model(model)
-    if pool not in POOLS:
-        raise WsiTrainError(f"--pool: unknown pool {pool!r}", hint=f"choose one of: {', '.join(POOLS)}")
-    if map_norm not in MAP_NORMS:
-        raise WsiTrainError(f"--map-norm: unknown map_norm {map_norm!r}", hint=f"choose one of: {', '.join(MAP_NORMS)}")
-    prec = check_precision(precision)
+    memory_source = None  # the config's engine.memory_budget, when it gave the budget
+    if config is not None:
+        cp = from_config(config, model_options={"--model": model, "--pool": pool, "--map-norm": map_norm,
+                                                "--freeze": freeze},
+                         precision=precision, gpu=gpu, memory=memory, tile=tile, size=size)  # fmt: skip
+        model, make, spec, memory_source = cp.model, cp.make, cp.freeze, cp.memory_source
+        precision, optimizer, memory, tile, size = cp.precision, optimizer or cp.optimizer, cp.memory, cp.tile, cp.size
+    else:
+        if model is None:
+            raise WsiTrainError("--model: which model to plan?", hint="give --model (e.g. --model resnet50), or "
+                                "--config RUN.yaml to plan a run's model section")  # fmt: skip
+        _check_model(model)
+        pool, map_norm = pool or AVG, map_norm or NO_NORM
+        if pool not in POOLS:
+            raise WsiTrainError(f"--pool: unknown pool {pool!r}", hint=f"choose one of: {', '.join(POOLS)}")
+        if map_norm not in MAP_NORMS:
+            raise WsiTrainError(f"--map-norm: unknown map_norm {map_norm!r}",
+                                hint=f"choose one of: {', '.join(MAP_NORMS)}")  # fmt: skip
+        spec = parse_freeze(freeze)
+        make = functools.partial(_build_named, model, pool, map_norm, spec)
+    if size is None:
+        raise WsiTrainError("--size: which image size to plan?", hint="give --size (e.g. --size 20480 or "
+                            "20480x10240); a config fixes it only with data.size")  # fmt: skip
+    prec = check_precision(precision or "fp32")
     activation_dtype(prec)  # an unknown precision fails here, before any model is built
     budget = resolve_budget(gpu, memory)
+    if memory_source is not None:
+        budget = dataclasses.replace(budget, source=memory_source)
     if prec == "bf16" and budget.target.generation == "volta-turing":
         raise WsiTrainError(
             f"--precision bf16: {budget.target.label} is older than Ampere and has no bf16 kernels",
@@ -297,11 +321,10 @@ def make_plan(
         raise WsiTrainError(f"--batch: {batch!r} must be a positive integer", hint="use --batch 1 (the default)")
     if tile is not None and tile <= 0:
         raise WsiTrainError(f"--tile: {tile!r} must be positive", hint="give a tile edge in pixels, or omit --tile")
-    spec = parse_freeze(freeze)
     host_budget = (default_host_memory(ranks_per_node()) if host_memory is None
                    else parse_bytes(host_memory, what="--host-memory"))  # fmt: skip
     with torch.device("meta"):  # shapes only: no parameter or activation is ever allocated
-        net = build(model, PLAN_NUM_CLASSES, pool=pool, freeze=spec, map_norm=map_norm)
+        net = make(True)
     h, w = parse_size(size, net.stride, model)
     shape = (batch, 3, h, w)
     plan_it = functools.partial(_plan_net, shape=shape, budget=budget, prec=prec, optimizer=optimizer, tile=tile,
@@ -311,8 +334,13 @@ def make_plan(
     if spec is None:
         return report
     with torch.device("meta"):  # the same model with nothing frozen: what freezing saves
-        plain = build(model, PLAN_NUM_CLASSES, pool=pool, map_norm=map_norm)
+        plain = make(False)
     return dataclasses.replace(report, frozen=net.frozen, unfrozen=plan_it(plain, with_max_size=False))
+
+
+def _build_named(model: str, pool: str, map_norm: str, spec: FreezeSpec | None, frozen: bool) -> torch.nn.Module:
+    """The model ``--model``, ``--pool``, ``--map-norm`` and ``--freeze`` name (``frozen``: with the freeze)."""
+    return build(model, PLAN_NUM_CLASSES, pool=pool, freeze=spec if frozen else None, map_norm=map_norm)
 
 
 def parse_freeze(text: str | None) -> FreezeSpec | None:
@@ -450,12 +478,12 @@ def _simulated(
 
 def run_plan(
     *,
-    model: str,
-    size: str,
+    model: str | None,
+    size: str | None,
     gpu: str | None,
     memory: str | None,
     batch: int,
-    precision: str,
+    precision: str | None,
     tile: int | None,
     as_json: bool,
     console: Console,
@@ -463,11 +491,12 @@ def run_plan(
     simulate: bool = False,
     every_tile: bool = False,
     tissue: float | None = None,
-    pool: str = AVG,
+    pool: str | None = None,
     freeze: str | None = None,
     host_memory: str | None = None,
     with_max_size: bool = True,
-    map_norm: str = NO_NORM,
+    map_norm: str | None = None,
+    config: str | Path | None = None,
 ) -> int:
     """``wsitrain plan``: print the plan (readable, or one JSON object); exit code 0 when it fits, 1 when not.
 
@@ -477,7 +506,7 @@ def run_plan(
         model=model, size=size, gpu=gpu, memory=memory, batch=batch, precision=precision, tile=tile,
         optimizer=optimizer, simulate=simulate, progress=_progress_bar(console) if simulate and not as_json else None,
         every_tile=every_tile, pool=pool, freeze=freeze, host_memory=host_memory, with_max_size=with_max_size,
-        map_norm=map_norm,
+        map_norm=map_norm, config=config,
     )  # fmt: skip
     if as_json:
         d = report.to_dict()
