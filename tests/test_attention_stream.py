@@ -204,8 +204,11 @@ def test_the_log_line_says_what_the_slide_norm_does() -> None:
 
     spec = AttentionSpec(per_class=True, instance_k=4, norm="slide", stream_class=1, stream_cells=4)
     assert batchnorm_note(build("tiny", 2, pool="attention", attention=spec), True) == (
-        "BatchNorm: the model has none; 1 without running statistics (model.map_norm or model.attention.norm: "
-        "slide) normalise with each slide's own, in extra sweeps")  # fmt: skip
+        "BatchNorm: 1 layer without running statistics (model.bn_stats, model.map_norm or model.attention.norm: "
+        "slide) normalise with each slide's own, in training and prediction, in extra sweeps")  # fmt: skip
     note = batchnorm_note(build("resnet18", 2, pool="attention", attention=spec), True)
-    assert note.startswith("BatchNorm: 20 layers frozen") and note.endswith("each slide's own, in extra sweeps")
+    assert note.startswith("BatchNorm: 20 layers frozen") and note.endswith("prediction, in extra sweeps")
+    assert "; 1 without running statistics" in note
     assert batchnorm_note(build("tiny", 2), True) == "BatchNorm: the model has none"
+    slide = batchnorm_note(build("tiny_bn", 2, freeze_bn=False, bn_stats="slide"), False)
+    assert slide.startswith("BatchNorm: 4 layers without running statistics (model.bn_stats")

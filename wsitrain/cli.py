@@ -62,7 +62,8 @@ _state: dict[str, Any] = {"quiet": False, "verbose": False, "console": None}
 F = TypeVar("F", bound=Callable[..., Any])
 
 SHAPES_ONLY_HELP = "Preflight: plan whole slides, skipping tissue detection (faster on thousands of slides)."
-MODEL_HELP = "Model: a built-in (tiny, vgg16, vgg19, darknet19, resnet18/34/50), torchvision/<name> or timm/<name>."
+MODEL_HELP = ("Model: a built-in (tiny, tiny_bn, vgg16, vgg19, darknet19, resnet18/34/50), torchvision/<name> or "
+              "timm/<name>.")
 SET_HELP = "Override a config key, e.g. --set train.lr=1e-4 --set data.level=1 (repeatable; values are YAML)."
 
 
@@ -363,7 +364,7 @@ def plan(
 def bench(
     gpu: str | None = typer.Option(None, "--gpu", help="Emulate a known card's memory, e.g. 2080ti."),
     model: str | None = typer.Option(
-        None, "--model", help="Built-in model: tiny, vgg16, vgg19, darknet19, resnet18/34/50 [default: vgg16]."
+        None, "--model", help="Built-in model: tiny, tiny_bn, vgg16, vgg19, darknet19, resnet18/34/50 [default: vgg16]."
     ),
     sizes: str | None = typer.Option(
         None,

@@ -51,6 +51,8 @@ from wsitrain.models.heads import (
     positive_index,
 )
 from wsitrain.models.registry import ModelNameError, is_imagenet, resolve_model_name
+from wsitrain.models.slide_bn import BN_STATS, RUNNING
+from wsitrain.models.slide_bn import SLIDE as SLIDE_STATS
 from wsitrain.precision import Precision
 from wsitrain.slides.tissue.result import DEFAULT_MIN_FRAGMENT_MM2, TissueSettings
 from wsitrain.spill_dir import folder_problem
@@ -319,6 +321,9 @@ class ModelConfig(Section):
     freeze: FreezeConfig | None = None  # fine-tuning: layers kept fixed (forward-only in the engine)
     # "slide": the head reads the trunk's map standardised per channel over the slide (wsitrain.models.zoo.build)
     map_norm: str = NO_NORM
+    # with freeze_bn: false, "slide" normalises with each slide's own statistics in prediction too, as in training
+    # (wsitrain.models.slide_bn); "running": PyTorch's running averages outside training
+    bn_stats: str = RUNNING
 
     def freeze_spec(self) -> FreezeSpec | None:
         return self.freeze.spec() if self.freeze is not None else None
@@ -328,6 +333,14 @@ class ModelConfig(Section):
 
     _known_pool = field_validator("pool")(lambda value: one_of(value, POOLS, "pool"))
     _known_map_norm = field_validator("map_norm")(lambda value: one_of(value, MAP_NORMS, "map_norm"))
+    _known_bn_stats = field_validator("bn_stats")(lambda value: one_of(value, BN_STATS, "bn_stats"))
+
+    @model_validator(mode="after")
+    def _slide_stats_need_trainable_batchnorm(self) -> ModelConfig:
+        if self.bn_stats == SLIDE_STATS and self.freeze_bn:
+            raise ValueError("model.bn_stats: slide normalises with each slide's own statistics, but model.freeze_bn "
+                             "(true by default) keeps the running ones; set model.freeze_bn: false as well")
+        return self
 
     @model_validator(mode="after")
     def _attention_needs_attention_pool(self) -> ModelConfig:

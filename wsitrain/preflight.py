@@ -398,7 +398,7 @@ def _meta_model(cfg: WsiTrainConfig, num_classes: int) -> nn.Module:
     m = cfg.model
     with torch.device("meta"):
         model = build(m.name, num_classes, pool=m.pool, freeze_bn=m.freeze_bn, attention=m.attention.spec(),
-                      freeze=m.freeze_spec(), topk=m.topk, map_norm=m.map_norm)
+                      freeze=m.freeze_spec(), topk=m.topk, map_norm=m.map_norm, bn_stats=m.bn_stats)
     return model.train()
 
 

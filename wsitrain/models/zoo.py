@@ -41,6 +41,7 @@ from wsitrain.models.heads import (
 )
 from wsitrain.models.normalize import IMAGENET_MEAN, IMAGENET_STD, InputNormalization
 from wsitrain.models.registry import BUILTIN_NAMES, ModelSpec, is_imagenet, resolve_model_name
+from wsitrain.models.slide_bn import BN_STATS, RUNNING, SLIDE, slide_batchnorm
 from wsitrain.models.weights import load_weights
 from wsitrain.sft.ops.masked_pool import MaskedAvgPool2d, MaskedMaxPool2d
 from wsitrain.sft.ops.topk_pool import MaskedTopKMean
@@ -189,6 +190,7 @@ def build(
     mask_pool: bool = True,
     topk: int = DEFAULT_TOPK,
     map_norm: str = NO_NORM,
+    bn_stats: str = RUNNING,
 ) -> nn.Sequential:
     """Build model ``name`` (a built-in, ``torchvision/<name>`` or ``timm/<name>``) with a ``num_classes``-way head.
 
@@ -206,6 +208,8 @@ def build(
     the trunk's map over the slide (a BatchNorm without running statistics or affine parameters: batch statistics in
     training and prediction alike; the engine runs it exactly in two sweeps). The pool, the attention and the
     classifier, and so the CAM, read the standardised map. "none" (the default): no such module.
+    ``bn_stats``: "slide" makes every BatchNorm normalise with its batch's own statistics in prediction too
+    (wsitrain.models.slide_bn; needs ``freeze_bn=False``); "running" (the default): PyTorch's running averages.
     """
     spec = resolve_model_name(name)
     if map_norm not in MAP_NORMS:
@@ -213,6 +217,12 @@ def build(
                             f"{', '.join(MAP_NORMS)}")  # fmt: skip
     if pool not in POOLS:
         raise WsiTrainError(f"unknown pool {pool!r} for model {name!r}", hint=f"choose one of: {', '.join(POOLS)}")
+    if bn_stats not in BN_STATS:
+        raise WsiTrainError(f"unknown bn_stats {bn_stats!r} for model {name!r}", hint=f"choose one of: "
+                            f"{', '.join(BN_STATS)}")  # fmt: skip
+    if bn_stats == SLIDE and freeze_bn:
+        raise WsiTrainError("bn_stats 'slide' normalises with each slide's statistics, but freeze_bn keeps the "
+                            "running ones", hint="set model.freeze_bn: false with model.bn_stats: slide")  # fmt: skip
     if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
         raise WsiTrainError(
             f"num_classes must be a positive integer, got {num_classes!r}", hint="set it to the number of labels"
@@ -231,6 +241,8 @@ def build(
         load_weights(model, weights)
     if freeze_bn:
         freeze_batchnorm(model)
+    if bn_stats == SLIDE:  # after the weights: a checkpoint or ImageNet file with running statistics still loads
+        slide_batchnorm(model)
     apply_freeze(model, freeze)
     return model
 

@@ -36,7 +36,7 @@ def validation_heatmaps(run_dir: Path, out_dir: Path, console: Any = None) -> st
     m = cfg.model
     model = build(m.name, len(classes), weights=None, pool=m.pool, freeze_bn=m.freeze_bn,
                   attention=m.attention.spec(classes), freeze=m.freeze_spec(), mask_pool=m.mask_pool,
-                  topk=m.topk, map_norm=m.map_norm)  # fmt: skip
+                  topk=m.topk, map_norm=m.map_norm, bn_stats=m.bn_stats)  # fmt: skip
     model.load_state_dict(ckpt["model"])
     device = "cuda" if cfg.engine.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
     e = cfg.engine

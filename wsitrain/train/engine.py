@@ -53,7 +53,7 @@ def build_model(m: ModelConfig, num_classes: int, class_names: Sequence[str] | N
         m.name, num_classes, weights=m.weights, pool=m.pool, freeze_bn=m.freeze_bn,
         attention=m.attention.spec(class_names),
         freeze=m.freeze_spec(),
-        mask_pool=m.mask_pool, topk=m.topk, map_norm=m.map_norm,
+        mask_pool=m.mask_pool, topk=m.topk, map_norm=m.map_norm, bn_stats=m.bn_stats,
     )
 
 
@@ -61,12 +61,15 @@ def batchnorm_note(model: nn.Module, freeze_bn: bool) -> str:
     """One log line saying what happens to BatchNorm, since it changes what training does."""
     norms = [mod for mod in model.modules() if isinstance(mod, nn.modules.batchnorm._BatchNorm)]
     n = sum(mod.running_mean is not None for mod in norms)
-    # model.map_norm / model.attention.norm: slide has no running statistics: neither frozen nor in training mode,
-    # always the slide's
-    slide = (f"; {len(norms) - n} without running statistics (model.map_norm or model.attention.norm: slide) "
-             "normalise with each slide's own, in extra sweeps") if len(norms) > n else ""  # fmt: skip
+    k = len(norms) - n
+    # model.bn_stats / model.map_norm / model.attention.norm: slide keep no running statistics: neither frozen nor
+    # running averages in prediction, always the slide's
+    slide = (f"{k} without running statistics (model.bn_stats, model.map_norm or model.attention.norm: slide) "
+             "normalise with each slide's own, in training and prediction, in extra sweeps")  # fmt: skip
     if n == 0:
-        return "BatchNorm: the model has none" + slide
+        layers = " layer without" if k == 1 else " layers without"
+        return f"BatchNorm: {slide.replace(' without', layers, 1)}" if k else "BatchNorm: the model has none"
+    slide = f"; {slide}" if k else ""
     if freeze_bn:
         return (
             f"BatchNorm: {n} layers frozen (running statistics fixed, affine trained; model.freeze_bn: false to change)"

@@ -18,6 +18,7 @@ from wsitrain.memory import tune_owned_process
 from wsitrain.models import build
 from wsitrain.models.freeze import FreezeSpec
 from wsitrain.models.heads import DEFAULT_TOPK, NO_NORM, AttentionSpec
+from wsitrain.models.slide_bn import RUNNING
 from wsitrain.report.decision import DecisionWatch
 from wsitrain.report.heatmap_files import HeatmapWriter
 from wsitrain.slides.readers import open_slide
@@ -136,7 +137,7 @@ def run_predict(
     model = build(m["name"], n_outputs, weights=None, pool=m["pool"], freeze_bn=m["freeze_bn"],
                   attention=AttentionSpec.from_dict(m.get("attention"), class_names), mask_pool=m["mask_pool"],
                   freeze=FreezeSpec.from_dict(m.get("freeze")), topk=m.get("topk", DEFAULT_TOPK),
-                  map_norm=m.get("map_norm") or NO_NORM)  # fmt: skip
+                  map_norm=m.get("map_norm") or NO_NORM, bn_stats=m.get("bn_stats") or RUNNING)  # fmt: skip
     model.load_state_dict(ckpt["model"])
     device = resolve_device(cfg.engine.device)
     budget = run_budget(cfg.engine.memory_budget, device)
