@@ -285,6 +285,24 @@ def test_frozen_batchnorm_on_random_weights_is_warned(cohort: Path, model: dict,
     assert not random_batchnorm_warnings(with_weights, pf._meta_model(with_weights, 2))  # pretrained statistics
 
 
+@pytest.mark.parametrize(
+    ("model", "warned"),
+    [
+        ({"name": "tiny_bn", "freeze_bn": False}, True),  # trains on each slide, predicts on running averages
+        ({"name": "tiny_bn", "freeze_bn": False, "bn_stats": "slide"}, False),  # each slide's own, both ways
+        ({"name": "tiny_bn"}, False),  # frozen (the default): the same statistics both ways
+        ({"name": "tiny", "freeze_bn": False}, False),  # no BatchNorm
+    ],
+)
+def test_batchnorm_that_predicts_on_running_averages_is_warned(cohort: Path, model: dict, warned: bool) -> None:
+    cfg = make_cfg(cohort, "good-labels.csv").model_copy(update={"model": make_cfg(cohort).model.model_validate(model)})
+    report = run_preflight(cfg, parse_bytes("2GiB"), "cpu", shapes_only=True)
+    lines = [w for w in report.warnings if "predict with their running averages" in w]
+    assert len(lines) == warned
+    if warned:
+        assert "tiny_bn's 4 BatchNorm layers" in lines[0] and "set model.bn_stats: slide" in lines[0]
+
+
 def test_validate_prints_the_random_batchnorm_warning(cohort: Path, tmp_path: Path) -> None:
     config = tmp_path / "run.yaml"
     config.write_text(
