@@ -97,8 +97,12 @@ def map_key(pool: str) -> str:
     an attention pool, else the positive class's CAM (read from the head's overrides, not its name)."""
     from wsitrain.models.heads import ATTENTION_POOLS
 
-    built = next((o.split("=", 1)[1] for o in head_overrides(pool) if o.startswith("model.pool=")), pool)
-    return "attention" if built in ATTENTION_POOLS else "cam"
+    return "attention" if pool_of(pool) in ATTENTION_POOLS else "cam"
+
+
+def pool_of(pool: str) -> str:
+    """The ``model.pool`` a benchmark head builds (read from its overrides, not its name)."""
+    return next((o.split("=", 1)[1] for o in head_overrides(pool) if o.startswith("model.pool=")), pool)
 
 
 def base_config(labels: Path, cohort: Path, runs: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -192,6 +196,7 @@ def run_one(base: dict[str, Any], work: Path, labels: Path, seed: int, pool: str
         "val_loss": _num(last.get("loss")),
         "chance_loss": chance_loss(labels),
         "pointing_game": None if where is None else _num(where["pointing_game"]),
+        "pointing_decisive": None if where is None else _num(where.get("pointing_decisive")),
         "lesion_mass": None if where is None else _num(where["lesion_mass"]),
         **lookalike_split(where),
         "localise_s": None if where is None else round(time.perf_counter() - t1, 1),
@@ -298,7 +303,6 @@ def localise(cfg: Any, run_dir: Path, labels: Path, pool: str) -> dict[str, floa
     ``predict --heatmaps`` with the last checkpoint (as the AUC), attention maps for attention pools, else the CAM."""
     from rich.console import Console
 
-    from wsitrain.report.localisation import score_heatmaps
     from wsitrain.train.predict import run_predict
 
     rows = list(csv.DictReader(labels.open()))
@@ -312,7 +316,19 @@ def localise(cfg: Any, run_dir: Path, labels: Path, pool: str) -> dict[str, floa
     with open(os.devnull, "w") as sink:
         run_predict(cfg, checkpoint=run_dir / "last.pt", slides=held, out=run_dir / "held_out.csv",
                     console=Console(file=sink), heatmaps=maps, viewer_files=False)  # fmt: skip
-    return score_heatmaps(maps, slides_dir / "lesions.json", key=map_key(pool))
+    return score_maps(maps, slides_dir / "lesions.json", pool)
+
+
+def score_maps(maps: Path, lesions: Path, pool: str) -> dict[str, float]:
+    """A run's localisation from its heatmaps folder: the attention or CAM map's (``map_key``), and for max pooling
+    also its deciding cell's pointing game (``pointing_decisive``: where the max-pooled score was really decided)."""
+    from wsitrain.report.localisation import DECISIVE, score_heatmaps
+
+    key = map_key(pool)
+    where = score_heatmaps(maps, lesions, key=key)
+    if key == "cam" and pool_of(pool) == "max":
+        where["pointing_decisive"] = score_heatmaps(maps, lesions, key=DECISIVE)["pointing_game"]
+    return where
 
 
 def lookalike_split(where: dict[str, float] | None) -> dict[str, Any]:
@@ -327,17 +343,15 @@ def lookalike_split(where: dict[str, float] | None) -> dict[str, Any]:
 def rescore(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Whole-slide rows scored again from their run folders' heatmaps (no prediction): the current localisation
     scores, the look-alike split included, for runs recorded before it existed."""
-    from wsitrain.report.localisation import score_heatmaps
-
     setup = next(r for r in rows if r["kind"] == "setup")
     lesions = Path(setup["cohort"]) / "lesions.json"
     out = []
     for r in rows:
         maps = Path(r.get("run_dir") or "") / "heatmaps"
         if r.get("input") == "whole slide" and (maps / "heatmaps.json").exists():
-            where = score_heatmaps(maps, lesions, key=map_key(r["pool"]))
+            where = score_maps(maps, lesions, r["pool"])
             r = {**r, "pointing_game": _num(where["pointing_game"]), "lesion_mass": _num(where["lesion_mass"]),
-                 **lookalike_split(where)}  # fmt: skip
+                 "pointing_decisive": _num(where.get("pointing_decisive")), **lookalike_split(where)}  # fmt: skip
         out.append(r)
     return out
 
@@ -345,9 +359,12 @@ def rescore(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _pointing_cell(rs: list[dict[str, Any]]) -> str:
     """Mean pointing game, and pooled over the seeds' held-out positives: with a look-alike / without one."""
     mean = _mean(rs, "pointing_game")
+    decisive = _mean(rs, "pointing_decisive")
     split = [r for r in rs if r.get("n_with_lookalike") is not None]
     if mean == "-" or not split:
         return mean
+    if decisive != "-":  # max pooling: the CAM's peak, then the deciding cell
+        mean = f"CAM {mean}, deciding cell {decisive}"
     parts = []
     for key, n in (("pointing_with_lookalike", lambda r: r["n_with_lookalike"]),
                    ("pointing_without_lookalike", lambda r: r["n_positive"] - r["n_with_lookalike"])):  # fmt: skip
@@ -490,7 +507,9 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         "answering the training set's class shares. *Pointing game*: the share of held-out positive slides whose "
         "highest attention cell (attention pools) or positive-class CAM cell (avg, max) lies in a lesion box of "
         "lesions.json, and in brackets its hits over the seeds on the positives that also carry a look-alike "
-        "(a distractor: the same image as a lesion at thumbnail scale) and on those that do not; "
+        "(a distractor: the same image as a lesion at thumbnail scale) and on those that do not; for max pooling "
+        "also its *deciding cell* (the cell whose channel maxima gave the largest part of the positive logit, where "
+        "the score was really decided; the brackets stay the CAM's); "
         "*mass on lesions*: the share of that map's total there (wsitrain.report.localisation); "
         "whole slides only. *Decided on tissue*: per class, the share of held-out slides whose max-pooled score was "
         "decided at a map cell inside the tissue mask (`model.mask_pool`). "

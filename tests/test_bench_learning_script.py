@@ -62,6 +62,30 @@ def test_rescore_splits_the_pointing_game_by_lookalikes(
     assert "| 0.50 (0/1 / 1/1) |" in (out / "bench_learning.md").read_text()
 
 
+def test_rescore_scores_max_pooling_where_it_decided(
+    bench: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A max-pooling row: the CAM's peak and the deciding cell (heatmaps.json's ``decisive``) are both scored, and
+    the table shows both."""
+    out, run_dir = recorded(tmp_path)
+    maps = run_dir / "heatmaps"
+    index = json.loads((maps / "heatmaps.json").read_text())
+    for rec, cell in zip(index["slides"], ([[0, 0], [1, 2]], [[1, 2], [0, 0]]), strict=True):
+        cam = np.zeros((2, 4, 5))
+        cam[1, 0, 0] = 3.0  # both positive CAMs peak at (0, 0): the look-alike of a, tissue of c
+        np.save(maps / f"{rec['slide']}.cam.npy", cam)
+        rec.update(attention=None, cam=f"{rec['slide']}.cam.npy", decisive=cell)  # a decided in its lesion, c not
+    (maps / "heatmaps.json").write_text(json.dumps(index))
+    lines = [json.loads(x) for x in (out / "bench_learning.jsonl").read_text().splitlines()]
+    lines[1]["pool"] = "max"
+    (out / "bench_learning.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    monkeypatch.setattr(bench, "example_crops", lambda cohort: None)
+    assert bench.main(["--out", str(out), "--rescore"]) == 0
+    row = [json.loads(x) for x in (out / "bench_learning.jsonl").read_text().splitlines()][1]
+    assert row["pointing_game"] == 0.0 and row["pointing_decisive"] == 0.5
+    assert "| CAM 0.00, deciding cell 0.50 (0/1 / 0/1) |" in (out / "bench_learning.md").read_text()
+
+
 def test_offline_paths_refuse_bad_input(bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     missing = tmp_path / "nothing"
     assert bench.main(["--out", str(missing), "--rescore"]) == 2

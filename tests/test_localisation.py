@@ -72,3 +72,23 @@ def test_pointing_split_by_lookalike(tmp_path: Path) -> None:
     s = score_heatmaps(tmp_path, lesions)
     assert s["pointing_game"] == 0.5 and s["n_with_lookalike"] == 1
     assert s["pointing_game_with_lookalike"] == 0.0 and s["pointing_game_without_lookalike"] == 1.0
+
+
+def test_max_pooling_is_scored_where_it_decided(tmp_path: Path) -> None:
+    """``key="decisive"``: the positive class's deciding cell (heatmaps.json's ``decisive``), not the CAM's peak; a
+    CAM that peaks off the lesion still hits when the cell that decided the score is in it, and the other way."""
+    cam = np.zeros((2, 4, 5))
+    cam[1, 0, 0] = 3.0  # the positive CAM peaks at (0, 0), outside the lesion (cell (1, 2))
+    np.save(tmp_path / "a.cam.npy", cam)
+    np.save(tmp_path / "b.cam.npy", cam)
+    rec = {"stride": 16, "box": [0, 0, 160, 128], "downsample": 2.0}
+    (tmp_path / "heatmaps.json").write_text(json.dumps({"classes": ["negative", "positive"], "slides": [
+        {**rec, "slide": "a.tiff", "cam": "a.cam.npy", "decisive": [[3, 4], [1, 2]]},  # decided in the lesion
+        {**rec, "slide": "b.tiff", "cam": "b.cam.npy", "decisive": [[1, 2], [2, 2]]}]}))  # fmt: skip
+    lesions = tmp_path / "lesions.json"
+    lesions.write_text(json.dumps({"slides": {"a.tiff": {"label": "positive", "boxes": [BOX]},
+                                              "b.tiff": {"label": "positive", "boxes": [BOX]}}}))  # fmt: skip
+    assert score_heatmaps(tmp_path, lesions, key="cam")["pointing_game"] == 0.0
+    decided = score_heatmaps(tmp_path, lesions, key="decisive")
+    assert decided["pointing_game"] == 0.5 and decided["n_positive"] == 2  # a's positive cell, not b's
+    assert decided["lesion_mass"] == score_heatmaps(tmp_path, lesions, key="cam")["lesion_mass"]  # the CAM's mass

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 LESION = "lesion"  # lesions.json's kind of a true lesion (distractors are the look-alikes)
+DECISIVE = "decisive"  # score_heatmaps' key for max pooling's deciding cell (heatmaps.json's per-class (row, col))
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,10 @@ def score_map(values: np.ndarray, inside: np.ndarray) -> Localisation:
 def score_heatmaps(heatmaps_dir: Path, lesions_json: Path, key: str = "attention") -> dict[str, float]:
     """Mean pointing game and mass over the positive slides of a ``predict --heatmaps`` folder that lesions.json knows.
 
-    ``key``: "attention" (branch 0, or the positive class's branch) or "cam" (the positive class's map). Also the
+    ``key``: "attention" (branch 0, or the positive class's branch), "cam" (the positive class's map) or "decisive"
+    (max pooling: the positive class's deciding cell, the one whose channels' maxima gave the largest part of its
+    pooled logit, ``decisive`` in heatmaps.json; the CAM's peak need not be any channel's maximum, so this is where a
+    max-pooled score was really decided; its mass is the CAM's). Also the
     pointing game apart on the positive slides that carry a look-alike as well (``pointing_game_with_lookalike``,
     ``n_with_lookalike``) and on those that do not (``pointing_game_without_lookalike``): a map that finds
     "a structure" rather than the lesion fails only on the first (docs/plateau.md section 8)."""
@@ -65,15 +69,20 @@ def score_heatmaps(heatmaps_dir: Path, lesions_json: Path, key: str = "attention
     truth = json.loads(Path(lesions_json).read_text())["slides"]
     positive = index["classes"].index("positive") if "positive" in index["classes"] else len(index["classes"]) - 1
     scores, lookalike = [], []
+    decisive = key == DECISIVE
     for rec in index["slides"]:
         t = truth.get(rec["slide"])
         if t is None or t["label"] != "positive" or rec.get(key) is None:
             continue
-        maps = np.load(heatmaps_dir / rec[key])  # (branches or classes, h, w)
+        maps = np.load(heatmaps_dir / rec["cam" if decisive else key])  # (branches or classes, h, w)
         m = maps[positive] if len(maps) > 1 else maps[0]
         boxes = [b for b in t["boxes"] if b["kind"] == LESION]
         inside = inside_mask(m.shape, rec["stride"], (rec["box"][0], rec["box"][1]), rec["downsample"], boxes)
-        scores.append(score_map(m, inside))
+        s = score_map(m, inside)
+        if decisive:
+            r, c = rec[key][positive]  # (row, col) of the class's deciding cell
+            s = Localisation(bool(inside[int(r), int(c)]), s.mass)
+        scores.append(s)
         lookalike.append(any(b["kind"] != LESION for b in t["boxes"]))
     if not scores:
         return {"pointing_game": float("nan"), "lesion_mass": float("nan"), "n_positive": 0}
