@@ -108,9 +108,13 @@ def finish_batchnorm(m: nn.BatchNorm2d, mom: Moments) -> BNStat:
 
 
 def bn_apply(m: nn.BatchNorm2d, mean: torch.Tensor, inv: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    y = (x - mean.view(C_SHAPE)) * inv.view(C_SHAPE)
-    if m.weight is not None:
-        y = y * m.weight.view(C_SHAPE)
+    """``m`` applied with fixed statistics to a tile ``x`` (B, C, h, w): (x - mean) * (inv * weight) + bias.
+
+    The scale is folded to one (C,) vector before it meets the tile, so autograd keeps one tile-sized map for the
+    statistics' and the weight's gradients (the centred input), not two: ((x - mean) * inv) * weight also kept the
+    normalised map for the weight's gradient (the planner's replay counts the one, ``PlanSession.sim_op``)."""
+    scale = inv if m.weight is None else inv * m.weight  # (C,)
+    y = (x - mean.view(C_SHAPE)) * scale.view(C_SHAPE)
     if m.bias is not None:
         y = y + m.bias.view(C_SHAPE)
     return y.to(x.dtype)
