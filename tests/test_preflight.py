@@ -280,7 +280,7 @@ def test_frozen_batchnorm_on_random_weights_is_warned(cohort: Path, model: dict,
     assert len(lines) == warned
     if warned:
         assert "resnet18's 20 BatchNorm layers" in lines[0] and "model.weights: imagenet" in lines[0]
-        assert "model.freeze_bn: false" in lines[0]
+        assert "model.freeze_bn: false with model.bn_stats: slide" in lines[0]
     with_weights = cfg.model_copy(update={"model": cfg.model.model_copy(update={"weights": cohort / "w.pt"})})
     assert not random_batchnorm_warnings(with_weights, pf._meta_model(with_weights, 2))  # pretrained statistics
 

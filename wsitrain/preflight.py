@@ -208,7 +208,7 @@ def random_batchnorm_warnings(cfg: WsiTrainConfig, model: nn.Module) -> list[str
             "statistics of random weights (model.weights is unset): they normalise nothing while the weights move "
             "(ResNet-18 at lr 1e-3: a mean first-epoch loss of 37 to 290,000, then a constant output, measured); "
             "start from pretrained weights (model.weights: imagenet, or a checkpoint) or set "
-            "model.freeze_bn: false"]  # fmt: skip
+            "model.freeze_bn: false with model.bn_stats: slide"]  # fmt: skip
 
 
 def running_batchnorm_warnings(cfg: WsiTrainConfig, model: nn.Module) -> list[str]:
