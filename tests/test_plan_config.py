@@ -115,6 +115,9 @@ def test_bad_combinations_are_one_clear_error(tmp_path: Path) -> None:
     bad = _config(tmp_path, {"name": "tiny", "pool": "max", "map_norm": "cell"})
     code, out = _cli("--config", str(bad), "--memory", "64MiB")
     assert code == 2 and "model.map_norm" in out and str(bad) in out
+    bf16 = _config(tmp_path, {"name": "tiny"}, train={"precision": "bf16"})
+    code, out = _cli("--config", str(bf16), "--gpu", "2080ti")
+    assert code == 2 and f"train.precision ({bf16}) bf16" in out and "older than Ampere" in out
     code, out = _cli("--config", str(tmp_path / "missing.yaml"), "--memory", "64MiB")
     assert code == 2 and "missing.yaml" in out and "file not found" in out
 

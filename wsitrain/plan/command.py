@@ -285,7 +285,10 @@ def make_plan(
     it fills the precision, optimizer, budget, tile and size the call leaves at None.
     """
     memory_source = None  # the config's engine.memory_budget, when it gave the budget
+    precision_key = "--precision"  # what an error about the precision names
     if config is not None:
+        if precision is None:
+            precision_key = f"train.precision ({config})"
         cp = from_config(config, model_options={"--model": model, "--pool": pool, "--map-norm": map_norm,
                                                 "--freeze": freeze},
                          precision=precision, gpu=gpu, memory=memory, tile=tile, size=size)  # fmt: skip
@@ -307,14 +310,14 @@ def make_plan(
     if size is None:
         raise WsiTrainError("--size: which image size to plan?", hint="give --size (e.g. --size 20480 or "
                             "20480x10240); a config fixes it only with data.size")  # fmt: skip
-    prec = check_precision(precision or "fp32")
+    prec = check_precision(precision or "fp32", precision_key)
     activation_dtype(prec)  # an unknown precision fails here, before any model is built
     budget = resolve_budget(gpu, memory)
     if memory_source is not None:
         budget = dataclasses.replace(budget, source=memory_source)
     if prec == "bf16" and budget.target.generation == "volta-turing":
         raise WsiTrainError(
-            f"--precision bf16: {budget.target.label} is older than Ampere and has no bf16 kernels",
+            f"{precision_key} bf16: {budget.target.label} is older than Ampere and has no bf16 kernels",
             hint="plan with --precision fp16 or fp32, or choose an Ampere or newer GPU",
         )
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
