@@ -70,7 +70,7 @@ def test_validate_reports_all_three_mistakes(tmp_path: Path) -> None:
     out = result.output
     assert "error:" in out and "3 problems" in out and str(path) in out
     assert "model.colour: unknown key; valid keys here: name, num_classes" in out
-    assert "model.name: 'vgg61' is not a valid choice; choose one of tiny, tiny_bn, vgg16" in out
+    assert "model.name: 'vgg61' is not a valid choice; choose one of tiny, tiny_bn, tiny_ln, vgg16" in out
     assert "train.lr: expected a number, got 'fast'" in out
     assert "hint:" in out
     assert "Traceback" not in out

@@ -112,8 +112,8 @@ def test_error_messages_name_key_and_fix(write_yaml) -> None:
     problems = problems_of(path)
     model_problem = next(p for p in problems if p.startswith("model.name"))
     assert model_problem.startswith(
-        "model.name: 'vgg61' is not a valid choice; choose one of tiny, tiny_bn, vgg16, vgg19, darknet19, resnet18, "
-        "resnet34, resnet50, or torchvision/<name>"
+        "model.name: 'vgg61' is not a valid choice; choose one of tiny, tiny_bn, tiny_ln, vgg16, vgg19, darknet19, "
+        "resnet18, resnet34, resnet50, or torchvision/<name>"
     )
     assert "train.lr: expected a number, got 'fast'" in problems
     assert "train.epochs: must be >= 1, got 0" in problems

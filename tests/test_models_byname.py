@@ -75,7 +75,7 @@ def test_builtin_and_library_names_resolve() -> None:
 @pytest.mark.parametrize(
     ("name", "says"),
     [
-        ("vgg61", "is not a valid choice; choose one of tiny, tiny_bn, vgg16"),
+        ("vgg61", "is not a valid choice; choose one of tiny, tiny_bn, tiny_ln, vgg16"),
         ("torchvision/resnet19", "not a torchvision classification CNN (did you mean resnet18"),
         ("torchvision/vit_b_16", "vision transformer, not a CNN"),
         ("timm/not_a_model", "is not a timm model"),

@@ -6,18 +6,21 @@ statistics in checkpoints, older checkpoints still load, config checks, fit and 
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 from test_map_norm import compare
+from test_sft_attention import assert_same, step
 from tiny_runs import config_file, finished_run, invoke, synthetic_slides
 from torch import nn
 
 from wsitrain.errors import WsiTrainError
 from wsitrain.models import build
 from wsitrain.models.heads import AttentionSpec
+from wsitrain.sft import SFT
 
 CLAM_MB = AttentionSpec(per_class=True, instance_k=4, border=1)
 
@@ -34,6 +37,21 @@ def _slide_bn(name: str, pool: str = "max", spec: AttentionSpec | None = None) -
 @pytest.mark.parametrize(("pool", "spec"), [("max", None), ("attention", CLAM_MB)], ids=["max", "clam_mb"])
 def test_slide_statistics_are_exact_on_tiny_bn(pool: str, spec: AttentionSpec | None, training: bool) -> None:
     compare(_slide_bn("tiny_bn", pool, spec).train(training))
+
+
+@pytest.mark.parametrize(("name", "kw"), [("tiny_ln", {}), ("tiny_bn", {"freeze_bn": False})], ids=["ln", "bn_running"])
+def test_the_normalised_tiny_trunks_are_exact(name: str, kw: dict) -> None:
+    """The benchmark's small trunks with a norm, tiled as plain in float64, a training step: tiny_ln's per-cell
+    LayerNorm (no statistics across the slide) and tiny_bn's BatchNorm updating its running statistics (buffers
+    compared)."""
+    torch.manual_seed(0)
+    model = build(name, 2, pool="max", **kw).double().train()
+    sft = SFT(copy.deepcopy(model), tile_size=64, memory_budget="2GiB")  # before the step moves running statistics
+    x = torch.rand(2, 3, 160, 192, dtype=torch.float64) * 255
+    ref = step(model, x, None)
+    got = step(sft, x, None)
+    assert_same(got, ref, [n for n, _ in model.named_parameters()])
+    assert sft.plan_for(x.shape, input_dtype=torch.float64).segments[0].tile_grid != (1, 1)
 
 
 def test_slide_statistics_are_exact_on_a_resnet_in_prediction() -> None:

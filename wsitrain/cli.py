@@ -21,6 +21,7 @@ from typer.core import TyperGroup
 
 from wsitrain import __version__, log
 from wsitrain.errors import ConfigError, NotAvailableError, WsiTrainError
+from wsitrain.models.registry import BUILTIN_NAMES
 
 if TYPE_CHECKING:
     from wsitrain.config import WsiTrainConfig
@@ -62,8 +63,7 @@ _state: dict[str, Any] = {"quiet": False, "verbose": False, "console": None}
 F = TypeVar("F", bound=Callable[..., Any])
 
 SHAPES_ONLY_HELP = "Preflight: plan whole slides, skipping tissue detection (faster on thousands of slides)."
-MODEL_HELP = ("Model: a built-in (tiny, tiny_bn, vgg16, vgg19, darknet19, resnet18/34/50), torchvision/<name> or "
-              "timm/<name>.")
+MODEL_HELP = f"Model: a built-in ({', '.join(BUILTIN_NAMES)}), torchvision/<name> or timm/<name>."
 SET_HELP = "Override a config key, e.g. --set train.lr=1e-4 --set data.level=1 (repeatable; values are YAML)."
 
 
@@ -364,7 +364,7 @@ def plan(
 def bench(
     gpu: str | None = typer.Option(None, "--gpu", help="Emulate a known card's memory, e.g. 2080ti."),
     model: str | None = typer.Option(
-        None, "--model", help="Built-in model: tiny, tiny_bn, vgg16, vgg19, darknet19, resnet18/34/50 [default: vgg16]."
+        None, "--model", help=f"Built-in model: {', '.join(BUILTIN_NAMES)} [default: vgg16]."
     ),
     sizes: str | None = typer.Option(
         None,

@@ -60,6 +60,7 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {
     for s in (
         ModelSpec("tiny", "builtin", "tiny", "4 conv layers, 8-32 channels: tests and demos", 16),
         ModelSpec("tiny_bn", "builtin", "tiny_bn", "tiny with a BatchNorm after each conv: tests and benchmarks", 16),
+        ModelSpec("tiny_ln", "builtin", "tiny_ln", "tiny with a LayerNorm of each cell's channels after each conv", 16),
         ModelSpec(
             "vgg16", "builtin", "vgg16", "VGG-16 trunk (13 convs, no BatchNorm), as in the SFT paper", 32, "vgg16"
         ),

@@ -20,6 +20,7 @@ from wsitrain.models.attention import (
     AttentionPool,
     AttentionScores,
     BranchClassifier,
+    CellNorm,
     InstanceSplit,
     InstanceStream,
     slide_norm,
@@ -49,15 +50,18 @@ from wsitrain.sft.ops.topk_pool import MaskedTopKMean
 MODEL_NAMES = BUILTIN_NAMES  # the built-in names; any torchvision/<name> or timm/<name> is valid as well
 
 
-def _tiny_features(batchnorm: bool = False) -> nn.Sequential:
-    """``tiny``'s four conv stages; with ``batchnorm`` (``tiny_bn``) each conv is followed by a BatchNorm, as in
-    the trunks users bring, and drops its bias (the BatchNorm's shift replaces it)."""
+def _tiny_features(norm: str | None = None) -> nn.Sequential:
+    """``tiny``'s four conv stages; with ``norm`` each conv is followed by a normalisation and drops its bias (the
+    norm's shift replaces it): "bn" (``tiny_bn``) a BatchNorm, as in the trunks users bring; "ln" (``tiny_ln``) a
+    LayerNorm of each cell's channels (ConvNeXt's), which reads no statistics across the slide."""
     layers: OrderedDict[str, nn.Module] = OrderedDict()
     widths = (3, 8, 16, 32, 32)
     for i, (cin, cout) in enumerate(zip(widths[:-1], widths[1:], strict=True), start=1):
-        layers[f"conv{i}"] = nn.Conv2d(cin, cout, 3, padding=1, bias=not batchnorm)
-        if batchnorm:
+        layers[f"conv{i}"] = nn.Conv2d(cin, cout, 3, padding=1, bias=norm is None)
+        if norm == "bn":
             layers[f"bn{i}"] = nn.BatchNorm2d(cout)
+        elif norm == "ln":
+            layers[f"ln{i}"] = CellNorm(cout)
         layers[f"relu{i}"] = nn.ReLU(inplace=True)
         layers[f"pool{i}"] = nn.MaxPool2d(2, 2)
     return nn.Sequential(layers)
@@ -91,7 +95,8 @@ Norm = tuple[tuple[float, ...], tuple[float, ...]]  # the input normalization's 
 # built-in name -> (trunk builder taking `imagenet`, trunk output channels); strides live in the registry
 _TRUNKS: dict[str, tuple[Callable[[bool], nn.Sequential], int]] = {
     "tiny": (lambda _: _tiny_features(), 32),
-    "tiny_bn": (lambda _: _tiny_features(batchnorm=True), 32),
+    "tiny_bn": (lambda _: _tiny_features("bn"), 32),
+    "tiny_ln": (lambda _: _tiny_features("ln"), 32),
     "vgg16": (lambda imagenet: _vgg_features("vgg16", imagenet), 512),
     "vgg19": (lambda imagenet: _vgg_features("vgg19", imagenet), 512),
     "darknet19": (lambda _: darknet19_features(), 1024),
