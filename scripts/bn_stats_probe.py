@@ -28,6 +28,7 @@ from wsitrain.config import load_config
 from wsitrain.models.slide_bn import SLIDE
 from wsitrain.train.checkpoint import load_checkpoint
 from wsitrain.train.engine import build_model
+from wsitrain.train.metrics import binary_roc_auc
 
 
 def read_level0(path: Path) -> torch.Tensor:
@@ -37,15 +38,6 @@ def read_level0(path: Path) -> torch.Tensor:
     s = openslide.OpenSlide(str(path))
     rgb = np.asarray(s.read_region((0, 0), 0, s.dimensions).convert("RGB"))
     return torch.from_numpy(rgb.copy()).permute(2, 0, 1)[None]
-
-
-def roc_auc(scores: list[float], positive: list[bool]) -> float:
-    """By pairwise comparison, ties half."""
-    pos = [s for s, y in zip(scores, positive, strict=True) if y]
-    neg = [s for s, y in zip(scores, positive, strict=True) if not y]
-    if not pos or not neg:
-        return float("nan")
-    return sum((a > b) + 0.5 * (a == b) for a in pos for b in neg) / (len(pos) * len(neg))
 
 
 def probe(run: Path) -> dict[str, dict[str, float]]:
@@ -70,7 +62,7 @@ def probe(run: Path) -> dict[str, dict[str, float]]:
         with torch.no_grad():
             p = [torch.softmax(model(x).float(), 1)[0, classes.index(positive)].item() for x in images]
         acc = float(np.mean([(q > 0.5) == y for q, y in zip(p, labels, strict=True)]))
-        out[mode] = {"roc_auc": roc_auc(p, labels), "accuracy": acc}
+        out[mode] = {"roc_auc": binary_roc_auc(np.array(labels), np.array(p)), "accuracy": acc}
     return out
 
 
