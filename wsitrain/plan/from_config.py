@@ -2,7 +2,7 @@
 
 The config's ``model`` section builds the model exactly as ``wsitrain fit`` does (``wsitrain.train.engine.
 build_model``): the attention head with every ``model.attention`` key, ``map_norm``, ``topk``, ``freeze`` and
-``freeze_bn`` (BatchNorm in training mode adds sweeps). ``train.precision``, ``train.optimizer``,
+``freeze_bn`` and ``bn_stats`` (BatchNorm in training mode adds sweeps). ``train.precision``, ``train.optimizer``,
 ``engine.memory_budget``, ``engine.tile_size`` and ``data.size`` (or ``data.synthetic.size``) fill what the command
 line leaves out; an option given on the command line wins, except the ones that describe the model, which the
 config owns (giving both is an error, so a plan never mixes two models). The weights are not read: a plan needs
