@@ -92,6 +92,10 @@ def test_command_line_options_win_over_the_config(tmp_path: Path) -> None:
     assert "h100" in out["budget_source"].lower() and out["plan"]["segments"][0]["tile_grid"] == [4, 4]  # 1024 / 256
     # model.freeze is planned with its saving beside it, as --freeze shows it
     assert out["freeze"]["frozen_modules"][-1] == "features.pool2" and out["freeze"]["flops_saving"] > 0
+    (tmp_path / "spill").mkdir()
+    spill = _config(tmp_path / "spill", {"name": "tiny"}, engine={"memory_budget": "48MiB", "host_memory": "1MiB"})
+    _, small_host = _plan(config=spill, size="1024")
+    assert small_host["plan"]["host_budget_bytes"] == 1024**2  # engine.host_memory planned as --host-memory 1MiB
     _, cfg_precision = _plan(config=cfg, gpu="h100")
     assert cfg_precision["precision"] == "bf16" and cfg_precision["plan"]["input_shape"] == [1, 3, 512, 512]
     assert cfg_precision["plan"]["segments"][0]["tile_grid"] == [4, 4]  # engine.tile_size 128 on data.synthetic.size

@@ -291,8 +291,9 @@ def make_plan(
             precision_key = f"train.precision ({config})"
         cp = from_config(config, model_options={"--model": model, "--pool": pool, "--map-norm": map_norm,
                                                 "--freeze": freeze},
-                         precision=precision, gpu=gpu, memory=memory, tile=tile, size=size)  # fmt: skip
-        model, make, spec, memory_source = cp.model, cp.make, cp.freeze, cp.memory_source
+                         precision=precision, gpu=gpu, memory=memory, tile=tile, size=size,
+                         host_memory=host_memory)  # fmt: skip
+        model, make, spec, memory_source, host_memory = cp.model, cp.make, cp.freeze, cp.memory_source, cp.host_memory
         precision, optimizer, memory, tile, size = cp.precision, optimizer or cp.optimizer, cp.memory, cp.tile, cp.size
     else:
         if model is None:

@@ -3,10 +3,10 @@
 The config's ``model`` section builds the model exactly as ``wsitrain fit`` does (``wsitrain.train.engine.
 build_model``): the attention head with every ``model.attention`` key, ``map_norm``, ``topk``, ``freeze`` and
 ``freeze_bn`` and ``bn_stats`` (BatchNorm in training mode adds sweeps). ``train.precision``, ``train.optimizer``,
-``engine.memory_budget``, ``engine.tile_size`` and ``data.size`` (or ``data.synthetic.size``) fill what the command
-line leaves out; an option given on the command line wins, except the ones that describe the model, which the
-config owns (giving both is an error, so a plan never mixes two models). The weights are not read: a plan needs
-shapes only.
+``engine.memory_budget``, ``engine.tile_size``, ``engine.host_memory`` and ``data.size`` (or ``data.synthetic.size``)
+fill what the command line leaves out; an option given on the command line wins, except the ones that describe the
+model, which the config owns (giving both is an error, so a plan never mixes two models). The weights are not read:
+a plan needs shapes only.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ class ConfigPlan:
     memory_source: str | None  # where ``memory`` came from when the config gave it (the plan's "budget source")
     tile: int | None
     size: str | None  # data.size as --size writes it (HxW), when the config fixes it
+    host_memory: str | int | None  # engine.host_memory when --host-memory is not given
 
 
 def _size_text(cfg: WsiTrainConfig) -> str | None:
@@ -61,6 +62,7 @@ def from_config(
     memory: str | None,
     tile: int | None,
     size: str | None,
+    host_memory: str | int | None = None,
 ) -> ConfigPlan:
     """Read ``path`` (exit 2 on any problem, as ``wsitrain validate``) and say what to plan.
 
@@ -90,4 +92,5 @@ def from_config(
         optimizer=cfg.train.optimizer, memory=None if budget is None else str(budget),
         memory_source=f"engine.memory_budget {e.memory_budget} ({path})" if from_cfg else None,
         tile=tile if tile is not None else e.tile_size, size=size or _size_text(cfg),
+        host_memory=host_memory if host_memory is not None else e.host_memory,
     )  # fmt: skip
