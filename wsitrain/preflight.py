@@ -412,12 +412,10 @@ def _names(slides: Sequence[str]) -> str:
 
 def _meta_model(cfg: WsiTrainConfig, num_classes: int) -> nn.Module:
     """The run's model on the meta device, in training mode: shapes and modes only, no memory, no weights read."""
-    from wsitrain.models import build
+    from wsitrain.train.engine import build_model
 
-    m = cfg.model
     with torch.device("meta"):
-        model = build(m.name, num_classes, pool=m.pool, freeze_bn=m.freeze_bn, attention=m.attention.spec(),
-                      freeze=m.freeze_spec(), topk=m.topk, map_norm=m.map_norm, bn_stats=m.bn_stats)
+        model = build_model(cfg.model, num_classes, with_weights=False)
     return model.train()
 
 

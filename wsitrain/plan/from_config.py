@@ -78,11 +78,11 @@ def from_config(
     # imported here: the run's own model builder (wsitrain.train imports the engine, which plan needs anyway)
     from wsitrain.train.engine import build_model
 
-    m = cfg.model.model_copy(update={"weights": None})  # shapes only: the weights file is never read
+    m = cfg.model
     num_classes = m.num_classes or PLAN_NUM_CLASSES
 
-    def make(frozen: bool) -> nn.Module:
-        return build_model(m if frozen else m.model_copy(update={"freeze": None}), num_classes)
+    def make(frozen: bool) -> nn.Module:  # shapes only: the weights file is never read
+        return build_model(m if frozen else m.model_copy(update={"freeze": None}), num_classes, with_weights=False)
 
     e = cfg.engine
     from_cfg = gpu is None and memory is None and e.memory_budget is not None

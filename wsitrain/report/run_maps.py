@@ -15,11 +15,11 @@ def validation_heatmaps(run_dir: Path, out_dir: Path, console: Any = None) -> st
     """Write ``out_dir`` (heatmaps.json, PNGs, .npy) for the slides in validation.json; return a note saying why
     not when the run folder lacks what that needs (None when written)."""
     from wsitrain.config import load_config
-    from wsitrain.models import build
     from wsitrain.sft import SFT
     from wsitrain.slides.tile_source import slide_read
     from wsitrain.train.checkpoint import load_checkpoint
     from wsitrain.train.data import read_kwargs
+    from wsitrain.train.engine import build_model
 
     val = read_json(run_dir / VALIDATION)
     if not val or not val.get("slides"):
@@ -33,10 +33,7 @@ def validation_heatmaps(run_dir: Path, out_dir: Path, console: Any = None) -> st
     cfg = load_config(run_dir / "config.yaml")
     ckpt = load_checkpoint(ckpt_path)
     classes = [str(c) for c in ckpt.get("class_names") or val["classes"]]
-    m = cfg.model
-    model = build(m.name, len(classes), weights=None, pool=m.pool, freeze_bn=m.freeze_bn,
-                  attention=m.attention.spec(classes), freeze=m.freeze_spec(), mask_pool=m.mask_pool,
-                  topk=m.topk, map_norm=m.map_norm, bn_stats=m.bn_stats)  # fmt: skip
+    model = build_model(cfg.model, len(classes), classes, with_weights=False)
     model.load_state_dict(ckpt["model"])
     device = "cuda" if cfg.engine.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
     e = cfg.engine

@@ -47,10 +47,13 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         torch.backends.cudnn.benchmark = False
 
 
-def build_model(m: ModelConfig, num_classes: int, class_names: Sequence[str] | None = None) -> nn.Module:
-    """The run's model; ``class_names`` (a classification's) place an attention head's instance stream."""
+def build_model(
+    m: ModelConfig, num_classes: int, class_names: Sequence[str] | None = None, with_weights: bool = True
+) -> nn.Module:
+    """The run's model; ``class_names`` (a classification's) place an attention head's instance stream.
+    ``with_weights=False``: ``model.weights`` is not read (a plan's shapes, or a checkpoint's state loaded after)."""
     return build(
-        m.name, num_classes, weights=m.weights, pool=m.pool, freeze_bn=m.freeze_bn,
+        m.name, num_classes, weights=m.weights if with_weights else None, pool=m.pool, freeze_bn=m.freeze_bn,
         attention=m.attention.spec(class_names),
         freeze=m.freeze_spec(),
         mask_pool=m.mask_pool, topk=m.topk, map_norm=m.map_norm, bn_stats=m.bn_stats,
