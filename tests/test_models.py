@@ -17,6 +17,7 @@ from wsitrain.models import (
     freeze_batchnorm,
     parameter_bytes,
 )
+from wsitrain.models.weights import load_weights
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +40,17 @@ def test_forward_shape_and_chain_layout(models: dict[str, nn.Module], name: str)
 
 
 def test_strides() -> None:
-    expected = {"tiny": 16, "tiny_bn": 16, "tiny_ln": 16, "vgg16": 32, "vgg19": 32, "darknet19": 32, "resnet18": 32,
-                "resnet34": 32, "resnet50": 32}
+    expected = {
+        "tiny": 16,
+        "tiny_bn": 16,
+        "tiny_ln": 16,
+        "vgg16": 32,
+        "vgg19": 32,
+        "darknet19": 32,
+        "resnet18": 32,
+        "resnet34": 32,
+        "resnet50": 32,
+    }
     assert {n: build(n, 2).stride for n in MODEL_NAMES} == expected
 
 
@@ -129,6 +139,46 @@ def test_weights_round_trip(tmp_path) -> None:
         torch.testing.assert_close(src.eval()(x), dst.eval()(x))
     torch.save({"model": src.state_dict(), "epoch": 3}, tmp_path / "ckpt.pt")  # training checkpoint wrapper
     build("resnet18", 4, weights=str(tmp_path / "ckpt.pt"))
+
+
+@pytest.mark.parametrize("prefixed", [True, False])
+def test_a_trunk_file_loads_the_trunk_and_leaves_the_head(tmp_path, prefixed: bool) -> None:
+    """Fine-tuning from a trunk pretrained elsewhere: the file holds the trunk's keys alone (a 2-class model's trunk
+    into a 3-class attention model); the head stays as built, bit for bit."""
+    torch.manual_seed(1)
+    src = build("tiny_ln", 2, pool="max")
+    trunk = src.features.state_dict()
+    path = tmp_path / "trunk.pt"
+    torch.save({f"features.{k}": v for k, v in trunk.items()} if prefixed else trunk, path)
+    torch.manual_seed(2)
+    fresh = build("tiny_ln", 3, pool="attention")
+    torch.manual_seed(2)
+    dst = build("tiny_ln", 3, pool="attention", weights=path)
+    for k, v in dst.state_dict().items():
+        if k.startswith("features."):
+            assert torch.equal(v, trunk[k.removeprefix("features.")]), k
+        else:
+            assert torch.equal(v, fresh.state_dict()[k]), k
+    assert not torch.equal(fresh.features.conv1.weight, dst.features.conv1.weight)  # the load changed something
+    assert load_weights(build("tiny_ln", 2), path) == "trunk"
+    torch.save(src.state_dict(), tmp_path / "all.pt")
+    assert load_weights(build("tiny_ln", 2, pool="max"), tmp_path / "all.pt") == "model"
+
+
+def test_a_trunk_file_of_another_trunk_names_the_trunk(tmp_path) -> None:
+    path = tmp_path / "trunk.pt"
+    state = build("tiny_ln", 2).features.state_dict()
+    state["conv1.weight"] = torch.zeros(4, 3, 3, 3)  # the same keys, another width
+    torch.save(state, path)
+    with pytest.raises(WsiTrainError) as info:
+        build("tiny_ln", 2, weights=path)
+    msg = str(info.value)
+    assert "trunk of model 'tiny_ln'" in msg and "conv1.weight (4, 3, 3, 3) vs (8, 3, 3, 3)" in msg
+    partial = build("tiny_ln", 2).features.state_dict()
+    partial.pop("ln4.bias")  # not the whole trunk: a plain mismatch of the model, every missing key named
+    torch.save(partial, path)
+    with pytest.raises(WsiTrainError, match="does not match the model 'tiny_ln': missing keys"):
+        build("tiny_ln", 2, weights=path)
 
 
 def test_missing_weights_file_names_it(tmp_path) -> None:

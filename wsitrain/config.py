@@ -312,7 +312,8 @@ class FreezeConfig(Section):
 class ModelConfig(Section):
     name: str = "tiny"  # a built-in, torchvision/<name> or timm/<name>: checked by wsitrain.models' one registry
     num_classes: int | None = Field(None, ge=1)
-    weights: UserPath | None = None  # a state dict, a wsitrain run checkpoint (best.pt), or `imagenet`
+    # a state dict (the model's, or its trunk's alone), a wsitrain run checkpoint (best.pt), or `imagenet`
+    weights: UserPath | None = None
     pool: str = "avg"  # one of wsitrain.models.heads.POOLS
     attention: AttentionConfig = AttentionConfig()
     # pool: topk's k: each channel pools the mean of its k strongest tissue positions (wsitrain.sft.ops.topk_pool)

@@ -2,6 +2,9 @@
 
 Accepted: a plain state dict (``torch.save(model.state_dict(), path)``), the common ``{"state_dict": ...}`` /
 ``{"model": ...}`` wrappers, and a wsitrain run checkpoint (``best.pt`` / ``last.pt``), whose model state is used.
+A state dict of the trunk alone (every key of the model's ``features``, with or without the ``features.`` prefix,
+and nothing else: ``torch.save(model.features.state_dict(), path)``) loads the trunk and leaves the head as built,
+the usual start of fine-tuning from weights pretrained elsewhere (self-supervised on pathology, or another task).
 Files are read by ``wsitrain.safe_load`` (``weights_only=True``): tensors and plain containers only, nothing
 executed from the file.
 """
@@ -60,8 +63,26 @@ def _listing(keys: list[str]) -> str:
     return ", ".join(keys[:_SHOW]) + more
 
 
-def load_weights(model: nn.Module, weights: str | Path) -> None:
-    """Load ``weights`` (a local file) into ``model`` strictly; raise WsiTrainError on any mismatch."""
+TRUNK = "features"  # the trunk's name in every wsitrain model (wsitrain.models.zoo)
+MODEL, TRUNK_ONLY = "model", "trunk"  # what ``load_weights`` loaded
+
+
+def _trunk_state(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor] | None:
+    """``state`` as the trunk's own state dict when it holds exactly the trunk's keys (``features.`` prefixed or
+    not); else None."""
+    trunk = getattr(model, TRUNK, None)
+    if not isinstance(trunk, nn.Module):
+        return None
+    keys = set(trunk.state_dict())
+    prefix = f"{TRUNK}."
+    if set(state) == {prefix + k for k in keys}:
+        return {k[len(prefix) :]: v for k, v in state.items()}
+    return dict(state) if keys and set(state) == keys else None
+
+
+def load_weights(model: nn.Module, weights: str | Path) -> str:
+    """Load ``weights`` (a local file) into ``model`` strictly, the whole model or (a file of the trunk's keys alone)
+    its trunk; raise WsiTrainError on any mismatch. Returns what was loaded: ``MODEL`` or ``TRUNK_ONLY``."""
     path = Path(weights).expanduser()
     if not path.is_file():
         raise WsiTrainError(
@@ -70,7 +91,10 @@ def load_weights(model: nn.Module, weights: str | Path) -> None:
         )
     name = str(getattr(model, "name", type(model).__name__))
     state = _state_dict_from(_read(path), path, name)
-    expected = model.state_dict()
+    trunk_state = _trunk_state(state, model)
+    target = model if trunk_state is None else model.get_submodule(TRUNK)
+    state = state if trunk_state is None else trunk_state
+    expected = target.state_dict()
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]
     shapes = [
@@ -86,8 +110,11 @@ def load_weights(model: nn.Module, weights: str | Path) -> None:
     if shapes:
         problems.append(f"shape mismatches (file vs model): {_listing(shapes)}")
     if problems:
+        what = "model" if trunk_state is None else "trunk of model"
         raise WsiTrainError(
-            f"weights file {path} does not match model {name!r}: " + "; ".join(problems),
-            hint="use weights saved from the same model name and num_classes (wsitrain.models.build)",
+            f"weights file {path} does not match the {what} {name!r}: " + "; ".join(problems),
+            hint="use weights saved from the same model name and num_classes (wsitrain.models.build), or the trunk "
+            f"alone (torch.save(model.{TRUNK}.state_dict(), path))",
         )
-    model.load_state_dict(state, strict=True)
+    target.load_state_dict(state, strict=True)
+    return MODEL if trunk_state is None else TRUNK_ONLY

@@ -201,7 +201,8 @@ def build(
 
     ``weights``: ``"imagenet"`` for the library's own pretrained weights (read from its cache; see
     wsitrain.models.pretrained), or a local file: a state dict of this exact model (as saved by
-    ``torch.save(model.state_dict(), path)``) or a wsitrain run checkpoint (``best.pt``/``last.pt``).
+    ``torch.save(model.state_dict(), path)``), of its trunk alone (the head stays as built), or a wsitrain run
+    checkpoint (``best.pt``/``last.pt``).
     ``pool``: global "avg" or "max" pooling before the head, or attention-MIL pooling ("attention",
     "gated_attention"; built as ``attention`` says, wsitrain.models.attention). ``freeze_bn``: BatchNorm layers
     keep their running statistics even in ``model.train()``. ``freeze``: modules kept fixed (wsitrain.models.freeze;
