@@ -221,10 +221,11 @@ def read_level0(path: Path) -> torch.Tensor:
 
 def run_baseline(base: dict[str, Any], labels: Path, seed: int, budget_s: float, args: argparse.Namespace,
                  run_dir: Path) -> dict[str, Any]:  # fmt: skip
-    """The frozen-feature baseline (wsitrain.train.frozen_mil): the same ``tiny`` model and seed as the end-to-end
-    runs, its trunk frozen, every ``--patch`` px patch of level 0 embedded once, and the model's own attention head
-    trained on the bags (one slide per step, the same lr) for up to ``--baseline-epochs`` epochs or until the
-    wall-time budget (the seed's mean end-to-end whole-slide fit) is spent, feature extraction included."""
+    """The frozen-feature baseline (wsitrain.train.frozen_mil): the same model (``--model``, with ``--set
+    model.weights``' weights when given) and seed as the end-to-end runs, its trunk frozen, every ``--patch`` px
+    patch of level 0 embedded once, and the model's own attention head trained on the bags (one slide per step, the
+    same lr) for up to ``--baseline-epochs`` epochs or until the wall-time budget (the seed's mean end-to-end
+    whole-slide fit) is spent, feature extraction included."""
     from wsitrain.report.localisation import inside_mask, score_map
     from wsitrain.train import frozen_mil as FM
 
@@ -233,7 +234,9 @@ def run_baseline(base: dict[str, Any], labels: Path, seed: int, budget_s: float,
     side = read_sidecar(slides_dir)["slides"]
     t0 = time.perf_counter()
     torch.manual_seed(seed)
-    model = FM.build_frozen_mil(base["model"]["name"], 2, pool="attention")
+    # the same backbone as the end-to-end runs: a ``--set model.weights=...`` trunk too, not a random one
+    weights = next((o.split("=", 1)[1] for o in args.set if o.startswith("model.weights=")), None)
+    model = FM.build_frozen_mil(base["model"]["name"], 2, pool="attention", weights=weights)
     bags: dict[str, torch.Tensor] = {}
     grids: dict[str, tuple[int, int]] = {}
     for r in rows:

@@ -141,3 +141,36 @@ def test_a_run_whose_maps_fail_keeps_its_metrics(bench: ModuleType, monkeypatch:
     assert row["roc_auc"] == 0.75 and row["accuracy"] == 0.5 and row["pointing_game"] is None
     assert row["localise_error"] == "RuntimeError: CUDA error: an illegal memory access"
     assert "model.freeze_bn=false" in seen[0] and "model.pool=max" in seen[0]  # --set reaches the run's config
+
+
+def test_the_baseline_freezes_the_runs_own_weights(bench: ModuleType, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """``--set model.weights=FILE`` (a trunk pretrained elsewhere) reaches the frozen-feature baseline too: it embeds
+    the patches with that trunk, not a random one."""
+    import argparse
+    import csv
+
+    import torch
+
+    from wsitrain.models import build
+    from wsitrain.slides.synth import write_synthetic_dataset
+    from wsitrain.train import frozen_mil
+
+    labels = write_synthetic_dataset(tmp_path / "cohort", n=4, size=512, seed=1, lesions="small")
+    rows = list(csv.DictReader(labels.open()))
+    split = tmp_path / "labels.csv"
+    split.write_text("slide,label,split\n" + "".join(f"{r['slide']},{r['label']},{'train' if i % 2 else 'val'}\n"
+                                                    for i, r in enumerate(rows)))  # fmt: skip
+    torch.manual_seed(5)
+    trunk = build("tiny_ln", 2).features.state_dict()
+    weights = tmp_path / "trunk.pt"
+    torch.save(trunk, weights)
+    built: list[torch.nn.Module] = []
+    real = frozen_mil.build_frozen_mil
+    monkeypatch.setattr(frozen_mil, "build_frozen_mil", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
+    args = argparse.Namespace(patch=64, baseline_epochs=1, lr=1e-3, set=[f"model.weights={weights}"])
+    base = {"model": {"name": "tiny_ln"}, "data": {"slides_dir": str(tmp_path / "cohort")}}
+    row = bench.run_baseline(base, split, 0, 5.0, args, tmp_path / "run")
+    assert row["roc_auc"] is not None and len(built) == 1
+    for k, v in built[0].features.state_dict().items():
+        assert torch.equal(v, trunk[k]), k
