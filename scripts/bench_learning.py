@@ -462,6 +462,12 @@ def _with(setup: dict[str, Any]) -> str:
     return "".join(f", `{o}`" for o in setup.get("overrides") or [])
 
 
+def _start(setup: dict[str, Any]) -> str:
+    """Where the runs' weights started: random, or the ``--set model.weights`` file (its override names it)."""
+    pretrained = any(o.startswith("model.weights=") for o in setup.get("overrides") or [])
+    return "initial weights from a file" if pretrained else "random initial weights"
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
     head = next(r for r in rows if r["kind"] == "setup")
     m = head["machine"]
@@ -475,7 +481,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         f"Cohort: `wsitrain synth --lesions small`, {head['n']} slides of {head['size']} px at {LESION_MPP} um/px "
         f"(seed {head['cohort_seed']}), half positive; per seed {head['n_train']} training and "
         f"{head['n'] - head['n_train']} held-out slides (stratified). Lesions: {head['lesion_share']}. "
-        f"Model `{head.get('model', 'tiny')}` (random initial weights{_with(head)}), {head['epochs']} epochs, AdamW lr "
+        f"Model `{head.get('model', 'tiny')}` ({_start(head)}{_with(head)}), {head['epochs']} epochs, AdamW lr "
         f"{head['lr']}, {head.get('schedule', 'cosine')} schedule, "
         "flips and rot90; held-out AUC of the last epoch (no model selection on held-out slides)"
         + (f"; `train.head_warmup` of {head['head_warmup']} head-only steps before each end-to-end run (kept only "
@@ -640,7 +646,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--schedule", choices=("cosine", "constant"), default="constant", help="train.schedule")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (the machine is shared)")
-    ap.add_argument("--model", default="tiny", help="model.name: the trunk, random initial weights (default tiny)")
+    ap.add_argument("--model", default="tiny",
+                    help="model.name: the trunk (default tiny), from random weights unless --set model.weights=FILE")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="engine.device")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for every run, as `wsitrain fit --set` (e.g. model.freeze_bn=false)")

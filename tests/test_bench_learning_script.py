@@ -115,6 +115,8 @@ def test_the_table_names_the_machine_the_model_and_the_overrides(bench: ModuleTy
     text = bench.markdown([setup, *rows[1:]])
     assert "Measured on one NVIDIA H200 (16-core host)" in text
     assert "Model `resnet18` (random initial weights, `model.freeze_bn=false`)" in text
+    text = bench.markdown([{**setup, "overrides": ["model.weights=trunk.pt"]}, *rows[1:]])
+    assert "Model `resnet18` (initial weights from a file, `model.weights=trunk.pt`)" in text
     cpu = [json.loads(x) for x in (ROOT / "docs" / "bench_learning.jsonl").read_text().splitlines() if x.strip()]
     text = bench.markdown(cpu)
     assert "Measured on a 2-core CPU (no GPU)" in text and "Model `tiny` (random initial weights)" in text
