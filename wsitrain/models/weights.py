@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from wsitrain.errors import WsiTrainError
+from wsitrain.models.freeze import TRUNK
 from wsitrain.safe_load import safe_torch_load
 
 _SHOW = 5  # keys listed in an error; a mismatch usually means a different architecture, a few names say which
@@ -63,7 +64,6 @@ def _listing(keys: list[str]) -> str:
     return ", ".join(keys[:_SHOW]) + more
 
 
-TRUNK = "features"  # the trunk's name in every wsitrain model (wsitrain.models.zoo)
 MODEL, TRUNK_ONLY = "model", "trunk"  # what ``load_weights`` loaded
 
 

@@ -37,9 +37,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from wsitrain.models.freeze import TRUNK  # the head is what follows it
 from wsitrain.train.frozen_mil import patch_grid
 
-TRUNK = "features"  # the trunk's name in every wsitrain model (wsitrain.models.zoo); the head is what follows it
 # nats below the prior's loss the warm-up's last epoch must reach to be kept: the warm-ups that shortened the plateau
 # ended 0.013-0.091 below ln 2, the one that flattened its run 0.0006 below (measured, docs/plateau.md section 6)
 MIN_GAIN = 0.01
