@@ -45,6 +45,7 @@ import torch
 import yaml
 
 from wsitrain.config import load_config
+from wsitrain.slides.readers import read_whole
 from wsitrain.slides.synth import write_synthetic_dataset
 from wsitrain.slides.synth.lesions import BLOCK, LESION_MPP, read_sidecar
 
@@ -212,11 +213,7 @@ def run_one(base: dict[str, Any], work: Path, labels: Path, seed: int, pool: str
 
 def read_level0(path: Path) -> torch.Tensor:
     """A slide's level 0, whole, as (1, 3, H, W) float in [0, 1] (the benchmark's slides are small)."""
-    import openslide
-
-    s = openslide.OpenSlide(str(path))
-    rgb = np.asarray(s.read_region((0, 0), 0, s.dimensions).convert("RGB"))
-    return torch.from_numpy(rgb.copy()).permute(2, 0, 1)[None].float() / 255
+    return torch.from_numpy(read_whole(path)).permute(2, 0, 1)[None].float() / 255
 
 
 def run_baseline(base: dict[str, Any], labels: Path, seed: int, budget_s: float, args: argparse.Namespace,

@@ -26,6 +26,7 @@ from torch import nn
 
 from wsitrain.config import load_config
 from wsitrain.models.slide_bn import SLIDE
+from wsitrain.slides.readers import read_whole
 from wsitrain.train.checkpoint import load_checkpoint
 from wsitrain.train.engine import build_model
 from wsitrain.train.metrics import binary_roc_auc
@@ -33,11 +34,7 @@ from wsitrain.train.metrics import binary_roc_auc
 
 def read_level0(path: Path) -> torch.Tensor:
     """A slide's level 0, whole, as (1, 3, H, W) uint8, as fit streams it (the model scales it to [0, 1])."""
-    import openslide
-
-    s = openslide.OpenSlide(str(path))
-    rgb = np.asarray(s.read_region((0, 0), 0, s.dimensions).convert("RGB"))
-    return torch.from_numpy(rgb.copy()).permute(2, 0, 1)[None]
+    return torch.from_numpy(read_whole(path)).permute(2, 0, 1)[None]
 
 
 def probe(run: Path) -> dict[str, dict[str, float]]:

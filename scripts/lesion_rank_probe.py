@@ -38,8 +38,9 @@ from wsitrain.config import WsiTrainConfig, load_config
 from wsitrain.models.attention import AttentionScores
 from wsitrain.models.heads import ATTENTION_POOLS, positive_index
 from wsitrain.report.localisation import LESION, inside_mask
+from wsitrain.slides.readers import read_whole
 from wsitrain.slides.synth.lesions import SIDECAR
-from wsitrain.slides.tissue.detect import tissue_mask
+from wsitrain.slides.tissue.detect import block_tissue
 from wsitrain.train.checkpoint import load_checkpoint
 from wsitrain.train.engine import build_model, seed_everything
 
@@ -71,22 +72,12 @@ class RunRank:
     slides: list[SlideRank]
 
 
-def read_level0(path: Path) -> np.ndarray:
-    """A slide's level 0, whole, as (H, W, 3) uint8."""
-    import openslide
-
-    s = openslide.OpenSlide(str(path))
-    return np.asarray(s.read_region((0, 0), 0, s.dimensions).convert("RGB")).copy()
-
-
 def cell_tissue(rgb: np.ndarray, shape: tuple[int, int], stride: int) -> np.ndarray:
     """(h, w) bool: the product's tissue mask of each map cell's mean colour, the map's outer ring left out (the
     attention pool with the instance loss leaves it out too, and zero padding sets it apart)."""
-    h, w = shape
-    crop = rgb[: h * stride, : w * stride].astype(np.float32)
-    means = crop.reshape(h, stride, w, stride, 3).mean((1, 3)).round().astype(np.uint8)  # (h, w, 3)
-    mask, _ = tissue_mask(means)
-    mask = mask.copy()
+    mask = np.zeros(shape, dtype=bool)
+    found = block_tissue(rgb, stride)[: shape[0], : shape[1]]
+    mask[: found.shape[0], : found.shape[1]] = found
     mask[0, :] = mask[-1, :] = mask[:, 0] = mask[:, -1] = False
     return mask
 
@@ -123,6 +114,10 @@ def run_model(run: Path, init: bool = False) -> nn.Module:
     """The run's model in eval mode: its last checkpoint, or (``init``) the weights fit built for its seed before
     the first step (fit seeds, then builds: the same draws give the same weights)."""
     cfg, classes, _ = run_classes(run)
+    return _model(run, cfg, classes, init)
+
+
+def _model(run: Path, cfg: WsiTrainConfig, classes: list[str], init: bool) -> nn.Module:
     seed_everything(cfg.seed, False)
     model = build_model(cfg.model.model_copy(update={"weights": None}), len(classes), classes)
     if not init:
@@ -134,7 +129,7 @@ def rank_run(run: Path, init: bool = False, split: str = "train") -> RunRank:
     """The run's slides of ``split`` scored on its positive attention branch (``init``: before the first step)."""
     cfg, classes, rows = run_classes(run)
     positive = classes[positive_index(cfg.model.attention.positive_class, classes)]
-    model = run_model(run, init)
+    model = _model(run, cfg, classes, init)
     scores_module = next(m for m in model.modules() if isinstance(m, AttentionScores))
     branch = classes.index(positive) - len(classes)  # the branch's channel, counted from the end
     captured: dict[str, torch.Tensor] = {}
@@ -146,7 +141,7 @@ def rank_run(run: Path, init: bool = False, split: str = "train") -> RunRank:
     for r in rows:
         if r.get("split", "train") != split:
             continue
-        rgb = read_level0(cohort / r["slide"])
+        rgb = read_whole(cohort / r["slide"])
         with torch.no_grad():
             model(torch.from_numpy(rgb).permute(2, 0, 1)[None])
         s = captured["s"].double().numpy()  # (h, w)

@@ -29,17 +29,10 @@ import torch.nn.functional as F
 
 from wsitrain.models import build
 from wsitrain.report.localisation import LESION
+from wsitrain.slides.readers import read_whole
 from wsitrain.slides.synth import write_synthetic_dataset
 from wsitrain.slides.synth.lesions import SIDECAR
-from wsitrain.slides.tissue.detect import tissue_mask
-
-
-def read_level0(path: Path) -> np.ndarray:
-    """A slide's level 0, whole, as (H, W, 3) uint8."""
-    import openslide
-
-    s = openslide.OpenSlide(str(path))
-    return np.asarray(s.read_region((0, 0), 0, s.dimensions).convert("RGB")).copy()
+from wsitrain.slides.tissue.detect import block_tissue
 
 
 def crop(rgb: np.ndarray, cy: int, cx: int, patch: int) -> np.ndarray:
@@ -58,9 +51,7 @@ def slide_patches(rgb: np.ndarray, boxes: list[dict], patch: int, tissue: int, r
         xs.append(crop(rgb, (b["y0"] + b["y1"]) // 2, (b["x0"] + b["x1"]) // 2, patch))
         ys.append(int(b["kind"] == LESION))
     step = 16
-    h, w = rgb.shape[0] // step, rgb.shape[1] // step
-    mask, _ = tissue_mask(rgb[: h * step, : w * step].reshape(h, step, w, step, 3).mean((1, 3)).astype(np.uint8))
-    away = mask.copy()
+    away = block_tissue(rgb, step).copy()
     for b in boxes:  # no tissue patch overlaps a structure
         away[max(0, (b["y0"] - patch) // step) : (b["y1"] + patch) // step + 1,
              max(0, (b["x0"] - patch) // step) : (b["x1"] + patch) // step + 1] = False  # fmt: skip
@@ -118,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     held = set(names[::4])  # a quarter of the slides, for the held-out patch accuracy
     parts: dict[bool, tuple[list[np.ndarray], list[int]]] = {True: ([], []), False: ([], [])}
     for name in names:
-        xs, ys = slide_patches(read_level0(labels.parent / name), truth[name]["boxes"], args.patch, args.tissue, rng)
+        xs, ys = slide_patches(read_whole(labels.parent / name), truth[name]["boxes"], args.patch, args.tissue, rng)
         parts[name in held][0].extend(xs)
         parts[name in held][1].extend(ys)
 

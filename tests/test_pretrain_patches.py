@@ -12,6 +12,7 @@ import torch
 from script_module import load_script
 
 from wsitrain.models import build
+from wsitrain.slides.readers import read_whole
 from wsitrain.slides.synth import write_synthetic_dataset
 
 
@@ -20,7 +21,7 @@ def test_patches_are_the_structures_and_tissue_away_from_them(tmp_path: Path) ->
     labels = write_synthetic_dataset(tmp_path, n=2, size=512, seed=1, lesions="small")
     truth = json.loads((tmp_path / "lesions.json").read_text())["slides"]
     for name, t in truth.items():
-        rgb = pre.read_level0(labels.parent / name)
+        rgb = read_whole(labels.parent / name)
         xs, ys = pre.slide_patches(rgb, t["boxes"], 96, 3, np.random.default_rng(0))
         n = len(t["boxes"])
         assert ys[:n] == [int(b["kind"] == "lesion") for b in t["boxes"]] and ys[n:] == [0] * (len(ys) - n)

@@ -491,3 +491,11 @@ def open_slide(path: str | Path, background: Background = WHITE) -> SlideReader:
         f"{p.name}: not a readable slide (OpenSlide: {openslide_reason}; tifffile: {tiff_reason}) [{p}]",
         hint=_FORMATS_HINT,
     )
+
+
+def read_whole(path: str | Path, level: int = 0, background: Background = WHITE) -> np.ndarray:
+    """The whole of one level of a slide as (H, W, 3) uint8 RGB, transparency on ``background``: for small slides
+    (the benchmark's and the tests'), a whole level in memory."""
+    with open_slide(path, background) as reader:
+        w, h = reader.info.level_dimensions[level]
+        return reader.read_region(level, 0, 0, w, h)

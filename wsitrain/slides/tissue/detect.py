@@ -51,3 +51,12 @@ def detect_tissue(reader: SlideReader, max_side: int = 512, settings: TissueSett
     box = mask_box(mask, ds, reader.info.dimensions)
     return TissueResult(mask=mask, downsample=ds, box=box, threshold=thr, pieces=tuple(pieces), mpp=mpp,
                         mpp_assumed=assumed, min_fragment_mm2=s.min_fragment_mm2)  # fmt: skip
+
+
+def block_tissue(rgb: np.ndarray, block: int) -> np.ndarray:
+    """(H // block, W // block) bool: ``tissue_mask`` of an (H, W, 3) uint8 image's ``block`` x ``block`` means, one
+    per map cell of a trunk with that stride (the ragged edge left out)."""
+    h, w = rgb.shape[0] // block, rgb.shape[1] // block
+    means = rgb[: h * block, : w * block].astype(np.float32).reshape(h, block, w, block, 3).mean((1, 3))
+    mask, _ = tissue_mask(means.round().astype(np.uint8))
+    return mask
