@@ -4,6 +4,12 @@
     python scripts/bench_learning.py --out /tmp/bl --quick            # a smoke run: 16 slides of 1024 px, 1 seed
     python scripts/bench_learning.py --out docs --pools avg,max,attention
     python scripts/bench_learning.py --out docs --plot-only           # rewrite the table and plot from the JSONL
+    python scripts/pretrain_patches.py --objective contrastive --out trunk.pt   # a trunk pretrained without labels
+    python scripts/bench_learning.py --out D --jobs 2 --baseline --model tiny_ln --set model.weights=trunk.pt ...
+
+``--jobs N`` runs N of the benchmark's runs at once, each in a process of its own with ``--threads`` threads (its
+log in ``--work``/logs): on a 2-core CPU, ``--jobs 2 --threads 1`` does in about half the time what one process
+does, with the same figures (a run's results depend on its seed only; its wall time on its share of the CPU).
 
 The cohort is ``wsitrain synth --lesions small`` (``--n`` slides of ``--size`` px at 2.5 um/px, half positive,
 written once into ``--cohort``): positive slides carry one to three lesions of 200 um (atypical nuclei, well under
@@ -29,14 +35,18 @@ row). Writes ``bench_learning.jsonl``, ``bench_learning.md`` and ``bench_learnin
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import csv
+import dataclasses
 import datetime
 import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -146,11 +156,13 @@ def split_csv(cohort: Path, labels_csv: Path, seed: int, n_train: int, out: Path
         take = round(n_train * len(names) / len(rows))
         train.update(rng.permutation(names)[:take].tolist())
     path = out / f"labels_seed{seed}.csv"
-    with path.open("w", newline="") as f:
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # then renamed: a parallel run never reads half a file
+    with tmp.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=["slide", "label", "split"])
         w.writeheader()
         for r in rows:
             w.writerow({"slide": r["slide"], "label": r["label"], "split": "train" if r["slide"] in train else "val"})
+    tmp.replace(path)
     return path
 
 
@@ -627,6 +639,72 @@ def rerun_baseline(rows: list[dict[str, Any]], seed: int, args: argparse.Namespa
     return [row if r is old else r for r in rows]
 
 
+# ---- runs: one per (seed, input, pool), in this process or in --jobs child processes ----------------------------
+WHOLE, THUMBNAIL, BASELINE = "whole", "thumbnail", "baseline"
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """One run of the benchmark: a seed, an input (``WHOLE``, ``THUMBNAIL`` or the frozen-feature ``BASELINE``) and
+    a head. ``budget_s``: the baseline's wall-time budget (its seed's mean end-to-end whole-slide wall time)."""
+
+    seed: int
+    input: str
+    pool: str
+    budget_s: float = 0.0
+
+    def key(self) -> str:
+        return f"{self.seed}:{self.input}:{self.pool}:{self.budget_s!r}"
+
+    @staticmethod
+    def parse(text: str) -> Unit:
+        seed, inp, pool, budget = text.split(":")
+        return Unit(int(seed), inp, pool, float(budget))
+
+
+def run_unit(unit: Unit, cohort: Path, labels: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """``unit``'s row, run in this process."""
+    csv_path = split_csv(cohort, labels, unit.seed, args.train, args.work)
+    base = base_config(csv_path, cohort, args.work / "runs", args)
+    if unit.input == BASELINE:
+        run_dir = args.work / "runs" / f"frozen-attention-seed{unit.seed}"
+        row = run_baseline(base, csv_path, unit.seed, unit.budget_s, args, run_dir)
+    else:
+        row = run_one(base, args.work, csv_path, unit.seed, unit.pool, unit.input == THUMBNAIL, tuple(args.set))
+    row.update(torch=torch.__version__, nproc=os.cpu_count(), torch_threads=torch.get_num_threads())
+    return row
+
+
+def run_in_child(unit: Unit, argv: list[str], work: Path) -> dict[str, Any]:
+    """``unit``'s row, run by this script in a child process with the benchmark's own arguments (``--jobs``): each
+    child has its ``--threads`` intra-op threads, as a run in this process has. Its output goes to
+    ``work/logs/``; a failed child is an error naming that log."""
+    tag = f"seed{unit.seed}-{unit.input}-{unit.pool}"
+    logs = work / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    row_path, log = logs / f"{tag}.json", logs / f"{tag}.log"
+    row_path.unlink(missing_ok=True)
+    cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--unit", unit.key(), "--unit-row", str(row_path)]
+    with log.open("w") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, check=False).returncode
+    if rc != 0 or not row_path.is_file():
+        raise RuntimeError(f"the {tag} run failed (exit {rc}): see {log}")
+    return json.loads(row_path.read_text())
+
+
+def run_units(units: list[Unit], jobs: int, run: Callable[[Unit], dict[str, Any]]
+              ) -> Iterator[tuple[Unit, dict[str, Any]]]:  # fmt: skip
+    """Each unit with its row as it finishes: one at a time in this process (``jobs`` 1) or ``jobs`` at once."""
+    if jobs == 1:
+        for u in units:
+            yield u, run(u)
+        return
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = {pool.submit(run, u): u for u in units}
+        for done in concurrent.futures.as_completed(futures):
+            yield futures[done], done.result()
+
+
 # ---- main -------------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -657,6 +735,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=0,
                     help="train.head_warmup steps before every run (patches of --patch px); 0: none")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="16 slides of 1024 px, 8 train, 1 seed, 2 epochs")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="runs at once, each in its own process with --threads threads (2 on a 2-core CPU)")
+    ap.add_argument("--unit", default=None, help=argparse.SUPPRESS)  # a --jobs child's one run
+    ap.add_argument("--unit-row", type=Path, default=None, help=argparse.SUPPRESS)  # where it writes its row
     ap.add_argument("--plot-only", action="store_true", help="rewrite the table and plot from --out's JSONL")
     ap.add_argument("--rescore", action="store_true",
                     help="score the whole-slide runs of --out's JSONL again from their heatmaps, then rewrite")
@@ -713,32 +795,41 @@ def main(argv: list[str] | None = None) -> int:
         "cohort_s": round(time.perf_counter() - t_start, 1),
     }  # fmt: skip
     print(f"cohort {cohort} ready ({setup['cohort_s']} s); lesions {setup['lesion_share']}", flush=True)
-    work = args.work
-    (work / "runs").mkdir(parents=True, exist_ok=True)
+    (args.work / "runs").mkdir(parents=True, exist_ok=True)
+    if args.unit is not None:  # a --jobs child: its one run, its row to --unit-row
+        row = run_unit(Unit.parse(args.unit), cohort, labels, args)
+        args.unit_row.write_text(json.dumps(row))
+        return 0
+    child_argv = list(sys.argv[1:] if argv is None else argv)
+
+    def run(u: Unit) -> dict[str, Any]:
+        return run_unit(u, cohort, labels, args) if args.jobs == 1 else run_in_child(u, child_argv, args.work)
+
     rows: list[dict[str, Any]] = [setup]
-    for seed in seeds:
-        csv_path = split_csv(cohort, labels, seed, args.train, work)
-        base = base_config(csv_path, cohort, work / "runs", args)
-        inputs = [False] + ([] if args.no_thumbnail else [True])
-        for thumbnail in inputs:
-            for pool in pools:
-                row = run_one(base, work, csv_path, seed, pool, thumbnail, tuple(args.set))
-                row.update(torch=torch.__version__, nproc=os.cpu_count(), torch_threads=torch.get_num_threads())
-                rows.append(row)
-                print(f"seed {seed} {row['input']:11s} {pool:9s} AUC {row['roc_auc']} acc {row['accuracy']} "
-                      f"({row['wall_s']} s)", flush=True)  # fmt: skip
-                setup["total_wall_s"] = round(time.perf_counter() - t_start, 1)
-                write(rows, args.out)  # after every run: a cut-off benchmark keeps what it measured
-        if args.baseline:
-            walls = [r["wall_s"] for r in rows if r.get("seed") == seed and r.get("input") == "whole slide"]
-            budget = statistics.mean(walls) if walls else 60.0
-            row = run_baseline(base, csv_path, seed, budget, args, work / "runs" / f"frozen-attention-seed{seed}")
-            row.update(torch=torch.__version__, nproc=os.cpu_count(), torch_threads=torch.get_num_threads())
-            rows.append(row)
-            print(f"seed {seed} frozen features attention AUC {row['roc_auc']} acc {row['accuracy']} "
-                  f"({row['wall_s']} s, {row['head_epochs']} head epochs)", flush=True)  # fmt: skip
+    done: dict[tuple[int, str, str], dict[str, Any]] = {}
+    inputs = [WHOLE] + ([] if args.no_thumbnail else [THUMBNAIL])
+    order = [(seed, inp, pool) for seed in seeds for inp in inputs for pool in pools] + [(seed, BASELINE, "attention")
+             for seed in seeds]  # fmt: skip
+    order.sort(key=lambda k: seeds.index(k[0]))  # per seed: its whole slides, thumbnails, then its baseline
+
+    def budget(seed: int) -> float:
+        """A baseline's wall-time budget: its seed's mean end-to-end whole-slide wall time."""
+        return statistics.mean([r["wall_s"] for (s_, i, _), r in done.items() if (s_, i) == (seed, WHOLE)] or [60.0])
+
+    # the whole-slide runs first (the longest), then the thumbnails; the baselines last, as each one's budget is
+    # measured by its seed's whole-slide runs
+    phases = [lambda: [Unit(seed, inp, pool) for inp in inputs for seed in seeds for pool in pools]]
+    if args.baseline:
+        phases.append(lambda: [Unit(seed, BASELINE, "attention", budget(seed)) for seed in seeds])
+    for phase in phases:
+        for unit, row in run_units(phase(), args.jobs, run):
+            done[(unit.seed, unit.input, unit.pool)] = row
+            rows[1:] = [done[k] for k in order if k in done]  # the table's order, whatever order they finish in
             setup["total_wall_s"] = round(time.perf_counter() - t_start, 1)
-            write(rows, args.out)
+            write(rows, args.out)  # after every run: a cut-off benchmark keeps what it measured
+            detail = f", {row['head_epochs']} head epochs" if unit.input == BASELINE else ""
+            print(f"seed {unit.seed} {row['input']:11s} {row['pool']:9s} AUC {row['roc_auc']} acc {row['accuracy']} "
+                  f"({row['wall_s']} s{detail})", flush=True)  # fmt: skip
     setup["total_wall_s"] = round(time.perf_counter() - t_start, 1)
     write(rows, args.out)
     print((args.out / "bench_learning.md").read_text())

@@ -176,3 +176,36 @@ def test_the_baseline_freezes_the_runs_own_weights(bench: ModuleType, tmp_path: 
     assert row["roc_auc"] is not None and len(built) == 1
     for k, v in built[0].features.state_dict().items():
         assert torch.equal(v, trunk[k]), k
+
+
+def test_jobs_run_each_unit_in_a_child_and_give_the_one_process_results(bench: ModuleType, tmp_path: Path) -> None:
+    """Reference vs variant: ``--jobs 2`` runs each (seed, input, head) in its own process and the baselines after
+    their seed's end-to-end runs, yet every metric equals the one-process run's, rows in the same order."""
+    common = ["--n", "8", "--size", "512", "--train", "4", "--epochs", "1", "--pools", "max", "--seeds", "0,1",
+              "--no-thumbnail", "--baseline", "--baseline-epochs", "1",
+              "--cohort", str(tmp_path / "cohort")]  # fmt: skip
+    assert bench.main([*common, "--out", str(tmp_path / "one"), "--work", str(tmp_path / "w1")]) == 0
+    assert bench.main([*common, "--out", str(tmp_path / "two"), "--work", str(tmp_path / "w2"), "--jobs", "2"]) == 0
+
+    def runs(out: str) -> list[dict]:
+        lines = (tmp_path / out / "bench_learning.jsonl").read_text().splitlines()
+        return [r for r in map(json.loads, lines) if r["kind"] == "run"]
+
+    one, two = runs("one"), runs("two")
+    assert [(r["seed"], r["input"]) for r in one] == [(0, "whole slide"), (0, "frozen features"),
+                                                      (1, "whole slide"), (1, "frozen features")]  # fmt: skip
+    assert [(r["seed"], r["input"]) for r in two] == [(r["seed"], r["input"]) for r in one]
+    for a, b in zip(one, two, strict=True):
+        for key in ("roc_auc", "accuracy", "val_loss", "pointing_game", "lesion_mass"):
+            assert a.get(key) == b.get(key), (a["seed"], a["input"], key)
+    logs = sorted(p.name for p in (tmp_path / "w2" / "logs").glob("*.log"))
+    assert logs == ["seed0-baseline-attention.log", "seed0-whole-max.log", "seed1-baseline-attention.log",
+                    "seed1-whole-max.log"] and not (tmp_path / "w1" / "logs").exists()  # fmt: skip
+
+
+def test_a_failed_child_names_its_log(bench: ModuleType, tmp_path: Path) -> None:
+    """A ``--jobs`` child that fails is an error naming its log, not a missing row."""
+    with pytest.raises(RuntimeError, match=r"seed3-whole-max run failed \(exit 2\): see .*seed3-whole-max\.log"):
+        bench.run_in_child(bench.Unit(3, bench.WHOLE, "max"), ["--out", str(tmp_path / "o"), "--pools", "nope"],
+                           tmp_path)  # fmt: skip
+    assert "not available" in (tmp_path / "logs" / "seed3-whole-max.log").read_text()
