@@ -39,6 +39,15 @@ def test_the_note_is_given_below_the_measured_threshold_only(spread: float, n: i
     assert flat_outputs_note({"loss": 0.1, "c_index": 0.7, "n": 24}, 1, 1) is None  # a task's metrics: no spread
 
 
+def test_a_random_trunk_is_named_as_the_measured_cause() -> None:
+    flat = {"loss": 0.69, "accuracy": 0.5, "output_spread": 0.001, "n": 24}
+    random = flat_outputs_note(flat, 3, 12, random_trunk=True)
+    pretrained = flat_outputs_note(flat, 3, 12, random_trunk=False)
+    assert random is not None and pretrained is not None and random.startswith(pretrained)
+    assert "started from random weights" in random and "model.weights: imagenet" in random
+    assert "random weights" not in pretrained
+
+
 def test_fit_warns_when_its_outputs_are_flat(tmp_path: Path) -> None:
     """A tiny model barely moved from its initial weights answers every slide alike: fit says so after the
     validation, and the summary and metrics.jsonl record the spread."""
@@ -47,7 +56,9 @@ def test_fit_warns_when_its_outputs_are_flat(tmp_path: Path) -> None:
     cfg.write_text(text)
     res = invoke("fit", str(cfg))
     assert res.exit_code == 0, res.output
-    assert "epoch 1/1: the model gives the 4 validation slides about the same output" in " ".join(res.output.split())
+    said = " ".join(res.output.split())
+    assert "epoch 1/1: the model gives the 4 validation slides about the same output" in said
+    assert "its trunk started from random weights" in said  # the config sets no model.weights
     run = tmp_path / "runs" / "exp"
     summary = json.loads((run / "summary.json").read_text())
     assert 0 <= summary["val_output_spread"] < FLAT_SPREAD

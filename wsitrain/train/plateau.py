@@ -20,13 +20,21 @@ FLAT_SPREAD = 0.02
 MIN_SLIDES = 4
 
 
-def flat_outputs_note(metrics: Mapping[str, float], epoch: int, epochs: int) -> str | None:
+def flat_outputs_note(metrics: Mapping[str, float], epoch: int, epochs: int, random_trunk: bool = False) -> str | None:
     """One warning line when a classification validation's outputs are near-constant; None otherwise (a task's
-    metrics, too few slides, or a spread at ``FLAT_SPREAD`` or above)."""
+    metrics, too few slides, or a spread at ``FLAT_SPREAD`` or above). ``random_trunk``: the run's trunk started from
+    random weights (no ``model.weights``), which the line names as the measured cause of a long plateau."""
     spread, n = metrics.get("output_spread", math.nan), int(metrics.get("n", 0))
     if math.isnan(spread) or n < MIN_SLIDES or spread >= FLAT_SPREAD:
         return None
-    return (f"epoch {epoch}/{epochs}: the model gives the {n} validation slides about the same output (class "
+    note = (f"epoch {epoch}/{epochs}: the model gives the {n} validation slides about the same output (class "
             f"probabilities vary by {spread:.4f}, standard deviation; below {FLAT_SPREAD}, 17 of 18 benchmark runs "
             "ended at accuracy 0.50): it is still on the plateau of near-constant outputs, and its ROC AUC ranks tiny "
             "differences; train longer, or see docs/plateau.md for what shortened the plateau there")  # fmt: skip
+    if random_trunk:
+        # measured on the learning benchmark (docs/plateau.md sections 15-16): random tiny_ln trunks waited 220 to
+        # more than 576 steps, a trunk pretrained on other slides' patch labels left within one epoch
+        note += ("; its trunk started from random weights, where the benchmark's plateau lasted 220 to more than 576 "
+                 "steps and a pretrained trunk's one epoch or none: start from pretrained weights where you have "
+                 "them (model.weights: imagenet, a run's checkpoint, or a trunk's state dict)")  # fmt: skip
+    return note

@@ -511,7 +511,7 @@ class FitRecipe:
             metrics = self.validate()
             self.recorder.validation(epoch, st.global_step, metrics)
             progress.validation(epoch, metrics)
-            flat = flat_outputs_note(metrics, epoch + 1, t.epochs)
+            flat = flat_outputs_note(metrics, epoch + 1, t.epochs, random_trunk=self.cfg.model.weights is None)
             if flat is not None:
                 self.say.print(f"[yellow]{escape(flat)}[/yellow]")
             st.history[-1].update({f"val_{k}": v for k, v in metrics.items()})
