@@ -773,6 +773,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --pools {','.join(unknown)} not available in this wsitrain (have: "
               f"{', '.join(available_pools())})", file=sys.stderr)  # fmt: skip
         return 2
+    if args.jobs < 1:
+        print(f"error: --jobs {args.jobs}: give 1 (one run at a time, in this process) or more", file=sys.stderr)
+        return 2
     if not 2 <= args.train <= args.n - 2:
         print(f"error: --train {args.train} must leave at least 2 of --n {args.n} slides on each side", file=sys.stderr)
         return 2

@@ -203,8 +203,10 @@ def test_jobs_run_each_unit_in_a_child_and_give_the_one_process_results(bench: M
                     "seed1-whole-max.log"] and not (tmp_path / "w1" / "logs").exists()  # fmt: skip
 
 
-def test_a_failed_child_names_its_log(bench: ModuleType, tmp_path: Path) -> None:
-    """A ``--jobs`` child that fails is an error naming its log, not a missing row."""
+def test_a_failed_child_names_its_log(bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A ``--jobs`` child that fails is an error naming its log, not a missing row; ``--jobs 0`` is exit 2."""
+    assert bench.main(["--out", str(tmp_path / "o"), "--jobs", "0"]) == 2
+    assert "--jobs 0: give 1" in capsys.readouterr().err
     with pytest.raises(RuntimeError, match=r"seed3-whole-max run failed \(exit 2\): see .*seed3-whole-max\.log"):
         bench.run_in_child(bench.Unit(3, bench.WHOLE, "max"), ["--out", str(tmp_path / "o"), "--pools", "nope"],
                            tmp_path)  # fmt: skip
