@@ -811,9 +811,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = [setup]
     done: dict[tuple[int, str, str], dict[str, Any]] = {}
     inputs = [WHOLE] + ([] if args.no_thumbnail else [THUMBNAIL])
-    order = [(seed, inp, pool) for seed in seeds for inp in inputs for pool in pools] + [(seed, BASELINE, "attention")
-             for seed in seeds]  # fmt: skip
-    order.sort(key=lambda k: seeds.index(k[0]))  # per seed: its whole slides, thumbnails, then its baseline
+    # per seed: its whole slides, thumbnails, then its baseline
+    order = [k for s in seeds for k in [(s, i, p) for i in inputs for p in pools] + [(s, BASELINE, "attention")]]
 
     def budget(seed: int) -> float:
         """A baseline's wall-time budget: its seed's mean end-to-end whole-slide wall time."""

@@ -40,6 +40,7 @@ from wsitrain.slides.readers import read_whole
 from wsitrain.slides.synth import write_synthetic_dataset
 from wsitrain.slides.synth.lesions import SIDECAR
 from wsitrain.slides.tissue.detect import block_tissue
+from wsitrain.train.class_balance import class_weights
 
 
 def crop(rgb: np.ndarray, cy: int, cx: int, patch: int) -> np.ndarray:
@@ -135,11 +136,17 @@ def pooled(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return f
 
 
+def balanced(y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy weights of the two classes, n / (2 n_k) (wsitrain.train.class_balance's); 1 for an absent one."""
+    w = class_weights(y.tolist())
+    return torch.tensor([w.get(c, 1.0) for c in range(2)])
+
+
 def logistic(f: torch.Tensor, y: torch.Tensor) -> torch.nn.Linear:
     """A class-weighted, lightly L2-regularised logistic regression of labels ``y`` on standardised features (N, C)."""
     lin = torch.nn.Linear(f.shape[1], 2)
     opt = torch.optim.LBFGS(lin.parameters(), max_iter=200)
-    weight = len(y) / (2 * torch.bincount(y, minlength=2).clamp(min=1).float())
+    weight = balanced(y)
 
     def closure() -> torch.Tensor:
         opt.zero_grad()
@@ -204,7 +211,7 @@ def train_labels(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, xv: t
                  args: argparse.Namespace) -> None:  # fmt: skip
     """The trunk and a linear layer on its average pool, trained on the patch labels."""
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    weight = len(y) / (2 * torch.bincount(y, minlength=2).clamp(min=1).float())  # lesions are the rarer class
+    weight = balanced(y)  # lesions are the rarer class
     g = torch.Generator().manual_seed(args.seed)
     model.train()
     for epoch in range(1, args.epochs + 1):
