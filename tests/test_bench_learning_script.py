@@ -12,6 +12,7 @@ import pytest
 from script_module import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs" / "bench_learning"  # the committed benchmark tables
 LESION = {"kind": "lesion", "x0": 64, "y0": 32, "x1": 96, "y1": 64}
 
 
@@ -23,7 +24,7 @@ def bench() -> ModuleType:
 def recorded(tmp_path: Path) -> tuple[Path, Path]:
     """A recorded benchmark (the committed setup and one whole-slide attention row) whose run folder holds the
     heatmaps of two positive slides: one peaks on its look-alike, one without a look-alike peaks on its lesion."""
-    rows = [json.loads(x) for x in (ROOT / "docs" / "bench_learning.jsonl").read_text().splitlines() if x.strip()]
+    rows = [json.loads(x) for x in (DOCS / "default.jsonl").read_text().splitlines() if x.strip()]
     setup = next(r for r in rows if r["kind"] == "setup")
     run = next(r for r in rows if r.get("input") == "whole slide" and r["pool"] == "attention")
     cohort, run_dir, out = tmp_path / "cohort", tmp_path / "run", tmp_path / "out"
@@ -110,14 +111,14 @@ def test_a_head_s_map_is_chosen_by_the_pool_it_builds_not_by_its_name(
 def test_the_table_names_the_machine_the_model_and_the_overrides(bench: ModuleType) -> None:
     """A run on a GPU with another trunk and ``--set`` overrides says so in the setup line; the committed CPU tables
     (no such keys) still read as before."""
-    rows = [json.loads(x) for x in (ROOT / "docs" / "bench_learning_h200_resnet18.jsonl").read_text().splitlines()]
+    rows = [json.loads(x) for x in (DOCS / "h200_resnet18.jsonl").read_text().splitlines()]
     setup = {**rows[0], "overrides": ["model.freeze_bn=false"]}
     text = bench.markdown([setup, *rows[1:]])
     assert "Measured on one NVIDIA H200 (16-core host)" in text
     assert "Model `resnet18` (random initial weights, `model.freeze_bn=false`)" in text
     text = bench.markdown([{**setup, "overrides": ["model.weights=trunk.pt"]}, *rows[1:]])
     assert "Model `resnet18` (initial weights from a file, `model.weights=trunk.pt`)" in text
-    cpu = [json.loads(x) for x in (ROOT / "docs" / "bench_learning.jsonl").read_text().splitlines() if x.strip()]
+    cpu = [json.loads(x) for x in (DOCS / "default.jsonl").read_text().splitlines() if x.strip()]
     text = bench.markdown(cpu)
     assert "Measured on a 2-core CPU (no GPU)" in text and "Model `tiny` (random initial weights)" in text
 

@@ -13,14 +13,24 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from tiny_runs import config_file, finished_run, synthetic_slides
+from tiny_runs import config_file, finished_run, invoke, synthetic_slides
 
+import wsitrain.train.head_warmup as hw
 from wsitrain.config import TrainConfig, WsiTrainConfig
 from wsitrain.errors import WsiTrainError
 from wsitrain.models import build
 from wsitrain.train.frozen_mil import patch_features
-from wsitrain.train.head_warmup import BATCH, bag_bytes, head_modules, host_patch_features, warm_up_head
-from wsitrain.train.recipe import _check_head_warmup, _check_warmup_bags
+from wsitrain.train.head_warmup import (
+    BATCH,
+    _mean_loss,
+    bag_bytes,
+    head_modules,
+    host_patch_features,
+    prior_loss,
+    split_held_out,
+    warm_up_head,
+)
+from wsitrain.train.recipe import _check_head_warmup, _check_warmup_bags, _check_warmup_hold_out
 
 
 def toy_slides(n: int = 4) -> tuple[list[torch.Tensor], list[int]]:
@@ -81,6 +91,77 @@ def test_config_short_form_and_checks() -> None:
         TrainConfig(head_warmup=0)
     with pytest.raises(ValueError, match="loss: mse"):
         TrainConfig(head_warmup=10, loss="mse")
+    w = TrainConfig(head_warmup={"steps": 10, "hold_out": 0.25}).head_warmup
+    assert w is not None and (w.hold_out, w.patience) == (0.25, 200)
+    assert TrainConfig(head_warmup=10).head_warmup.hold_out == 0  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="less than 1"):
+        TrainConfig(head_warmup={"steps": 10, "hold_out": 1})
+
+
+def test_held_out_split_is_per_class_seeded_and_refuses_an_empty_side() -> None:
+    labels = [0] * 8 + [1] * 4
+    fit, held = split_held_out(labels, 0.25, seed=3)
+    assert sorted(fit + held) == list(range(12)) and not set(fit) & set(held)
+    assert [labels[i] for i in held].count(0) == 2 and [labels[i] for i in held].count(1) == 1
+    assert split_held_out(labels, 0.25, seed=3) == (fit, held)
+    assert split_held_out([0, 0, 1, 1], 0.1, seed=0)[1].__len__() == 2, "at least one slide of each class"
+    with pytest.raises(ValueError, match="class 1 has 1 training slide: holding out 0.25 of them leaves none"):
+        split_held_out([0, 0, 0, 1], 0.25, seed=0)
+
+
+def test_prior_loss_on_other_labels_is_the_constant_outputs_cross_entropy() -> None:
+    assert prior_loss([0, 0, 0, 1]) == pytest.approx(-(0.75 * math.log(0.75) + 0.25 * math.log(0.25)))
+    assert prior_loss([0, 0, 0, 1], [1, 1]) == pytest.approx(-math.log(0.25))
+    assert prior_loss([0, 0, 0, 1], [0, 1]) == pytest.approx(-(math.log(0.75) + math.log(0.25)) / 2)
+
+
+def test_a_held_out_warmup_keeps_its_lowest_held_out_head_and_stops_after_patience(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Reference vs variant: with held-out losses scripted to be lowest after pass 2, the variant (cap 3000 steps,
+    patience 3) stops 3 passes later and keeps bitwise the head of a reference that stopped after pass 2 (its cap:
+    12 steps); the held-out bags never train it, the trunk is untouched."""
+    def run(steps: int, script: list[float]) -> tuple[hw.WarmupResult, dict[str, torch.Tensor]]:
+        scripted = iter(script)
+        monkeypatch.setattr(hw, "_mean_loss", lambda *a: next(scripted))
+        torch.manual_seed(0)
+        model = build("tiny", 2, pool="attention")
+        trunk = {k: v.clone() for k, v in model.features.state_dict().items()}
+        images, labels = toy_slides(8)
+        res = warm_up_head(model, images, labels, steps=steps, patch=16, lr=3e-2, seed=0, hold_out=0.25, patience=3)
+        after = {k: v.clone() for m in head_modules(model) for k, v in m.state_dict().items()}
+        for k, v in model.features.state_dict().items():
+            assert torch.equal(v, trunk[k]), f"the trunk's {k} changed"
+        return res, after
+
+    res, kept = run(3000, [0.60, 0.50, 0.55, 0.70, 0.80, 0.10])
+    assert res.held_out == 2 and res.slides == 8 and res.held_out_losses == [0.60, 0.50, 0.55, 0.70, 0.80]
+    assert res.steps == 6 * 5 and res.best_step == 12, "6 fitted bags a pass; stopped 3 passes after the lowest"
+    assert res.held_out_loss == 0.50 and res.kept and res.prior_loss == pytest.approx(math.log(2))
+    assert "lowest held-out loss 0.500 (2 slides) at step 12" in res.summary()
+    ref, ref_head = run(12, [0.60, 0.50])
+    assert ref.steps == 12 and ref.best_step == 12
+    for k, v in ref_head.items():
+        assert torch.equal(kept[k], v), f"the head kept is not the lowest pass's: {k}"
+
+
+def test_a_held_out_warmup_that_does_not_generalise_is_not_kept() -> None:
+    """toy_slides(8)'s squares sit elsewhere on every positive: the two held-out bags' loss stays at ln 2 (measured:
+    0.693 after 60 steps), so the warm-up stops after ``patience`` passes and the head is put back bitwise."""
+    torch.manual_seed(0)
+    model = build("tiny", 2, pool="attention")
+    head = {k: v.clone() for m in head_modules(model) for k, v in m.state_dict().items()}
+    images, labels = toy_slides(8)
+    res = warm_up_head(model, images, labels, steps=3000, patch=16, lr=3e-2, seed=0, hold_out=0.25, patience=5)
+    best = res.held_out_losses.index(res.held_out_loss)
+    assert res.steps < 3000 and len(res.held_out_losses) - 1 - best == 5
+    assert not res.kept and "not 0.01 below the prior's held-out loss 0.693" in res.summary()
+    after = {k: v for m in head_modules(model) for k, v in m.state_dict().items()}
+    assert all(torch.equal(after[k], head[k]) for k in head)
+    _, held = split_held_out(labels, 0.25, seed=0)
+    bags = [host_patch_features(model, images[i], 16, torch.device("cpu")) for i in held]
+    again = _mean_loss(head_modules(model), bags, [labels[i] for i in held], torch.device("cpu"))
+    assert again > res.prior_loss - 0.01, "the head put back scores no better than the prior"
 
 
 def test_fit_warms_the_head_up_on_a_new_run(tmp_path: Path) -> None:
@@ -96,6 +177,28 @@ def test_fit_warms_the_head_up_on_a_new_run(tmp_path: Path) -> None:
     assert all(r.get("kind") != "train" for r in rows[: kinds.index("head_warmup")]), "it runs before the training"
 
 
+def test_fit_with_a_held_out_warmup_records_it_and_refuses_a_split_that_leaves_a_class_empty(tmp_path: Path) -> None:
+    """Eight slides, four train (two a class): ``hold_out: 0.5`` scores on one slide of each class, and fit's metrics
+    say so; on the four-slide cohort (one training slide a class) fit exits 2 naming the key, before any run folder."""
+    cfg = config_file(tmp_path, tmp_path / "synth8")
+    warm = "lr: 0.003, head_warmup: {steps: 40, patch: 32, hold_out: 0.5, patience: 5}"
+    cfg.write_text(cfg.read_text().replace("n: 4,", "n: 8,").replace("lr: 0.003", warm))
+    run = finished_run(cfg)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    warm_row = next(r for r in rows if r.get("kind") == "head_warmup")
+    assert warm_row["slides"] == 4 and warm_row["held_out"] == 2, warm_row
+    assert math.isfinite(warm_row["held_out_loss"]) and 0 < warm_row["best_step"] <= warm_row["steps"] <= 40
+
+    small = tmp_path / "small"
+    small.mkdir()
+    cfg = config_file(small, synthetic_slides(small / "synth"))
+    cfg.write_text(cfg.read_text().replace("lr: 0.003", warm))
+    result = invoke("fit", str(cfg))
+    assert result.exit_code == 2, result.output
+    assert "train.head_warmup.hold_out: class 0 has 1 training slide" in result.output
+    assert not (small / "runs").exists(), "nothing is written before the check"
+
+
 def test_the_checks_fit_makes_before_the_run_folder_exists() -> None:
     """A patch under the model's stride, streamed reads, a regression task: each a clear input error."""
     def cfg(**kw: object) -> WsiTrainConfig:
@@ -109,6 +212,9 @@ def test_the_checks_fit_makes_before_the_run_folder_exists() -> None:
         _check_head_warmup(cfg(steps=5, stream=True), None, 16)
     with pytest.raises(WsiTrainError, match="but the task is survival"):
         _check_head_warmup(cfg(steps=5), SimpleNamespace(kind="survival"), 16)  # type: ignore[arg-type]
+    _check_warmup_hold_out(cfg(steps=5, hold_out=0.5), [0, 0, 1, 1])
+    with pytest.raises(WsiTrainError, match=r"hold_out: class 0 has 1 training slide.*\n?.*lower train.head_warmup"):
+        _check_warmup_hold_out(cfg(steps=5, hold_out=0.5), [0, 1])
 
 
 def test_patch_features_go_to_the_device_a_batch_at_a_time_in_row_major_order() -> None:

@@ -429,6 +429,11 @@ class HeadWarmupConfig(Section):
     steps: int = Field(2000, ge=1, strict=True)  # head-only AdamW steps, one training slide's bag each
     patch: int = Field(64, ge=8, strict=True)  # patch edge in px at the read's resolution: one vector per patch
     lr: float | None = Field(None, gt=0)  # none: train.lr
+    # Share of each class's training slides whose bags only score the warm-up: the head kept is the one with their
+    # lowest loss, so a long warm-up cannot overfit the rest (docs/plateau.md section 17). 0: every bag trains it,
+    # for all its steps.
+    hold_out: float = Field(0.0, ge=0, lt=1)
+    patience: int = Field(200, ge=1, strict=True)  # with hold_out: passes over the bags without a new lowest, then stop
 
     @model_validator(mode="before")
     @classmethod

@@ -199,7 +199,7 @@ def random_batchnorm_warnings(cfg: WsiTrainConfig, model: nn.Module) -> list[str
     unset): frozen layers keep their initial statistics and normalise nothing, so nothing holds the trunk's
     activations in range while the weights move. ResNet-18 on the learning benchmark's 1024 px slides (AdamW lr 1e-3)
     starts near a loss of 5 and averaged 37 to 290,000 over its first epoch, then gave a constant output, every seed
-    (measured on an H200, docs/bench_learning_h200_resnet18.md)."""
+    (measured on an H200, docs/bench_learning/h200_resnet18.md)."""
     m = cfg.model
     n = sum(is_frozen_bn(mod) for mod in model.modules())
     if m.weights is not None or not m.freeze_bn or n == 0:

@@ -16,12 +16,12 @@ POOLS = (AVG, MAX, ATTENTION, GATED_ATTENTION, TOPK)
 DEFAULT_TOPK = 16
 # model.attention.instance_loss: a negative slide's this many highest attention scores pushed below 0. 64 cells hold
 # about two of the synthetic cohort's look-alikes (boxes of 88 px, 6 x 6 cells at a stride of 16); a negative slide's
-# top cell alone was worse on every seed (docs/bench_learning_mil_before_ring.md, measured)
+# top cell alone was worse on every seed (docs/bench_learning/mil_before_ring.md, measured)
 DEFAULT_INSTANCE_CELLS = 64
 # ... and a positive slide's this many highest pushed above 0 (their mean). With one (the max), the loss kept whatever
 # the initialisation ranked first when every slide shares it (the image border, the tissue's edge) on 2 of 3 seeds;
 # with 16 (about half a lesion's cells) CLAM-MB pointed at a lesion on all 36 held-out positives of seeds 0-2, but on
-# 13 of 36 of seeds 3-5, run afterwards (docs/bench_learning_mil_before_ring.md, measured)
+# 13 of 36 of seeds 3-5, run afterwards (docs/bench_learning/mil_before_ring.md, measured)
 DEFAULT_INSTANCE_POSITIVE_CELLS = 16
 # ... and the map's outer ring of cells left out of the attention pool while it is on. The ring is computed against
 # the trunk's zero padding, so it looks the same on every slide; the loss pushes a positive slide's 16 cells up and a

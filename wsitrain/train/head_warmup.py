@@ -24,6 +24,13 @@ Kept only when it learnt: its last epoch's mean loss must be ``MIN_GAIN`` below 
 training set's class prior, else the head is put back as it was. Why (*measured*, docs/plateau.md section 6): on
 seed 1 the warm-up's loss stayed at chance (0.6925 against 0.6931) while its classifier weights grew 5x fitting noise,
 and end to end that head drove the trunk's ReLUs off (active features 35% -> 16% in 20 steps): a flat run.
+
+Stopped on held-out bags (``hold_out``): a share of the training slides, per class, only scores the warm-up. After each
+pass over the other bags the held-out bags' mean loss is taken; the head kept is the one with the lowest, the warm-up
+ends after ``patience`` passes without a new lowest (or at ``steps``), and the keep rule reads the held-out loss
+against a constant output at the fitted bags' class prior. Why (*measured*, docs/plateau.md section 16): 48,000 steps
+on all 24 bags freed seeds 61-63, but on seed 64 the warm-up overfitted them (loss 0.86 -> 0.00) and that
+overconfident head began end-to-end training at a loss of 1.9-2.7.
 """
 
 from __future__ import annotations
@@ -108,19 +115,53 @@ class WarmupResult:
     last_loss: float = float("nan")
     wall_s: float = 0.0
     losses: list[float] = field(default_factory=list)
-    prior_loss: float = float("nan")  # a constant output at the training set's class prior
+    prior_loss: float = float("nan")  # a constant output at the class prior, on the bags the keep rule reads
     kept: bool = False  # False: it did not learn (MIN_GAIN), and the head was put back as it was
+    held_out: int = 0  # slides whose bags only scored the warm-up (hold_out)
+    held_out_losses: list[float] = field(default_factory=list)  # their mean loss after each pass
+    best_step: int = 0  # the step of the head kept (hold_out: its lowest held-out loss; else the last)
+
+    @property
+    def held_out_loss(self) -> float:
+        """The lowest held-out loss (nan without ``hold_out``)."""
+        return min(self.held_out_losses) if self.held_out_losses else float("nan")
 
     def summary(self) -> str:
-        what = "kept" if self.kept else f"not kept: not {MIN_GAIN} below the prior's loss {self.prior_loss:.3f}"
-        return (f"head warm-up: {self.steps} head-only steps on {self.slides} slides' patch features, "
-                f"loss {self.first_loss:.3f} -> {self.last_loss:.3f}, {self.wall_s:.1f} s; {what}")  # fmt: skip
+        read = "held-out loss" if self.held_out else "loss"
+        what = "kept" if self.kept else f"not kept: not {MIN_GAIN} below the prior's {read} {self.prior_loss:.3f}"
+        held = (f"; lowest held-out loss {self.held_out_loss:.3f} ({self.held_out} slides) at step {self.best_step}"
+                if self.held_out else "")  # fmt: skip
+        return (f"head warm-up: {self.steps} head-only steps on {self.slides - self.held_out} slides' patch features, "
+                f"loss {self.first_loss:.3f} -> {self.last_loss:.3f}{held}, {self.wall_s:.1f} s; {what}")  # fmt: skip
 
 
-def prior_loss(labels: list[int]) -> float:
-    """Cross-entropy of the best constant output: the entropy of the labels' class frequencies."""
+def prior_loss(labels: list[int], scored: list[int] | None = None) -> float:
+    """Cross-entropy on ``scored`` (default: ``labels`` themselves) of the constant output at ``labels``' class
+    frequencies; on ``labels`` themselves, the best constant output's, their entropy."""
     p = np.bincount(labels) / len(labels)
-    return float(-(p[p > 0] * np.log(p[p > 0])).sum())
+    if scored is None:
+        return float(-(p[p > 0] * np.log(p[p > 0])).sum())
+    p = np.bincount(labels, minlength=max(scored) + 1) / len(labels)
+    with np.errstate(divide="ignore"):
+        return float(-np.log(p[scored]).mean())
+
+
+def split_held_out(labels: list[int], share: float, seed: int) -> tuple[list[int], list[int]]:
+    """(fitted, held-out) slide indices: ``round(share * n)`` of each class's ``n`` slides held out (at least one),
+    drawn with ``seed``; raises ValueError when a class would be left with none on either side."""
+    rng = np.random.default_rng(seed)
+    fit: list[int] = []
+    held: list[int] = []
+    for c in sorted(set(labels)):
+        idx = [i for i, y in enumerate(labels) if y == c]
+        k = max(1, round(share * len(idx)))
+        if k >= len(idx):
+            raise ValueError(f"class {c} has {len(idx)} training slide{'s' * (len(idx) != 1)}: holding out "
+                             f"{share:g} of them leaves none to fit")  # fmt: skip
+        perm = rng.permutation(idx).tolist()
+        held += perm[:k]
+        fit += perm[k:]
+    return sorted(fit), sorted(held)
 
 
 def head_modules(model: nn.Sequential) -> list[nn.Module]:
@@ -139,26 +180,44 @@ def bag_logits(head: list[nn.Module], bag: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _mean_loss(head: list[nn.Module], bags: list[torch.Tensor], labels: list[int], device: torch.device) -> float:
+    """The head's mean cross-entropy over ``bags`` in eval mode (no autograd), one bag on the device at a time."""
+    was = [m.training for m in head]
+    for m in head:
+        m.eval()
+    with torch.no_grad():
+        losses = [float(F.cross_entropy(bag_logits(head, b.to(device)).float(), torch.tensor([y], device=device)))
+                  for b, y in zip(bags, labels, strict=True)]  # fmt: skip
+    for m, w in zip(head, was, strict=True):
+        m.train(w)
+    return float(np.mean(losses))
+
+
 def warm_up_head(model: nn.Sequential, images: Iterable[torch.Tensor], labels: list[int], *, steps: int, patch: int,
-                 lr: float, seed: int) -> WarmupResult:  # fmt: skip
-    """Train ``model``'s head for ``steps`` AdamW steps at ``lr`` on patch bags of ``images`` ((1, 3, H, W) uint8 or
-    float in [0, 1], one per label); the trunk's parameters are not changed."""
+                 lr: float, seed: int, hold_out: float = 0.0, patience: int = 200) -> WarmupResult:  # fmt: skip
+    """Train ``model``'s head for up to ``steps`` AdamW steps at ``lr`` on patch bags of ``images`` ((1, 3, H, W)
+    uint8 or float in [0, 1], one per label); the trunk's parameters are not changed. With ``hold_out``, that share of
+    each class's slides only scores it: the head kept is the one with their lowest mean loss, and training stops
+    after ``patience`` passes without a new lowest."""
     t0 = time.perf_counter()
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     bags = [host_patch_features(model, image, patch, device) for image in images]  # (N, C) each, on the host
+    fit, held = split_held_out(labels, hold_out, seed) if hold_out > 0 else (list(range(len(bags))), [])
     head = head_modules(model)
     before = [{k: v.clone() for k, v in m.state_dict().items()} for m in head]
+    best = before
     params = [p for m in head for p in m.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr)
     rng = np.random.default_rng(seed)
-    result = WarmupResult(slides=len(bags))
+    result = WarmupResult(slides=len(bags), held_out=len(held))
     for m in head:
         m.train()
     epoch_losses: list[float] = []
-    while result.steps < steps:
-        for i in rng.permutation(len(bags)).tolist():
+    since_best = 0
+    while result.steps < steps and since_best < patience:
+        for i in rng.permutation(fit).tolist():
             if result.steps == steps:
                 break
             bag = bags[i].to(device)  # (N, C): one bag on the device at a time
@@ -170,14 +229,28 @@ def warm_up_head(model: nn.Sequential, images: Iterable[torch.Tensor], labels: l
             epoch_losses.append(float(loss.detach()))
         result.losses.append(float(np.mean(epoch_losses)))
         epoch_losses = []
+        if held:
+            result.held_out_losses.append(_mean_loss(head, [bags[i] for i in held], [labels[i] for i in held], device))
+            if result.held_out_losses[-1] == result.held_out_loss:  # a new lowest: this head is the one kept
+                best = [{k: v.clone() for k, v in m.state_dict().items()} for m in head]
+                result.best_step, since_best = result.steps, 0
+            else:
+                since_best += 1
     for p in params:
         p.grad = None
     model.train(was_training)
     result.first_loss, result.last_loss = result.losses[0], result.losses[-1]
-    result.prior_loss = prior_loss(labels)
-    result.kept = result.last_loss < result.prior_loss - MIN_GAIN
-    if not result.kept:
-        for m, state in zip(head, before, strict=True):
+    if held:
+        result.prior_loss = prior_loss([labels[i] for i in fit], [labels[i] for i in held])
+        result.kept = result.held_out_loss < result.prior_loss - MIN_GAIN
+        keep = best if result.kept else before
+    else:
+        result.best_step = result.steps
+        result.prior_loss = prior_loss(labels)
+        result.kept = result.last_loss < result.prior_loss - MIN_GAIN
+        keep = None if result.kept else before
+    if keep is not None:
+        for m, state in zip(head, keep, strict=True):
             m.load_state_dict(state)
     result.wall_s = time.perf_counter() - t0
     return result

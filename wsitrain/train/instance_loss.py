@@ -22,8 +22,8 @@ Why (docs/plateau.md sections 9-10, *measured*): one attention branch for all cl
 class's evidence, a look-alike, and put its peak there on every positive slide that also carried one (0 of 21 over
 six seeds, 1,440 steps). With one branch per class and this loss (16 cells up, 64 down), the positive branch put its
 peak in a lesion on 11 of the 14 held-out positives beside a look-alike over the learning benchmark's six seeds
-(docs/bench_learning_mil_before_ring.md); its pointing game over all positives was 1.0 on seeds 0-2 and 0.36 on
-seeds 3-5, and 0.45 over nine seeds before the border ring was left out (docs/bench_learning_mil.md: with it).
+(docs/bench_learning/mil_before_ring.md); its pointing game over all positives was 1.0 on seeds 0-2 and 0.36 on
+seeds 3-5, and 0.45 over nine seeds before the border ring was left out (docs/bench_learning/mil.md: with it).
 
 The scores come from the pool's output (``AttentionPool(instance_k)``: each branch's highest scores follow its
 pooled vector, plain and fused alike), read on the input of the ``InstanceSplit`` module after it by a forward

@@ -53,7 +53,7 @@ from wsitrain.train.engine import (
     slide_spill,
     wrap_engine,
 )
-from wsitrain.train.head_warmup import bags_over_budget, head_modules, trunk_channels, warm_up_head
+from wsitrain.train.head_warmup import bags_over_budget, head_modules, split_held_out, trunk_channels, warm_up_head
 from wsitrain.train.instance_loss import InstanceLoss, instance_loss_spec
 from wsitrain.train.loop import Trainer, as_batch
 from wsitrain.train.metrics import classification_metrics
@@ -91,6 +91,18 @@ def _check_head_warmup(cfg: WsiTrainConfig, objective: Objective | None, stride:
     if w.patch < stride:
         raise WsiTrainError(f"train.head_warmup.patch is {w.patch} px, smaller than the model's stride ({stride} px)",
                             hint=f"set train.head_warmup.patch to {stride} or more (a multiple of it)")  # fmt: skip
+
+
+def _check_warmup_hold_out(cfg: WsiTrainConfig, labels: list[int]) -> None:
+    """``train.head_warmup.hold_out`` leaves every class slides on both sides of its split."""
+    w = cfg.train.head_warmup
+    assert w is not None
+    if w.hold_out > 0:
+        try:
+            split_held_out(labels, w.hold_out, cfg.seed)
+        except ValueError as e:
+            raise WsiTrainError(f"train.head_warmup.hold_out: {e}",
+                                hint="lower train.head_warmup.hold_out, or set it to 0") from e  # fmt: skip
 
 
 def _check_warmup_bags(cfg: WsiTrainConfig, shapes: list[tuple[int, int]], channels: int, stride: int) -> None:
@@ -216,6 +228,7 @@ class FitRecipe:
             )
         if t.head_warmup is not None:
             _check_head_warmup(cfg, self.objective, self.model.stride)
+            _check_warmup_hold_out(cfg, [int(r.label) for r in self.data.train])
             if report is not None:
                 train = {r.path for r in self.data.train}
                 shapes = [s.shape for s in report.slides if s.path in train]
@@ -427,14 +440,17 @@ class FitRecipe:
             images = (as_batch(ds[i][0]) for i in range(len(ds)))
             try:
                 res = warm_up_head(self.model, images, [int(r.label) for r in self.data.train], steps=w.steps,
-                                   patch=w.patch, lr=w.lr or t.lr, seed=self.cfg.seed)  # fmt: skip
+                                   patch=w.patch, lr=w.lr or t.lr, seed=self.cfg.seed, hold_out=w.hold_out,
+                                   patience=w.patience)  # fmt: skip
             except ValueError as e:  # a read smaller than one patch (frozen_mil.patch_grid)
                 hint = "set train.head_warmup.patch below the smallest read's edge"
                 raise WsiTrainError(f"train.head_warmup: {e}", hint=hint) from e
             self.say.print(res.summary(), markup=False)
             self.recorder.metrics.write({"kind": "head_warmup", "steps": res.steps, "slides": res.slides,
                                          "first_loss": res.first_loss, "last_loss": res.last_loss, "kept": res.kept,
-                                         "wall_s": round(res.wall_s, 2)})  # fmt: skip
+                                         "wall_s": round(res.wall_s, 2), "best_step": res.best_step,
+                                         **({"held_out": res.held_out, "held_out_loss": res.held_out_loss}
+                                            if res.held_out else {})})  # fmt: skip
             state = {k: v.cpu() for k, v in head.state_dict().items()}
         if self.dist.enabled:
             state = D.broadcast_object(state, self.dist)
