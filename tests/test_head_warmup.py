@@ -160,7 +160,7 @@ def test_a_held_out_warmup_that_does_not_generalise_is_not_kept() -> None:
     assert all(torch.equal(after[k], head[k]) for k in head)
     _, held = split_held_out(labels, 0.25, seed=0)
     bags = [host_patch_features(model, images[i], 16, torch.device("cpu")) for i in held]
-    again = _mean_loss(head_modules(model), bags, [labels[i] for i in held], torch.device("cpu"))
+    again = _mean_loss(head_modules(model), [hw.Bag(b) for b in bags], [labels[i] for i in held], torch.device("cpu"))
     assert again > res.prior_loss - 0.01, "the head put back scores no better than the prior"
 
 
@@ -177,11 +177,11 @@ def test_fit_warms_the_head_up_on_a_new_run(tmp_path: Path) -> None:
     assert all(r.get("kind") != "train" for r in rows[: kinds.index("head_warmup")]), "it runs before the training"
 
 
-def test_fit_with_a_held_out_warmup_records_it_and_refuses_a_split_that_leaves_a_class_empty(tmp_path: Path) -> None:
+def test_fit_with_a_held_out_map_warmup_records_it_and_refuses_a_split_leaving_a_class_empty(tmp_path: Path) -> None:
     """Eight slides, four train (two a class): ``hold_out: 0.5`` scores on one slide of each class, and fit's metrics
     say so; on the four-slide cohort (one training slide a class) fit exits 2 naming the key, before any run folder."""
     cfg = config_file(tmp_path, tmp_path / "synth8")
-    warm = "lr: 0.003, head_warmup: {steps: 40, patch: 32, hold_out: 0.5, patience: 5}"
+    warm = "lr: 0.003, head_warmup: {steps: 40, patch: 32, hold_out: 0.5, patience: 5, layout: map}"
     cfg.write_text(cfg.read_text().replace("n: 4,", "n: 8,").replace("lr: 0.003", warm))
     run = finished_run(cfg)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -208,6 +208,9 @@ def test_the_checks_fit_makes_before_the_run_folder_exists() -> None:
     _check_head_warmup(cfg(steps=5, patch=16), None, 16)  # one map cell per patch: fine
     with pytest.raises(WsiTrainError, match=r"patch is 8 px, smaller than the model's stride \(16 px\)"):
         _check_head_warmup(cfg(steps=5, patch=8), None, 16)
+    _check_head_warmup(cfg(steps=5, patch=32, layout="map"), None, 16)
+    with pytest.raises(WsiTrainError, match=r"patch 40 px is not a multiple of the model's stride \(16 px\)"):
+        _check_head_warmup(cfg(steps=5, patch=40, layout="map"), None, 16)
     with pytest.raises(WsiTrainError, match="data.stream_tiles is on"):
         _check_head_warmup(cfg(steps=5, stream=True), None, 16)
     with pytest.raises(WsiTrainError, match="but the task is survival"):
@@ -248,3 +251,64 @@ def test_fit_refuses_bags_over_the_host_budget_and_names_a_patch_that_fits() -> 
         _check_warmup_bags(cfg(64), shapes, 2048, 32)
     assert "set train.head_warmup.patch to 96 or more" in str(e.value.hint)
     _check_warmup_bags(cfg(96), shapes, 2048, 32)  # 8.27 GiB: fits
+
+
+def test_the_map_layout_puts_each_patchs_cells_where_they_lie() -> None:
+    """Reference vs variant: each whole patch's block of the map is the trunk's map of that patch alone, its mean the
+    patch's vector of ``layout: patches``; the ragged edge stays 0 and out of the mask, which also drops what the
+    tissue mask drops."""
+    torch.manual_seed(0)
+    model = build("tiny", 2, pool="attention")
+    image = torch.rand(1, 3, 80, 112)  # 2 x 3 whole 32 px patches, a ragged 16 px edge on each
+    tissue = torch.ones(1, 1, 5, 7, dtype=torch.bool)
+    tissue[..., 0, 0] = False
+    cells, mask = hw.host_cell_map(model, image, 32, torch.device("cpu"), lambda h, w: tissue)
+    assert cells.shape == (1, 32, 5, 7) and mask.shape == (1, 1, 5, 7)
+    trunk = torch.nn.Sequential(model.normalize, model.features).eval()
+    vectors = host_patch_features(model, image, 32, torch.device("cpu"))  # (6, C), row-major
+    for r in range(2):
+        for c in range(3):
+            with torch.no_grad():
+                alone = trunk(image[:, :, 32 * r : 32 * r + 32, 32 * c : 32 * c + 32])[0]
+            block = cells[0, :, 2 * r : 2 * r + 2, 2 * c : 2 * c + 2]
+            torch.testing.assert_close(block, alone)
+            torch.testing.assert_close(block.mean(dim=(1, 2)), vectors[3 * r + c])
+    assert cells[..., 4, :].abs().sum() == 0 and cells[..., :, 6].abs().sum() == 0
+    expect = torch.zeros(1, 1, 5, 7, dtype=torch.bool)
+    expect[..., :4, :6] = True
+    expect[..., 0, 0] = False
+    assert torch.equal(mask, expect)
+    with pytest.raises(ValueError, match="not a multiple of the model's stride"):
+        hw.host_cell_map(model, image, 24, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("pool", ["attention", "max"])
+def test_a_map_bag_as_large_as_the_slide_is_what_end_to_end_sees(pool: str) -> None:
+    """With one patch covering the whole slide, the warm-up's head gives exactly the model's own forward on the slide
+    under the same tissue mask (float64): the head warms up on end to end's input, not on averages of it."""
+    torch.manual_seed(0)
+    model = build("tiny", 2, pool=pool).double().eval()
+    image = torch.rand(1, 3, 64, 64, dtype=torch.float64)
+    tissue = torch.zeros(1, 1, 4, 4, dtype=torch.bool)
+    tissue[..., 1:3, :] = True
+    cells, mask = hw.host_cell_map(model, image, 64, torch.device("cpu"), lambda h, w: tissue)
+    got = hw.bag_logits(head_modules(model), hw.Bag(cells, mask))
+    pool_module = hw.masked_pool(model)
+    assert pool_module is not None
+    with torch.no_grad(), pool_module.masked(tissue):
+        want = model(image)
+    torch.testing.assert_close(got.detach(), want)
+    unmasked = hw.bag_logits(head_modules(model), hw.Bag(cells, torch.ones_like(mask)))
+    assert not torch.allclose(unmasked.detach(), want), "the mask changed nothing: the test could not fail"
+
+
+def test_a_map_warmup_learns_and_leaves_the_trunk_as_it_was() -> None:
+    torch.manual_seed(0)
+    model = build("tiny", 2, pool="attention")
+    trunk = {k: v.clone() for k, v in model.features.state_dict().items()}
+    images, labels = toy_slides()
+    res = warm_up_head(model, images, labels, steps=120, patch=16, lr=3e-2, seed=0, layout="map")
+    for k, v in model.features.state_dict().items():
+        assert torch.equal(v, trunk[k]), f"the trunk's {k} changed"
+    assert res.steps == 120 and res.kept and res.last_loss < res.first_loss - 0.08, res.losses
+    assert all(p.grad is None for p in model.parameters())

@@ -434,6 +434,10 @@ class HeadWarmupConfig(Section):
     # for all its steps.
     hold_out: float = Field(0.0, ge=0, lt=1)
     patience: int = Field(200, ge=1, strict=True)  # with hold_out: passes over the bags without a new lowest, then stop
+    # patches: one vector per patch (its cells averaged), every patch; map: each patch's cells where they lie in the
+    # slide's map, pooled under the tissue mask as end to end (docs/plateau.md section 17). patch must then be a
+    # multiple of the model's stride.
+    layout: Literal["patches", "map"] = "patches"
 
     @model_validator(mode="before")
     @classmethod

@@ -31,10 +31,18 @@ ends after ``patience`` passes without a new lowest (or at ``steps``), and the k
 against a constant output at the fitted bags' class prior. Why (*measured*, docs/plateau.md section 16): 48,000 steps
 on all 24 bags freed seeds 61-63, but on seed 64 the warm-up overfitted them (loss 0.86 -> 0.00) and that
 overconfident head began end-to-end training at a loss of 1.9-2.7.
+
+Laid out as the slide's map (``layout: map``): each patch's trunk map is kept cell by cell, not averaged, and put
+where it lies in the slide's map (``host_cell_map``), so the head warms up on a (1, C, H / stride, W / stride) map
+pooled under the same tissue mask and border rule as end to end; only the context across patch borders differs. Why
+(*measured*, docs/plateau.md section 17): with ``hold_out`` on seed 64 the patch-vector head was right on its held-out
+training bags too (loss 0.0005), yet end to end began at a loss of 3.1: the head had learnt averages of 16 cells
+over tissue and background alike, and met single cells over tissue only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -45,27 +53,37 @@ import torch.nn.functional as F
 from torch import nn
 
 from wsitrain.models.freeze import TRUNK  # the head is what follows it
+from wsitrain.sft.ops.pool_mask import MaskSource
+from wsitrain.train.attention_mask import masked_pool
 from wsitrain.train.frozen_mil import patch_grid
 
 # nats below the prior's loss the warm-up's last epoch must reach to be kept: the warm-ups that shortened the plateau
 # ended 0.013-0.091 below ln 2, the one that flattened its run 0.0006 below (measured, docs/plateau.md section 6)
 MIN_GAIN = 0.01
 BATCH = 64  # patches per trunk forward on the device (frozen_mil's batch)
+PATCHES, MAP = "patches", "map"  # train.head_warmup.layout: a vector per patch, or the slide's map cell by cell
 
 
-def bag_bytes(shape: tuple[int, int], patch: int, channels: int) -> int:
-    """Host bytes of one slide's bag: its whole patches (ragged edges left out) x ``channels`` float32."""
+def bag_bytes(shape: tuple[int, int], patch: int, channels: int, cell: int | None = None) -> int:
+    """Host bytes of one slide's bag: its whole patches (ragged edges left out) x ``channels`` float32; with ``cell``
+    (``layout: map``, the model's stride), its map's (H / cell) x (W / cell) cells instead, plus their 1-byte mask."""
+    if cell is not None:
+        return (shape[0] // cell) * (shape[1] // cell) * (channels * 4 + 1)
     return (shape[0] // patch) * (shape[1] // patch) * channels * 4
 
 
 def bags_over_budget(
-    shapes: list[tuple[int, int]], patch: int, channels: int, stride: int, host_budget: int
+    shapes: list[tuple[int, int]], patch: int, channels: int, stride: int, host_budget: int, layout: str = PATCHES
 ) -> tuple[int, int | None] | None:
     """None when the bags of slides read at ``shapes`` fit ``host_budget``; else (their bytes, the smallest patch, a
-    multiple of ``stride``, whose bags fit; None when none up to the largest read does)."""
-    need = sum(bag_bytes(s, patch, channels) for s in shapes)
+    multiple of ``stride``, whose bags fit; None when none up to the largest read does, or with ``layout: map``, whose
+    bags do not depend on the patch)."""
+    cell = stride if layout == MAP else None
+    need = sum(bag_bytes(s, patch, channels, cell) for s in shapes)
     if need <= host_budget:
         return None
+    if cell is not None:
+        return need, None
     p = -(-patch // stride) * stride
     while p < max(max(s) for s in shapes):
         p += stride
@@ -103,6 +121,47 @@ def host_patch_features(model: nn.Sequential, image: torch.Tensor, patch: int, d
             x = x.float() / 255 if x.dtype == torch.uint8 else x.float()
             out.append(trunk(x).mean(dim=(2, 3)).float().cpu())  # (b, C)
     return torch.cat(out)
+
+
+@torch.no_grad()
+def host_cell_map(model: nn.Sequential, image: torch.Tensor, patch: int, device: torch.device,
+                  tissue: MaskSource | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(1, 3, H, W) uint8 or float in [0, 1], anywhere -> ((1, C, H / s, W / s) float, (1, 1, H / s, W / s) bool)
+    on the host, s the model's stride: every whole ``patch`` px patch goes through the trunk alone (cut where it lies,
+    ``BATCH`` at a time, as ``host_patch_features``) and its (patch / s)^2 cells are put where they lie in the slide's
+    map. The mask holds the cells that a whole patch covered and that ``tissue`` (``ReadResult.map_mask``: the mask
+    end-to-end training pools under) keeps."""
+    stride = int(model.stride)
+    if patch % stride:
+        raise ValueError(f"patch {patch} px is not a multiple of the model's stride ({stride} px)")
+    k = patch // stride
+    h, w = image.shape[2] // stride, image.shape[3] // stride
+    rows, cols = image.shape[2] // patch, image.shape[3] // patch
+    if rows == 0 or cols == 0:
+        raise ValueError(f"image {tuple(image.shape[2:])} is smaller than one {patch} px patch")
+    trunk = nn.Sequential(model.normalize, model.features).eval()
+    out: torch.Tensor | None = None
+    for r in range(rows):
+        strip = image[:, :, r * patch : (r + 1) * patch, :]  # (1, 3, patch, W): one row of patches
+        patches, _ = patch_grid(strip, patch)  # (cols, 3, patch, patch)
+        for i in range(0, len(patches), BATCH):
+            x = patches[i : i + BATCH].to(device)
+            x = x.float() / 255 if x.dtype == torch.uint8 else x  # a float slide keeps its dtype (float64 tests)
+            y = trunk(x).cpu()  # (b, C, k, k)
+            if tuple(y.shape[2:]) != (k, k):
+                raise ValueError(f"a {patch} px patch gives a {tuple(y.shape[2:])} map, not {k} x {k} cells")
+            if out is None:
+                out = torch.zeros(1, y.shape[1], h, w, dtype=y.dtype)
+            for j in range(len(y)):
+                c = i + j
+                out[0, :, r * k : (r + 1) * k, c * k : (c + 1) * k] = y[j]
+    assert out is not None
+    mask = torch.zeros(1, 1, h, w, dtype=torch.bool)
+    mask[..., : rows * k, : cols * k] = True
+    keep = tissue(h, w) if callable(tissue) else tissue
+    if keep is not None:
+        mask &= keep.to(torch.bool).cpu()
+    return out, mask
 
 
 @dataclass
@@ -172,38 +231,64 @@ def head_modules(model: nn.Sequential) -> list[nn.Module]:
     return [m for n, m in list(model.named_children())[names.index(TRUNK) + 1 :]]
 
 
-def bag_logits(head: list[nn.Module], bag: torch.Tensor) -> torch.Tensor:
-    """(N, C) patch vectors of one slide -> (1, outputs) through the head, the bag laid out as a (1, C, N, 1) map."""
-    x = bag.t()[None, :, :, None]
-    for m in head:
-        x = m(x)
+@dataclass(frozen=True)
+class Bag:
+    """One training slide's warm-up input on the host: (N, C) patch vectors (``layout: patches``), or a (1, C, h, w)
+    map of cells with the (1, 1, h, w) mask the head pools under (``layout: map``)."""
+
+    x: torch.Tensor
+    mask: torch.Tensor | None = None
+
+
+def bag_logits(head: list[nn.Module], bag: torch.Tensor | Bag) -> torch.Tensor:
+    """One slide's bag -> (1, outputs) through the head: (N, C) patch vectors laid out as a (1, C, N, 1) map, or a
+    ``Bag``'s map pooled under its mask (where the head's pool is maskable, as end to end)."""
+    if isinstance(bag, torch.Tensor):
+        bag = Bag(bag)
+    x = bag.x.t()[None, :, :, None] if bag.x.dim() == 2 else bag.x
+    pool = masked_pool(nn.ModuleList(head)) if bag.mask is not None else None
+    with pool.masked(bag.mask.to(x.device)) if pool is not None and bag.mask is not None else contextlib.nullcontext():
+        for m in head:
+            x = m(x)
     return x
 
 
-def _mean_loss(head: list[nn.Module], bags: list[torch.Tensor], labels: list[int], device: torch.device) -> float:
+def _on(bag: Bag, device: torch.device) -> Bag:
+    return Bag(bag.x.to(device), None if bag.mask is None else bag.mask.to(device))
+
+
+def _mean_loss(head: list[nn.Module], bags: list[Bag], labels: list[int], device: torch.device) -> float:
     """The head's mean cross-entropy over ``bags`` in eval mode (no autograd), one bag on the device at a time."""
     was = [m.training for m in head]
     for m in head:
         m.eval()
     with torch.no_grad():
-        losses = [float(F.cross_entropy(bag_logits(head, b.to(device)).float(), torch.tensor([y], device=device)))
+        losses = [float(F.cross_entropy(bag_logits(head, _on(b, device)).float(), torch.tensor([y], device=device)))
                   for b, y in zip(bags, labels, strict=True)]  # fmt: skip
     for m, w in zip(head, was, strict=True):
         m.train(w)
     return float(np.mean(losses))
 
 
-def warm_up_head(model: nn.Sequential, images: Iterable[torch.Tensor], labels: list[int], *, steps: int, patch: int,
-                 lr: float, seed: int, hold_out: float = 0.0, patience: int = 200) -> WarmupResult:  # fmt: skip
-    """Train ``model``'s head for up to ``steps`` AdamW steps at ``lr`` on patch bags of ``images`` ((1, 3, H, W)
-    uint8 or float in [0, 1], one per label); the trunk's parameters are not changed. With ``hold_out``, that share of
-    each class's slides only scores it: the head kept is the one with their lowest mean loss, and training stops
-    after ``patience`` passes without a new lowest."""
+def warm_up_head(model: nn.Sequential, images: Iterable[torch.Tensor | tuple[torch.Tensor, MaskSource | None]],
+                 labels: list[int], *, steps: int, patch: int, lr: float, seed: int, hold_out: float = 0.0,
+                 patience: int = 200, layout: str = PATCHES) -> WarmupResult:  # fmt: skip
+    """Train ``model``'s head for up to ``steps`` AdamW steps at ``lr`` on bags of ``images`` ((1, 3, H, W) uint8 or
+    float in [0, 1], one per label, each alone or with the tissue mask end-to-end training pools it under): a vector
+    per patch, or with ``layout: map`` the slide's map cell by cell (``host_cell_map``). The trunk's parameters are
+    not changed. With ``hold_out``, that share of each class's slides only scores it: the head kept is the one with
+    their lowest mean loss, and training stops after ``patience`` passes without a new lowest."""
     t0 = time.perf_counter()
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    bags = [host_patch_features(model, image, patch, device) for image in images]  # (N, C) each, on the host
+    bags: list[Bag] = []  # on the host
+    for item in images:
+        image, tissue = item if isinstance(item, tuple) else (item, None)
+        if layout == MAP:
+            bags.append(Bag(*host_cell_map(model, image, patch, device, tissue)))  # (1, C, h, w), (1, 1, h, w)
+        else:
+            bags.append(Bag(host_patch_features(model, image, patch, device)))  # (N, C)
     fit, held = split_held_out(labels, hold_out, seed) if hold_out > 0 else (list(range(len(bags))), [])
     head = head_modules(model)
     before = [{k: v.clone() for k, v in m.state_dict().items()} for m in head]
@@ -220,7 +305,7 @@ def warm_up_head(model: nn.Sequential, images: Iterable[torch.Tensor], labels: l
         for i in rng.permutation(fit).tolist():
             if result.steps == steps:
                 break
-            bag = bags[i].to(device)  # (N, C): one bag on the device at a time
+            bag = _on(bags[i], device)  # one bag on the device at a time
             loss = F.cross_entropy(bag_logits(head, bag).float(), torch.tensor([labels[i]], device=device))
             opt.zero_grad(set_to_none=True)
             loss.backward()

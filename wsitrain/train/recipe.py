@@ -53,7 +53,14 @@ from wsitrain.train.engine import (
     slide_spill,
     wrap_engine,
 )
-from wsitrain.train.head_warmup import bags_over_budget, head_modules, split_held_out, trunk_channels, warm_up_head
+from wsitrain.train.head_warmup import (
+    MAP,
+    bags_over_budget,
+    head_modules,
+    split_held_out,
+    trunk_channels,
+    warm_up_head,
+)
 from wsitrain.train.instance_loss import InstanceLoss, instance_loss_spec
 from wsitrain.train.loop import Trainer, as_batch
 from wsitrain.train.metrics import classification_metrics
@@ -91,6 +98,10 @@ def _check_head_warmup(cfg: WsiTrainConfig, objective: Objective | None, stride:
     if w.patch < stride:
         raise WsiTrainError(f"train.head_warmup.patch is {w.patch} px, smaller than the model's stride ({stride} px)",
                             hint=f"set train.head_warmup.patch to {stride} or more (a multiple of it)")  # fmt: skip
+    if w.layout == MAP and w.patch % stride:
+        raise WsiTrainError(f"train.head_warmup.layout: map puts each patch's cells in the slide's map, but patch "
+                            f"{w.patch} px is not a multiple of the model's stride ({stride} px)",
+                            hint=f"set train.head_warmup.patch to {-(-w.patch // stride) * stride}")  # fmt: skip
 
 
 def _check_warmup_hold_out(cfg: WsiTrainConfig, labels: list[int]) -> None:
@@ -110,7 +121,7 @@ def _check_warmup_bags(cfg: WsiTrainConfig, shapes: list[tuple[int, int]], chann
     w = cfg.train.head_warmup
     assert w is not None
     host = host_memory_per_rank(cfg.engine)
-    over = bags_over_budget(shapes, w.patch, channels, stride, host) if shapes else None
+    over = bags_over_budget(shapes, w.patch, channels, stride, host, w.layout) if shapes else None
     if over is None:
         return
     need, fits = over
@@ -118,7 +129,8 @@ def _check_warmup_bags(cfg: WsiTrainConfig, shapes: list[tuple[int, int]], chann
         f"train.head_warmup: the patch bags of {len(shapes)} training slide{'s' * (len(shapes) != 1)} need "
         f"{format_bytes(need)} of host memory "
         f"({channels} channels per {w.patch} px patch, float32), over the {format_bytes(host)} of engine.host_memory",
-        hint=(f"set train.head_warmup.patch to {fits} or more" if fits else "remove train.head_warmup")
+        hint=(f"set train.head_warmup.patch to {fits} or more" if fits
+              else "set train.head_warmup.layout: patches" if w.layout == MAP else "remove train.head_warmup")
         + " (or raise engine.host_memory, if the node has the RAM)",
     )
 
@@ -437,11 +449,13 @@ class FitRecipe:
         if self.dist.is_main:
             rk = read_kwargs(self.cfg, self.model.stride)
             ds = SlideDataset(self.data.train, rk, None, self.cfg.seed, spill=self.slide_spill)
-            images = (as_batch(ds[i][0]) for i in range(len(ds)))
+            # each slide read once, with the tissue mask end to end pools its map under (layout: map reads it)
+            images = ((as_batch(image), read.map_mask if read is not None and read.mask is not None else None)
+                      for image, _, _, read in (ds[i] for i in range(len(ds))))  # fmt: skip
             try:
                 res = warm_up_head(self.model, images, [int(r.label) for r in self.data.train], steps=w.steps,
                                    patch=w.patch, lr=w.lr or t.lr, seed=self.cfg.seed, hold_out=w.hold_out,
-                                   patience=w.patience)  # fmt: skip
+                                   patience=w.patience, layout=w.layout)  # fmt: skip
             except ValueError as e:  # a read smaller than one patch (frozen_mil.patch_grid)
                 hint = "set train.head_warmup.patch below the smallest read's edge"
                 raise WsiTrainError(f"train.head_warmup: {e}", hint=hint) from e
