@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -104,60 +104,52 @@ def trunk_channels(model: nn.Sequential, patch: int) -> int:
 
 
 @torch.no_grad()
-def host_patch_features(model: nn.Sequential, image: torch.Tensor, patch: int, device: torch.device) -> torch.Tensor:
-    """(1, 3, H, W) uint8 or float in [0, 1], anywhere -> (N, C) float32 on the host, in ``patch_grid``'s row-major
-    order: each row of patches is cut from ``image`` where it lies and goes to ``device`` ``BATCH`` patches at a time
-    (as float in [0, 1]), so neither the slide nor its float copy is ever made on the device."""
-    trunk = nn.Sequential(model.normalize, model.features).eval()
-    rows = image.shape[2] // patch
-    if rows == 0 or image.shape[3] // patch == 0:
+def _trunk_maps(model: nn.Sequential, image: torch.Tensor, patch: int,
+                device: torch.device) -> Iterator[tuple[int, int, torch.Tensor]]:  # fmt: skip
+    """(patch row, its first patch column, (b, C, h, w) trunk maps on the host) for every whole ``patch`` px patch of
+    ``image`` ((1, 3, H, W) uint8 or float in [0, 1], anywhere), row-major: each row of patches is cut from ``image``
+    where it lies and goes to ``device`` ``BATCH`` patches at a time (uint8 as float in [0, 1]; a float slide keeps
+    its dtype), so neither the slide nor its float copy is ever made on the device."""
+    if image.shape[2] // patch == 0 or image.shape[3] // patch == 0:
         raise ValueError(f"image {tuple(image.shape[2:])} is smaller than one {patch} px patch")
-    out = []
-    for r in range(rows):
+    trunk = nn.Sequential(model.normalize, model.features).eval()
+    for r in range(image.shape[2] // patch):
         strip = image[:, :, r * patch : (r + 1) * patch, :]  # (1, 3, patch, W): one row of patches
         patches, _ = patch_grid(strip, patch)  # (cols, 3, patch, patch), a copy of the strip only
         for i in range(0, len(patches), BATCH):
             x = patches[i : i + BATCH].to(device)
-            x = x.float() / 255 if x.dtype == torch.uint8 else x.float()
-            out.append(trunk(x).mean(dim=(2, 3)).float().cpu())  # (b, C)
-    return torch.cat(out)
+            yield r, i, trunk(x.float() / 255 if x.dtype == torch.uint8 else x).cpu()
 
 
-@torch.no_grad()
+def host_patch_features(model: nn.Sequential, image: torch.Tensor, patch: int, device: torch.device) -> torch.Tensor:
+    """(1, 3, H, W) uint8 or float in [0, 1], anywhere -> (N, C) float32 on the host, in ``patch_grid``'s row-major
+    order: each whole patch's trunk map averaged (``_trunk_maps``)."""
+    return torch.cat([y.mean(dim=(2, 3)).float() for _, _, y in _trunk_maps(model, image, patch, device)])
+
+
 def host_cell_map(model: nn.Sequential, image: torch.Tensor, patch: int, device: torch.device,
                   tissue: MaskSource | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(1, 3, H, W) uint8 or float in [0, 1], anywhere -> ((1, C, H / s, W / s) float, (1, 1, H / s, W / s) bool)
-    on the host, s the model's stride: every whole ``patch`` px patch goes through the trunk alone (cut where it lies,
-    ``BATCH`` at a time, as ``host_patch_features``) and its (patch / s)^2 cells are put where they lie in the slide's
-    map. The mask holds the cells that a whole patch covered and that ``tissue`` (``ReadResult.map_mask``: the mask
-    end-to-end training pools under) keeps."""
+    on the host, s the model's stride: every whole ``patch`` px patch goes through the trunk alone (``_trunk_maps``)
+    and its (patch / s)^2 cells are put where they lie in the slide's map. The mask holds the cells that a whole patch
+    covered and that ``tissue`` (``ReadResult.map_mask``: the mask end-to-end training pools under) keeps."""
     stride = int(model.stride)
     if patch % stride:
         raise ValueError(f"patch {patch} px is not a multiple of the model's stride ({stride} px)")
     k = patch // stride
     h, w = image.shape[2] // stride, image.shape[3] // stride
-    rows, cols = image.shape[2] // patch, image.shape[3] // patch
-    if rows == 0 or cols == 0:
-        raise ValueError(f"image {tuple(image.shape[2:])} is smaller than one {patch} px patch")
-    trunk = nn.Sequential(model.normalize, model.features).eval()
     out: torch.Tensor | None = None
-    for r in range(rows):
-        strip = image[:, :, r * patch : (r + 1) * patch, :]  # (1, 3, patch, W): one row of patches
-        patches, _ = patch_grid(strip, patch)  # (cols, 3, patch, patch)
-        for i in range(0, len(patches), BATCH):
-            x = patches[i : i + BATCH].to(device)
-            x = x.float() / 255 if x.dtype == torch.uint8 else x  # a float slide keeps its dtype (float64 tests)
-            y = trunk(x).cpu()  # (b, C, k, k)
-            if tuple(y.shape[2:]) != (k, k):
-                raise ValueError(f"a {patch} px patch gives a {tuple(y.shape[2:])} map, not {k} x {k} cells")
-            if out is None:
-                out = torch.zeros(1, y.shape[1], h, w, dtype=y.dtype)
-            for j in range(len(y)):
-                c = i + j
-                out[0, :, r * k : (r + 1) * k, c * k : (c + 1) * k] = y[j]
+    for r, c0, y in _trunk_maps(model, image, patch, device):  # y: (b, C, k, k)
+        if tuple(y.shape[2:]) != (k, k):
+            raise ValueError(f"a {patch} px patch gives a {tuple(y.shape[2:])} map, not {k} x {k} cells")
+        if out is None:
+            out = torch.zeros(1, y.shape[1], h, w, dtype=y.dtype)
+        for j, cells in enumerate(y):
+            c = c0 + j
+            out[0, :, r * k : (r + 1) * k, c * k : (c + 1) * k] = cells
     assert out is not None
     mask = torch.zeros(1, 1, h, w, dtype=torch.bool)
-    mask[..., : rows * k, : cols * k] = True
+    mask[..., : (image.shape[2] // patch) * k, : (image.shape[3] // patch) * k] = True
     keep = tissue(h, w) if callable(tissue) else tissue
     if keep is not None:
         mask &= keep.to(torch.bool).cpu()
