@@ -96,6 +96,9 @@ def test_config_short_form_and_checks() -> None:
     assert TrainConfig(head_warmup=10).head_warmup.hold_out == 0  # type: ignore[union-attr]
     with pytest.raises(ValueError, match="less than 1"):
         TrainConfig(head_warmup={"steps": 10, "hold_out": 1})
+    assert TrainConfig(head_warmup={"steps": 10, "layout": "map"}).head_warmup.layout == "map"  # type: ignore
+    with pytest.raises(ValueError, match="unknown train.head_warmup.layout 'cells': choose one of patches, map"):
+        TrainConfig(head_warmup={"steps": 10, "layout": "cells"})
 
 
 def test_held_out_split_is_per_class_seeded_and_refuses_an_empty_side() -> None:

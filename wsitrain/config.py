@@ -57,6 +57,7 @@ from wsitrain.precision import Precision
 from wsitrain.slides.tissue.result import DEFAULT_MIN_FRAGMENT_MM2, TissueSettings
 from wsitrain.spill_dir import folder_problem
 from wsitrain.tasks.kinds import RegressionLoss, TaskKind
+from wsitrain.train.head_warmup import LAYOUTS, PATCHES
 from wsitrain.units import format_bytes, parse_bytes
 
 # ``~`` is expanded; relative paths stay relative (to the working directory, see module docstring).
@@ -427,17 +428,19 @@ class HeadWarmupConfig(Section):
     (wsitrain.train.head_warmup). ``head_warmup: 2000`` is short for ``{steps: 2000}``."""
 
     steps: int = Field(2000, ge=1, strict=True)  # head-only AdamW steps, one training slide's bag each
-    patch: int = Field(64, ge=8, strict=True)  # patch edge in px at the read's resolution: one vector per patch
+    patch: int = Field(64, ge=8, strict=True)  # patch edge in px at the read's resolution
     lr: float | None = Field(None, gt=0)  # none: train.lr
     # Share of each class's training slides whose bags only score the warm-up: the head kept is the one with their
-    # lowest loss, so a long warm-up cannot overfit the rest (docs/plateau.md section 17). 0: every bag trains it,
-    # for all its steps.
+    # lowest loss, and it is kept only if that beats a constant output (docs/plateau.md section 17). 0: every bag
+    # trains it, for all its steps, and the keep rule reads its training loss.
     hold_out: float = Field(0.0, ge=0, lt=1)
     patience: int = Field(200, ge=1, strict=True)  # with hold_out: passes over the bags without a new lowest, then stop
     # patches: one vector per patch (its cells averaged), every patch; map: each patch's cells where they lie in the
     # slide's map, pooled under the tissue mask as end to end (docs/plateau.md section 17). patch must then be a
     # multiple of the model's stride.
-    layout: Literal["patches", "map"] = "patches"
+    layout: str = PATCHES  # one of wsitrain.train.head_warmup.LAYOUTS
+
+    _known_layout = field_validator("layout")(lambda value: one_of(value, LAYOUTS, "train.head_warmup.layout"))
 
     @model_validator(mode="before")
     @classmethod

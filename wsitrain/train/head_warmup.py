@@ -62,6 +62,7 @@ from wsitrain.train.frozen_mil import patch_grid
 MIN_GAIN = 0.01
 BATCH = 64  # patches per trunk forward on the device (frozen_mil's batch)
 PATCHES, MAP = "patches", "map"  # train.head_warmup.layout: a vector per patch, or the slide's map cell by cell
+LAYOUTS = (PATCHES, MAP)
 
 
 def bag_bytes(shape: tuple[int, int], patch: int, channels: int, cell: int | None = None) -> int:
