@@ -188,14 +188,11 @@ class WarmupResult:
 
 
 def prior_loss(labels: list[int], scored: list[int] | None = None) -> float:
-    """Cross-entropy on ``scored`` (default: ``labels`` themselves) of the constant output at ``labels``' class
-    frequencies; on ``labels`` themselves, the best constant output's, their entropy."""
-    p = np.bincount(labels) / len(labels)
-    if scored is None:
-        return float(-(p[p > 0] * np.log(p[p > 0])).sum())
+    """Cross-entropy on ``scored`` (default: ``labels`` themselves, where it is their entropy: the best constant
+    output's loss) of the constant output at ``labels``' class frequencies."""
+    scored = labels if scored is None else scored
     p = np.bincount(labels, minlength=max(scored) + 1) / len(labels)
-    with np.errstate(divide="ignore"):
-        return float(-np.log(p[scored]).mean())
+    return float(-np.log(p[scored]).mean())
 
 
 def split_held_out(labels: list[int], share: float, seed: int) -> tuple[list[int], list[int]]:
@@ -233,14 +230,14 @@ class Bag:
     mask: torch.Tensor | None = None
 
 
-def bag_logits(head: list[nn.Module], bag: torch.Tensor | Bag) -> torch.Tensor:
+def bag_logits(head: list[nn.Module], bag: Bag) -> torch.Tensor:
     """One slide's bag -> (1, outputs) through the head: (N, C) patch vectors laid out as a (1, C, N, 1) map, or a
-    ``Bag``'s map pooled under its mask (where the head's pool is maskable, as end to end)."""
-    if isinstance(bag, torch.Tensor):
-        bag = Bag(bag)
+    map pooled under its mask (where the head's pool is maskable, as end to end)."""
     x = bag.x.t()[None, :, :, None] if bag.x.dim() == 2 else bag.x
-    pool = masked_pool(nn.ModuleList(head)) if bag.mask is not None else None
-    with pool.masked(bag.mask.to(x.device)) if pool is not None and bag.mask is not None else contextlib.nullcontext():
+    block: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if bag.mask is not None and (pool := masked_pool(nn.ModuleList(head))) is not None:
+        block = pool.masked(bag.mask.to(x.device))
+    with block:
         for m in head:
             x = m(x)
     return x
