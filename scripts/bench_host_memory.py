@@ -10,7 +10,7 @@ larger budget and the streamed path at the small and at the larger budget, back 
 (``Maximum resident set size``, the whole process tree), the wall time, and from the run's metrics.jsonl every
 step's seconds and the fit's own peak meter. Rows are appended to ``host_memory.jsonl`` as each run ends, and
 ``host_memory.md`` holds the table. Long runs: set OMP_NUM_THREADS=1 (one torch thread), as the numbers in
-docs/host_memory.md were measured.
+docs/benchmarks/host_memory.md were measured.
 """
 
 from __future__ import annotations

@@ -66,15 +66,15 @@ THUMB_MPP = LESION_MPP * BLOCK  # pyramid level 2: 512 px for a 2048 px slide
 # ``attention_per_class`` is CLAM-MB (one attention branch per class); its maps are scored on the positive class's
 # branch, the evidence for a lesion, where one branch for all classes also attends to what argues for "negative".
 # ``attention_mil`` is CLAM-MB with the MIL instance loss on the positive branch's scores at its defaults
-# (model.attention.instance_loss, docs/plateau.md sections 10-11; the map's outer ring left out, border_cells' default
+# (model.attention.instance_loss, docs/research/plateau.md sections 10-11; the map's outer ring left out, border_cells' default
 # with the loss), ``attention_mil_w01`` the same at a fifth of the weight; ``attention_mil_pos1`` pushes only a
 # positive slide's highest cell up, ``attention_mil_top1`` also only a negative slide's highest down;
 # ``attention_mil_stream`` is ``attention_mil`` whose positive branch's 16 highest scores add to the positive logit
 # (model.attention.instance_stream) and whose scores read the trunk's map standardised over the slide (norm: slide);
 # ``attention_mil_w01_stream`` the same at weight 0.1, ``attention_mil_stream_cell`` that with each cell standardised
 # over its channels instead (norm: cell), ``attention_mil_stream_only`` weight 0.1 and the stream without a norm
-# (docs/plateau.md section 12). ``*_map_norm``: the head reads the trunk's map standardised over the slide
-# (model.map_norm: slide, docs/plateau.md section 13).
+# (docs/research/plateau.md section 12). ``*_map_norm``: the head reads the trunk's map standardised over the slide
+# (model.map_norm: slide, docs/research/plateau.md section 13).
 PER_CLASS = ["model.pool=attention", "model.attention.branches=per_class"]
 MIL = [*PER_CLASS, "model.attention.instance_loss=0.5"]
 POS1 = [*MIL, "model.attention.instance_positive_cells=1"]
@@ -140,7 +140,7 @@ def base_config(labels: Path, cohort: Path, runs: Path, args: argparse.Namespace
         },
         "log": {"dir": str(runs), "tiles": "off"},
     }
-    if args.warmup:  # the head's warm-up on the initial trunk's patch features (docs/plateau.md section 6)
+    if args.warmup:  # the head's warm-up on the initial trunk's patch features (docs/research/plateau.md section 6)
         cfg["train"]["head_warmup"] = {"steps": args.warmup, "patch": args.patch}
     return cfg
 

@@ -175,7 +175,7 @@ def bench_case(name: str, size: int, pool: str, x: torch.Tensor, tissue: float, 
     model = make_model(name, pool)
     target = torch.tensor([1])
     # one pass off (execution/one_pass.py): this measures reuse in the forward sweep and in the recompute, the path
-    # docs/bench_throughput.md was measured on; one pass reuses background tiles within its single sweep
+    # docs/benchmarks/bench_throughput.md was measured on; one pass reuses background tiles within its single sweep
     # (tests/test_sft_one_pass.py)
     nets = {False: SFT(model, memory_budget=BUDGET, reuse_tiles=False, one_pass=False, **tiling),
             True: SFT(model, memory_budget=BUDGET, reuse_tiles=True, one_pass=False, **tiling)}  # fmt: skip

@@ -4,7 +4,7 @@ For a finished run trained with ``model.freeze_bn: false`` (BatchNorm on each sl
 run's last checkpoint predicts every validation slide twice on the same read (level 0, whole, plain PyTorch):
 - with the running averages (``model.bn_stats: running``, PyTorch's eval mode);
 - with each slide's own statistics (``model.bn_stats: slide``).
-It prints ROC AUC and accuracy of the positive class for both. The learning benchmark's figures in docs/plateau.md
+It prints ROC AUC and accuracy of the positive class for both. The learning benchmark's figures in docs/research/plateau.md
 section 14 were measured with it:
 
     python scripts/bn_stats_probe.py RUN_DIR [RUN_DIR ...]

@@ -2,7 +2,7 @@
 
 PYTHONPATH=. python scripts/fit_clock.py           # ~3 min on one core: records four steps, fits, prints the table
 PYTHONPATH=. python scripts/fit_clock.py --host-op-us 8 27 80   # also: how the fit moves with the host's cost
-PYTHONPATH=. python scripts/fit_clock.py --kit docs/gpu_session.jsonl   # a GPU kit's cases, replayed and refitted
+PYTHONPATH=. python scripts/fit_clock.py --kit docs/benchmarks/gpu_session.jsonl   # a GPU kit's cases, replayed and refitted
 
 With ``--kit``, the measured figures are the GPU kit's (scripts/gpu_session.py, whichever card ran it): every case
 it measured is replayed on the clock of the card's speed preset, with the plan's own budget, time model and target,
@@ -246,7 +246,7 @@ def kit_table(path: Path) -> str:
     plain, capped = _fit_rows(replays)
     assert plain.clock is not None
     refit = dataclasses.replace(speed, conv_efficiency=fit(plain.clock, plain.measured, speed))
-    # the capped step's excess is its tiles' unaligned 1x1 layers (docs/traces); a model without them keeps the factor
+    # the capped step's excess is its tiles' unaligned 1x1 layers (docs/benchmarks/traces); a model without them keeps the factor
     unaligned = capped is not None and capped.clock is not None and _has_unaligned(capped.clock)
     if unaligned:
         assert capped is not None and capped.clock is not None

@@ -24,7 +24,7 @@ Figures are *measured* on the device that ran them. Each row also records what a
 (the case's shapes, the plan's budget and time model, the plan it ran); the clock runs afterwards, on any machine,
 so it costs no GPU time:
 
-    PYTHONPATH=. python scripts/fit_clock.py --kit docs/gpu_session.jsonl   # measured against simulated, per case
+    PYTHONPATH=. python scripts/fit_clock.py --kit docs/benchmarks/gpu_session.jsonl   # measured against simulated, per case
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def cases(models: list[str], budget: str, patches: int, patch: int = 224) -> lis
             out.append(Case(m, f"SFT, capped at {budget}, cudnn.benchmark on", True, budget=budget, benchmark=True))
             # the plan the default constants choose: for ResNet-50 at 8192 px on an H200, one tiled segment in one
             # pass (+14.7% extra compute against +25.1%, planned), which the clock's tile penalty ranks 3% slower
-            # (simulated): the measurement that settles it (docs/simulated-clock.md)
+            # (simulated): the measurement that settles it (docs/research/simulated-clock.md)
             out.append(Case(m, f"SFT, capped at {budget}, default constants' plan", True, budget=budget,
                             time_model="default"))  # fmt: skip
             # the model and its tiles channels_last: a 1x1 layer is then a matrix product over rows of channels, which

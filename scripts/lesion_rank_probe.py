@@ -12,7 +12,7 @@ the lesions', the look-alikes' (on positive and on negative slides) and the plai
 - the scores' spread: their standard deviation over the tissue (near 0: flat scores, a uniform attention).
 
 ``--init`` scores the model ``wsitrain fit`` built for the run's seed before its first step (the run's config and
-seed, no checkpoint); without it, the run's last checkpoint. docs/plateau.md section 15 was measured with it:
+seed, no checkpoint); without it, the run's last checkpoint. docs/research/plateau.md section 15 was measured with it:
 
     python scripts/lesion_rank_probe.py RUN_DIR [RUN_DIR ...] [--init] [--split train|val] [--json OUT]
 

@@ -1,4 +1,4 @@
-"""What makes the near-constant-output plateau: a small, cheap probe (docs/plateau.md).
+"""What makes the near-constant-output plateau: a small, cheap probe (docs/research/plateau.md).
 
     python scripts/plateau_probe.py --out /tmp/probe.jsonl --variants torch_init,he_init --pools max,attention
 
@@ -39,7 +39,7 @@ from wsitrain.slides.synth.lesions import LESION_MODES, read_sidecar
 from wsitrain.slides.tissue.detect import tissue_mask
 
 # The plateau ends at the first epoch whose mean training loss is <= 0.6 (chance is ln 2 = 0.693; on the plateau it
-# stays 0.68-0.72, measured, docs/plateau.md). Not the spread of p: a large init starts with a spread it has not learnt.
+# stays 0.68-0.72, measured, docs/research/plateau.md). Not the spread of p: a large init starts with a spread it has not learnt.
 PLATEAU_LOSS = 0.6
 VARIANTS = (
     "torch_init",
@@ -129,10 +129,10 @@ SCORE_SHARPNESS = 4.0
 # (mb_score_mil_negk, seed 1: every score driven to about -3.3, lesions and look-alikes alike, and no way back)
 # he_max_refit_evidence: at SWITCH_EPOCH the classifier is first fitted as the max-instance head on the frozen trunk's
 # training maps (head-only AdamW steps, one slide each), so the hand-over starts from a head that fits the cells
-# (max_then_evidence fell back at the switch: train loss 0.36-0.62 -> 0.75-0.89, H200, docs/plateau.md section 9)
+# (max_then_evidence fell back at the switch: train loss 0.36-0.62 -> 0.75-0.89, H200, docs/research/plateau.md section 9)
 REFIT_STEPS = 500
 # the evidence heads' softmax temperature: 0 is a hard maximum (max-instance MIL), < 0 standardises the scores over
-# the map and sharpens them by its absolute value (docs/plateau.md section 9)
+# the map and sharpens them by its absolute value (docs/research/plateau.md section 9)
 EVIDENCE_TEMPERATURE = {
     "evidence_attention": 1.0,
     "he_evidence_attention": 1.0,
@@ -143,7 +143,7 @@ EVIDENCE_TEMPERATURE = {
     "evidence_standardised": -4.0,
 }
 # head_warmup: head-only AdamW steps on the frozen initial trunk's maps before end-to-end training (the frozen-feature
-# baseline's head made 5,816 in its budget, docs/plateau.md section 5)
+# baseline's head made 5,816 in its budget, docs/research/plateau.md section 5)
 WARMUP_STEPS = 2000
 
 

@@ -1,4 +1,4 @@
-"""Why a head warm-up that did not learn flattens the run (docs/plateau.md section 6): one seed, whole slides.
+"""Why a head warm-up that did not learn flattens the run (docs/research/plateau.md section 6): one seed, whole slides.
 
     PYTHONPATH=$PWD python scripts/plateau_warmup_diag.py --cohort C --seed 1
 

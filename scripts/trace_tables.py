@@ -1,8 +1,8 @@
 """Read the GPU kit's Chrome traces (``gpu_session.py --trace``) offline: where the device's time went.
 
-    python scripts/trace_tables.py docs/traces/h200_resnet50_capped.json.gz                  # by launching operator
-    python scripts/trace_tables.py docs/traces/h200_resnet50_capped.json.gz \\
-        --against docs/traces/h200_resnet50_plain.json.gz                                   # convolutions, side by side
+    python scripts/trace_tables.py docs/benchmarks/traces/h200_resnet50_capped.json.gz                  # by launching operator
+    python scripts/trace_tables.py docs/benchmarks/traces/h200_resnet50_capped.json.gz \\
+        --against docs/benchmarks/traces/h200_resnet50_plain.json.gz                                   # convolutions, side by side
 
 The first table charges every kernel (and device copy or fill) to the operator that launched it, named with the
 operators and profiler ranges around it (``aten::copy_ < _CropBackward < ... < sft.tile_backward``). The second

@@ -35,7 +35,7 @@ def test_the_note_is_given_below_the_measured_threshold_only(spread: float, n: i
     assert (note is not None) == warned
     if warned:
         assert note.startswith("epoch 3/12: the model gives the 24 validation slides about the same output")
-        assert "0.0030" in note and "docs/plateau.md" in note
+        assert "0.0030" in note and "docs/research/plateau.md" in note
     assert flat_outputs_note({"loss": 0.1, "c_index": 0.7, "n": 24}, 1, 1) is None  # a task's metrics: no spread
 
 

@@ -128,7 +128,7 @@ def test_whole_slide_models_fit_when_simulated(name: str, size: int, budget: str
 
     At these sizes the fixed parts weigh more and the replay is conservative (EfficientNet-B0 -5%, ConvNeXt-T -15%
     measured: the head's backward replays buffers the real step frees earlier); at whole-slide sizes both are
-    within 2% (docs/bench_simulated.md). Never more than 3% above the replay, here or there.
+    within 2% (docs/benchmarks/bench_simulated.md). Never more than 3% above the replay, here or there.
     """
     from wsitrain.gpus import gpu_preset
 

@@ -1,4 +1,5 @@
-"""scripts/trace_tables.py on the H200 trace the project keeps (docs/traces): what it reads from a real profile."""
+"""scripts/trace_tables.py on the H200 trace the project keeps (docs/benchmarks/traces): what it reads from a real
+profile."""
 
 from __future__ import annotations
 

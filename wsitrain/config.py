@@ -237,7 +237,7 @@ class AttentionConfig(Section):
     hidden: int | None = Field(None, ge=1)  # width of the attention layers V (and U); none: min(256, the width)
     branches: Literal["single", "per_class"] = "single"  # per_class: one attention branch per class (CLAM-MB)
     # the MIL instance loss on the positive class's attention scores (wsitrain.train.instance_loss), its weight beside
-    # the slide's loss; 0: off (0.1 and 0.5 measured, docs/plateau.md sections 10-11)
+    # the slide's loss; 0: off (0.1 and 0.5 measured, docs/research/plateau.md sections 10-11)
     instance_loss: float = Field(0.0, ge=0)
     # a negative slide's this many highest-scoring cells are pushed below 0
     instance_cells: int = Field(DEFAULT_INSTANCE_CELLS, ge=1, strict=True)
@@ -431,13 +431,13 @@ class HeadWarmupConfig(Section):
     patch: int = Field(64, ge=8, strict=True)  # patch edge in px at the read's resolution
     lr: float | None = Field(None, gt=0)  # none: train.lr
     # Share of each class's training slides whose bags only score the warm-up: the head kept is the one with their
-    # lowest loss, and it is kept only if that beats a constant output (docs/plateau.md section 17). 0: every bag
-    # trains it, for all its steps, and the keep rule reads its training loss.
+    # lowest loss, and it is kept only if that beats a constant output (docs/research/plateau.md section 17). 0: every
+    # bag trains it, for all its steps, and the keep rule reads its training loss.
     hold_out: float = Field(0.0, ge=0, lt=1)
     patience: int = Field(200, ge=1, strict=True)  # with hold_out: passes over the bags without a new lowest, then stop
     # patches: one vector per patch (its cells averaged), every patch; map: each patch's cells where they lie in the
-    # slide's map, pooled under the tissue mask as end to end (docs/plateau.md section 17). patch must then be a
-    # multiple of the model's stride.
+    # slide's map, pooled under the tissue mask as end to end (docs/research/plateau.md section 17). patch must then be
+    # a multiple of the model's stride.
     layout: str = PATCHES  # one of wsitrain.train.head_warmup.LAYOUTS
 
     _known_layout = field_validator("layout")(lambda value: one_of(value, LAYOUTS, "train.head_warmup.layout"))
@@ -469,7 +469,7 @@ class TrainConfig(Section):
     # "sampling" draws each epoch's slides with those weights (with replacement, as many as there are); none: as is.
     class_balance: Literal["none", "weights", "sampling"] = "none"
     # Before the first epoch of a new run, the head alone learns on the initial trunk's patch features (the attention
-    # head then no longer starts uniform: docs/plateau.md section 6). None: end to end from the first step.
+    # head then no longer starts uniform: docs/research/plateau.md section 6). None: end to end from the first step.
     head_warmup: HeadWarmupConfig | None = None
     val_every: int = Field(1, ge=1)
     # Also write last.pt every N optimizer steps (not only at each epoch's end), so a killed run loses little.

@@ -14,15 +14,15 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 # --- efficiency factors, shared by every preset (none is per card) -------------------------------------------------
-# Share of the tensor-core rate cuDNN reaches on wide convolutions in eager PyTorch (NCHW, bf16), narrower ones
-# reaching less (CONV_CHANNELS_HALF): FITTED to the plain ResNet-50 step at 8192 px measured on an H200 (0.414 s,
-# 2026-11-27; docs/simulated-clock.md), with BatchNorm priced at its own measured rate (NORM_EFFICIENCY). Before the
+# Share of the tensor-core rate cuDNN reaches on wide convolutions in eager PyTorch (NCHW, bf16), narrower ones reaching
+# less (CONV_CHANNELS_HALF): FITTED to the plain ResNet-50 step at 8192 px measured on an H200 (0.414 s, 2026-11-27;
+# docs/research/simulated-clock.md), with BatchNorm priced at its own measured rate (NORM_EFFICIENCY). Before the
 # channel curve one factor for every layer fitted there at 0.2413 (the profile: 130 ms for 33 TFLOP, 0.25 of the data
 # sheet), which priced VGG-16's and DarkNet-19's wide layers 2-3x too slowly.
 CONV_EFFICIENCY = 0.7017
 # Share of the tensor-core rate aligned half-precision matrix products reach (a tile's 1x1 layers on aligned maps, the
 # heads): MEASURED on an H200, forward and backward of two aligned 1x1 layers as products, 363 and 583 TFLOP/s
-# (``scripts/bench_pointwise.py``, docs/pointwise_matmul.md).
+# (``scripts/bench_pointwise.py``, docs/benchmarks/pointwise_matmul.md).
 MATMUL_EFFICIENCY = 0.48
 # The planner's time model ranks plans with the constants of the clock before BatchNorm and unaligned 1x1 layers had
 # rates of their own (conv 0.1039, TILE_CONV_EFFICIENCY below): its shapes-only costs price every byte alike and
@@ -35,7 +35,7 @@ PLAN_CONV_EFFICIENCY = 0.1039
 # ASSUMED, not fitted: 0.8 is what STREAM-like copies reach on HBM cards (public reports for A100/H100: 80-90%).
 MEMORY_EFFICIENCY = 0.8
 # Share of the bandwidth BatchNorm's own kernels reach, forward and backward: FITTED to the kernels of the plain
-# 8192 px ResNet-50 step profiled on an H200 (bf16, NCHW, one image; docs/traces, ``scripts/trace_tables.py
+# 8192 px ResNet-50 step profiled on an H200 (bf16, NCHW, one image; docs/benchmarks/traces, ``scripts/trace_tables.py
 # --bandwidth 4800``): 834 and 626 GB/s of the bytes the clock counts, where ReLU's kernels reach 0.90 of the
 # bandwidth. The capped SFT step's tiles gave 0.207 and 0.141 (a check, not fitted). Half of that plain step's
 # device time is BatchNorm (214 of 415 ms), so pricing it at MEMORY_EFFICIENCY had put its time into
@@ -51,41 +51,41 @@ KERNEL_FLOOR_US = 3.0
 HOST_OP_US = 8.0
 VIEW_HOST_US = 2.0
 # Work the executor does per tile visit in Python beyond the operators (interval lookups, region bookkeeping,
-# stager calls), microseconds: FITTED to the capped SFT step (H200, 0.766 s; docs/simulated-clock.md).
+# stager calls), microseconds: FITTED to the capped SFT step (H200, 0.766 s; docs/research/simulated-clock.md).
 TILE_HOST_US = 0.0
 # Convolutions on small or odd tiles run below the rate of large maps (cuDNN's heuristics, partial waves):
 # a convolution whose output has ``p`` pixels per channel runs at p / (p + SMALL_MAP_PX) of the large-map
 # rate. FITTED with TILE_HOST_US (see above).
 SMALL_MAP_PX = 0.0
-# The planner's factor for tiled FLOPs (its time model's ``tile_flop_factor`` is 1 / this): the average slowdown
-# of a tile's work against the whole map's, FITTED to the capped SFT step of 2026-11-24 (0.766 s). The clock no
-# longer uses it: the profile (docs/traces) showed the tiles' 3x3 layers at the whole map's rate and named the
-# slowdown, unaligned 1x1 layers (UNALIGNED_CONV_EFFICIENCY), plus the recompute's BatchNorm.
+# The planner's factor for tiled FLOPs (its time model's ``tile_flop_factor`` is 1 / this): the average slowdown of a
+# tile's work against the whole map's, FITTED to the capped SFT step of 2026-11-24 (0.766 s). The clock no longer uses
+# it: the profile (docs/benchmarks/traces) showed the tiles' 3x3 layers at the whole map's rate and named the slowdown,
+# unaligned 1x1 layers (UNALIGNED_CONV_EFFICIENCY), plus the recompute's BatchNorm.
 TILE_CONV_EFFICIENCY = 0.663
-# 1x1 convolutions in half precision on maps whose pixel count is not a multiple of 8 (a tile's halo makes
-# 263 x 263, 129 x 129): cuDNN cannot use Hopper's matrix kernels on them and runs old generic ones
-# (``cutlass_75_tensorop_s1688gemm``) with layout transforms, at this share of the rate the same layers reach on
-# aligned maps. FITTED to the capped SFT step on an H200 (docs/simulated-clock.md; replayed as it ran, its one-pass
+# 1x1 convolutions in half precision on maps whose pixel count is not a multiple of 8 (a tile's halo makes 263 x 263,
+# 129 x 129): cuDNN cannot use Hopper's matrix kernels on them and runs old generic ones
+# (``cutlass_75_tensorop_s1688gemm``) with layout transforms, at this share of the rate the same layers reach on aligned
+# maps. FITTED to the capped SFT step on an H200 (docs/research/simulated-clock.md; replayed as it ran, its one-pass
 # segment recomputing after its pass, which every bf16 step did before 2026-11-27); the profile of that step
-# (docs/traces) shows it directly: the tiles' large 1x1 layers ran at 55-180 TFLOP/s where the whole image's same
-# layers ran at 520-710 (``scripts/trace_tables.py ... --against``).
+# (docs/benchmarks/traces) shows it directly: the tiles' large 1x1 layers ran at 55-180 TFLOP/s where the whole image's
+# same layers ran at 520-710 (``scripts/trace_tables.py ... --against``).
 UNALIGNED_CONV_EFFICIENCY = 0.2938
 # Matrix products in half precision whose operands' rows are not 16 bytes aligned (a tile's 1x1 layers run as
 # products on such maps: wsitrain/sft/ops/pointwise_conv.py), as a share of the tensor rate: MEASURED on an H200
 # (bf16, forward and backward of nine of ResNet-50's tile shapes: 85-124 TFLOP/s, mean 98, in the script's first run;
-# 96-145, mean 108, in the run docs/pointwise_matmul.md keeps; the same layers as convolutions 8-61;
+# 96-145, mean 108, in the run docs/benchmarks/pointwise_matmul.md keeps; the same layers as convolutions 8-61;
 # ``scripts/bench_pointwise.py``). The first run's figure stands: the clock's tables were made with it.
 UNALIGNED_MATMUL_EFFICIENCY = 0.099
 # A convolution's rate grows with its narrower channel count c = min(input channels per group, output channels): it
 # reaches c / (c + CONV_CHANNELS_HALF) of the large-channel rate (CONV_EFFICIENCY). FITTED to the kernel rates of the
-# layer shapes in the H200's traces of 2026-11-27 (docs/traces: ResNet-50, VGG-16, DarkNet-19; bf16, aligned maps
-# below 2^31 elements): c = 3 ran at 9-24 TFLOP/s, 32 at 102-135, 64 at 160-257, 128 at 308-415, 256 at 501-693,
+# layer shapes in the H200's traces of 2026-11-27 (docs/benchmarks/traces: ResNet-50, VGG-16, DarkNet-19; bf16, aligned
+# maps below 2^31 elements): c = 3 ran at 9-24 TFLOP/s, 32 at 102-135, 64 at 160-257, 128 at 308-415, 256 at 501-693,
 # 512 at 513-711; this curve with the refitted CONV_EFFICIENCY gives 14, 125, 210, 340, 470, 570
-# (docs/simulated-clock.md).
+# (docs/research/simulated-clock.md).
 CONV_CHANNELS_HALF = 150.0
 # A convolution whose input or output holds 2^31 elements per sample or more (a whole map; plans keep tiles below:
-# sft/target.py CONV_ELEMENTS_LIMIT) runs on cuDNN's 64-bit-index kernels at this share of its rate: MEASURED on an
-# H200 (docs/traces/h200_vgg16_plain against ..._capped): VGG-16's 64- and 128-channel layers at 0.70-0.82 of the
+# sft/target.py CONV_ELEMENTS_LIMIT) runs on cuDNN's 64-bit-index kernels at this share of its rate: MEASURED on an H200
+# (docs/benchmarks/traces/h200_vgg16_plain against ..._capped): VGG-16's 64- and 128-channel layers at 0.70-0.82 of the
 # same layers on tiles; layers with fewer than THIN_CONV_CHANNELS input channels (the first, on RGB) at
 # LARGE_THIN_CONV_EFFICIENCY (VGG-16: 0.8 TFLOP/s forward and 0.2 backward against 13-14 on tiles; DarkNet-19: 0.7
 # against 13).
@@ -127,7 +127,7 @@ class GpuSpeed:
     large_conv_efficiency: float = LARGE_CONV_EFFICIENCY
     large_thin_conv_efficiency: float = LARGE_THIN_CONV_EFFICIENCY
     host_copy_gb_s: float = HOST_COPY_GB_S
-    source: str = "published rates, shared efficiency factors (docs/simulated-clock.md)"
+    source: str = "published rates, shared efficiency factors (docs/research/simulated-clock.md)"
 
     def conv_rate(self, low_precision: bool) -> float:
         """FLOP/s a large convolution reaches: tensor cores in bf16/fp16, TF32 in float32 where the card has it,

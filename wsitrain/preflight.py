@@ -199,7 +199,7 @@ def random_batchnorm_warnings(cfg: WsiTrainConfig, model: nn.Module) -> list[str
     unset): frozen layers keep their initial statistics and normalise nothing, so nothing holds the trunk's
     activations in range while the weights move. ResNet-18 on the learning benchmark's 1024 px slides (AdamW lr 1e-3)
     starts near a loss of 5 and averaged 37 to 290,000 over its first epoch, then gave a constant output, every seed
-    (measured on an H200, docs/bench_learning/h200_resnet18.md)."""
+    (measured on an H200, docs/benchmarks/bench_learning/h200_resnet18.md)."""
     m = cfg.model
     n = sum(is_frozen_bn(mod) for mod in model.modules())
     if m.weights is not None or not m.freeze_bn or n == 0:
@@ -216,7 +216,7 @@ def running_batchnorm_warnings(cfg: WsiTrainConfig, model: nn.Module) -> list[st
     (``model.bn_stats: running``, the default): a step holds one slide, so training normalises every slide with its
     own statistics, and prediction with averages over slides, another normalisation. On the learning benchmark's
     cohort four trained tiny_bn models ranked held-out slides at ROC AUC 0.40-0.65 with the averages and 0.79-0.94
-    with each slide's own, on the same reads (measured, docs/plateau.md section 14)."""
+    with each slide's own, on the same reads (measured, docs/research/plateau.md section 14)."""
     m = cfg.model
     n = sum(isinstance(mod, nn.modules.batchnorm._BatchNorm) and mod.running_mean is not None and not is_frozen_bn(mod)
             for mod in model.modules())  # fmt: skip

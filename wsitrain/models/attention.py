@@ -71,7 +71,7 @@ class AttentionScores(nn.Module):
         # ``norm`` (heads.ATTENTION_NORMS): what the scores read. SLIDE_NORM: each channel standardised over the map
         # (batch statistics always: no running ones, so training and prediction alike; the engine tiles it exactly in
         # two sweeps, as train-mode BN); CELL_NORM: each cell's vector over its channels. Only the scores read it; the
-        # pooled vector stays the trunk's. Why: docs/plateau.md section 12.
+        # pooled vector stays the trunk's. Why: docs/research/plateau.md section 12.
         self.norm: nn.Module | None = None
         if norm == SLIDE_NORM:
             self.norm = slide_norm(width)
@@ -115,11 +115,10 @@ class InstanceStream(InstanceSplit):
     (B, K) logits, branch k's vector scored by ``bag`` (a ``BranchClassifier``), and the positive class's logit
     plus the mean of its branch's ``cells`` highest scores (each kept cell's; -inf past a small mask's are none).
 
-    Why (DSMIL's dual stream, read with the instance loss's logits): without it (and with ``norm: slide``), the
-    instance loss made the positive branch's highest score rank one seed's held-out slides at AUC 0.99 while the
-    attention-pooled classifier still gave every slide about 0.5 (docs/plateau.md section 12, measured). The stream
-    lets those logits decide, and gives the trunk the top cells' gradient undiluted by the map's size, as max pooling
-    does.
+    Why (DSMIL's dual stream, read with the instance loss's logits): without it (and with ``norm: slide``), the instance
+    loss made the positive branch's highest score rank one seed's held-out slides at AUC 0.99 while the attention-pooled
+    classifier still gave every slide about 0.5 (docs/research/plateau.md section 12, measured). The stream lets those
+    logits decide, and gives the trunk the top cells' gradient undiluted by the map's size, as max pooling does.
 
     An ``InstanceSplit``: the loss reads its input (the scores) as it reads the split's."""
 

@@ -11,33 +11,33 @@ from typing import Any
 
 AVG, MAX, ATTENTION, GATED_ATTENTION, TOPK = "avg", "max", "attention", "gated_attention", "topk"
 POOLS = (AVG, MAX, ATTENTION, GATED_ATTENTION, TOPK)
-# ``pool: topk``: each channel's mean of its k largest positions (wsitrain.sft.ops.topk_pool). k = 16 is a lesion of
-# ~64 x 64 px at a stride of 16 (the synthetic small-lesion cohort's boxes are 80 px): measured in docs/plateau.md.
+# ``pool: topk``: each channel's mean of its k largest positions (wsitrain.sft.ops.topk_pool). k = 16 is a lesion of ~64
+# x 64 px at a stride of 16 (the synthetic small-lesion cohort's boxes are 80 px): measured in docs/research/plateau.md.
 DEFAULT_TOPK = 16
 # model.attention.instance_loss: a negative slide's this many highest attention scores pushed below 0. 64 cells hold
 # about two of the synthetic cohort's look-alikes (boxes of 88 px, 6 x 6 cells at a stride of 16); a negative slide's
-# top cell alone was worse on every seed (docs/bench_learning/mil_before_ring.md, measured)
+# top cell alone was worse on every seed (docs/benchmarks/bench_learning/mil_before_ring.md, measured)
 DEFAULT_INSTANCE_CELLS = 64
 # ... and a positive slide's this many highest pushed above 0 (their mean). With one (the max), the loss kept whatever
 # the initialisation ranked first when every slide shares it (the image border, the tissue's edge) on 2 of 3 seeds;
 # with 16 (about half a lesion's cells) CLAM-MB pointed at a lesion on all 36 held-out positives of seeds 0-2, but on
-# 13 of 36 of seeds 3-5, run afterwards (docs/bench_learning/mil_before_ring.md, measured)
+# 13 of 36 of seeds 3-5, run afterwards (docs/benchmarks/bench_learning/mil_before_ring.md, measured)
 DEFAULT_INSTANCE_POSITIVE_CELLS = 16
-# ... and the map's outer ring of cells left out of the attention pool while it is on. The ring is computed against
-# the trunk's zero padding, so it looks the same on every slide; the loss pushes a positive slide's 16 cells up and a
+# ... and the map's outer ring of cells left out of the attention pool while it is on. The ring is computed against the
+# trunk's zero padding, so it looks the same on every slide; the loss pushes a positive slide's 16 cells up and a
 # negative slide's 64 down, each side's mean, so a structure of n < 64 cells found on every slide settles above 0, and
-# the ring held the peak on 5 of 9 seeds (an edge row 3.4-4.9 above the inside on a blank image; docs/plateau.md
-# section 11, measured). Left out, no run kept an edge more than 0.6 above the inside.
+# the ring held the peak on 5 of 9 seeds (an edge row 3.4-4.9 above the inside on a blank image;
+# docs/research/plateau.md section 11, measured). Left out, no run kept an edge more than 0.6 above the inside.
 DEFAULT_INSTANCE_BORDER_CELLS = 1
 # ``model.attention.norm``: the scores' input as the trunk gives it, or each channel standardised over the slide's map
 # (an instance normalisation: BatchNorm without running statistics, one slide per batch), or each cell's vector over
 # its channels (a LayerNorm). Why: on 6 of 7 attention runs probed, tiny's features grew from a level of 0.03-0.05 at
 # initialisation to 2.4-136 while training and 41-100% of the scores' tanh inputs lay beyond +-2, so the scores were
-# flat; standardised, the level does not reach them (docs/plateau.md section 12, measured).
+# flat; standardised, the level does not reach them (docs/research/plateau.md section 12, measured).
 NO_NORM, SLIDE_NORM, CELL_NORM = "none", "slide", "cell"
 ATTENTION_NORMS = (NO_NORM, SLIDE_NORM, CELL_NORM)
 # ``model.map_norm``: what the whole head reads, the trunk's map as it is (NO_NORM) or standardised per channel over
-# the slide (SLIDE_NORM; docs/plateau.md section 13)
+# the slide (SLIDE_NORM; docs/research/plateau.md section 13)
 MAP_NORMS = (NO_NORM, SLIDE_NORM)
 # Attention-MIL pooling: ABMIL (``w^T tanh(V h)``) and CLAM's gated form (``w^T (tanh(V h) * sigmoid(U h))``).
 ATTENTION_POOLS = (ATTENTION, GATED_ATTENTION)

@@ -7,7 +7,7 @@
 Why ``slide`` exists: with ``model.freeze_bn: false`` and one slide per step, every training step normalises with
 that slide's statistics, and the running averages are a different normalisation. On the learning benchmark's cohort
 (tiny_bn, 12 epochs, seed 47, *measured* on the 2-core CPU, 2026-11-29) the same trained model ranked the held-out
-slides at ROC AUC 0.40 with the running averages and 0.94 with each slide's own statistics (docs/plateau.md
+slides at ROC AUC 0.40 with the running averages and 0.94 with each slide's own statistics (docs/research/plateau.md
 section 14). The engine runs such a BatchNorm exactly, in extra sweeps over the tiles, in training and prediction.
 
 Torch-free at import: config validation reads the vocabulary here.

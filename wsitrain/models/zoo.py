@@ -238,7 +238,7 @@ def build(
     features, classifier, channels, stride, (mean, std) = parts(spec, num_classes, imagenet)
     head = _pool_layers(pool, attention or AttentionSpec(), channels, classifier, num_classes, mask_pool, topk)
     # why a map norm: the trunk's level drifts while it trains, and a head reading it raw can stay on the plateau
-    # (docs/plateau.md sections 12-13)
+    # (docs/research/plateau.md sections 12-13)
     norm = {"map_norm": slide_norm(channels)} if map_norm == SLIDE_NORM else {}
     model = nn.Sequential(OrderedDict(normalize=InputNormalization(mean, std), features=features, **norm, **head))
     model.name = spec.name

@@ -217,12 +217,13 @@ def host_line(plan: Plan) -> str:
 
 def stream_read(plan: Plan, simulated_s: float | None, planned_s: float | None) -> str | None:
     """data.stream_tiles' decoded bytes per step (forward and recompute) and the read rate they need at the
-    simulated step time, else the planned one (a preset's); the readers measured: docs/read_throughput.md."""
+    simulated step time, else the planned one (a preset's); the readers measured: docs/benchmarks/read_throughput.md."""
     nbytes = stream_read_bytes(plan, 2)
     if not nbytes:
         return None
     kind, secs = ("simulated", simulated_s) if simulated_s else ("planned", planned_s)
-    return StreamRead(nbytes, 2, step_s=secs, step_kind=kind).text() + " (readers measured: docs/read_throughput.md)"
+    text = StreamRead(nbytes, 2, step_s=secs, step_kind=kind).text()
+    return text + " (readers measured: docs/benchmarks/read_throughput.md)"
 
 
 def parse_size(size: str | int, stride: int, model: str) -> tuple[int, int]:

@@ -143,7 +143,7 @@ def _header(run_dir: Path) -> str:
     spread = s.get("val_output_spread")
     flat = (_note(f"val_output_spread {spread:.4f} is below {FLAT_SPREAD}: the model gave every validation slide "
                   "about the same output, so it had not left the plateau of near-constant outputs and its ROC AUC "
-                  "ranks tiny differences (docs/plateau.md)")
+                  "ranks tiny differences (docs/research/plateau.md)")
             if isinstance(spread, float) and spread < FLAT_SPREAD else "")  # fmt: skip
     return head + "<h2>Summary</h2>" + flat + _kv_table(shown, ("peak_bytes",))
 

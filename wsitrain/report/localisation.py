@@ -64,7 +64,7 @@ def score_heatmaps(heatmaps_dir: Path, lesions_json: Path, key: str = "attention
     max-pooled score was really decided; its mass is the CAM's). Also the
     pointing game apart on the positive slides that carry a look-alike as well (``pointing_game_with_lookalike``,
     ``n_with_lookalike``) and on those that do not (``pointing_game_without_lookalike``): a map that finds
-    "a structure" rather than the lesion fails only on the first (docs/plateau.md section 8)."""
+    "a structure" rather than the lesion fails only on the first (docs/research/plateau.md section 8)."""
     index = json.loads((heatmaps_dir / "heatmaps.json").read_text())
     truth = json.loads(Path(lesions_json).read_text())["slides"]
     positive = index["classes"].index("positive") if "positive" in index["classes"] else len(index["classes"]) - 1

@@ -127,10 +127,11 @@ class TargetDevice:
         """Per-sample elements a convolution's input and output may hold (None: no limit).
 
         On every CUDA device: below cuDNN 9.3 (``large_conv`` False) a larger one takes im2col memory no plan counts;
-        from 9.3 cuDNN runs it, but on slow 64-bit-index kernels. Measured on an H200 (docs/gpu_time_breakdown.md):
-        whole 8192 px maps of VGG-16's and DarkNet-19's first convolutions (3 input channels) ran at 1 TFLOP/s
-        against 13 on tiles, VGG-16's 64-channel ones 1.2-2x slower than on tiles. Only where no plan keeps every
-        convolution within the limit may one run whole (``whole_large_conv``, set by the planner's second search).
+        from 9.3 cuDNN runs it, but on slow 64-bit-index kernels. Measured on an H200
+        (docs/benchmarks/gpu_time_breakdown.md): whole 8192 px maps of VGG-16's and DarkNet-19's first convolutions (3
+        input channels) ran at 1 TFLOP/s against 13 on tiles, VGG-16's 64-channel ones 1.2-2x slower than on tiles. Only
+        where no plan keeps every convolution within the limit may one run whole (``whole_large_conv``, set by the
+        planner's second search).
         """
         if not self.cuda or (self.large_conv and self.whole_large_conv):
             return None
@@ -201,7 +202,7 @@ def detected_target(device: torch.device) -> TargetDevice:
     ok = large_conv_supported(torch.__version__, cudnn)
     # a card with speed constants plans its host transfers at its preset's rates, as `plan --gpu` does for it: with
     # the defaults' (a 2080 Ti's 13.4 TFLOP/s on PCIe 3.0) an H200 priced a byte to or from the host 20% cheaper and
-    # chose another plan than `plan --gpu h200` printed (measured, 2026-11-27: docs/gpu_time_breakdown.md)
+    # chose another plan than `plan --gpu h200` printed (measured, 2026-11-27: docs/benchmarks/gpu_time_breakdown.md)
     speed = gpu_speed(speed_preset_of(name))
     return TargetDevice(
         "cuda",

@@ -23,7 +23,7 @@ from wsitrain.units import format_bytes
 
 # Regions decoded to measure the reader: enough to cover a few chunks per region at the read's chunk size, few
 # enough that the preflight stays short (4 regions of 1,694 px, tiny's tile at 16,384 px: 34 MB, under 2 s at the
-# 20 MB/s measured on this project's shared CPU with 2 threads, docs/read_throughput.md).
+# 20 MB/s measured on this project's shared CPU with 2 threads, docs/benchmarks/read_throughput.md).
 MEASURE_REGIONS = 4
 
 

@@ -1,10 +1,10 @@
 """``train.head_warmup``: train the head alone on the initial trunk's patch features before end-to-end training.
 
-Why (docs/plateau.md, issue 32, *measured*): an attention head starts uniform, so it pools like an average and a lesion
-that is 0.6% of a whole slide's map gets 0.6% of the gradient; end to end, the tiny model on whole 1024 px slides did
-not leave the near-constant-output plateau in 112 optimizer steps. The frozen-feature baseline's head, trained for
-thousands of cheap steps on a random trunk's patch vectors, did. Warming the head up that way first (the same
-module, then end to end from there) gives the trunk's first steps a head that already scores some positions above
+Why (docs/research/plateau.md, issue 32, *measured*): an attention head starts uniform, so it pools like an average and
+a lesion that is 0.6% of a whole slide's map gets 0.6% of the gradient; end to end, the tiny model on whole 1024 px
+slides did not leave the near-constant-output plateau in 112 optimizer steps. The frozen-feature baseline's head,
+trained for thousands of cheap steps on a random trunk's patch vectors, did. Warming the head up that way first (the
+same module, then end to end from there) gives the trunk's first steps a head that already scores some positions above
 others.
 
 How: each training slide is read once (as the first epoch reads it), cut into ``patch`` px patches, and each patch
@@ -21,23 +21,23 @@ slide. The bags stay in host memory, N x C float32 per slide (``bag_bytes``); ea
 2,048 channels at 64 px patches: 20 GB for one 100,000 px slide), naming the smallest ``patch`` that fits.
 
 Kept only when it learnt: its last epoch's mean loss must be ``MIN_GAIN`` below the loss of a constant output at the
-training set's class prior, else the head is put back as it was. Why (*measured*, docs/plateau.md section 6): on
-seed 1 the warm-up's loss stayed at chance (0.6925 against 0.6931) while its classifier weights grew 5x fitting noise,
-and end to end that head drove the trunk's ReLUs off (active features 35% -> 16% in 20 steps): a flat run.
+training set's class prior, else the head is put back as it was. Why (*measured*, docs/research/plateau.md section 6):
+on seed 1 the warm-up's loss stayed at chance (0.6925 against 0.6931) while its classifier weights grew 5x fitting
+noise, and end to end that head drove the trunk's ReLUs off (active features 35% -> 16% in 20 steps): a flat run.
 
 Stopped on held-out bags (``hold_out``): a share of the training slides, per class, only scores the warm-up. After each
 pass over the other bags the held-out bags' mean loss is taken; the head kept is the one with the lowest, the warm-up
-ends after ``patience`` passes without a new lowest (or at ``steps``), and the keep rule reads the held-out loss
-against a constant output at the fitted bags' class prior. Why (*measured*, docs/plateau.md section 16): 48,000 steps
-on all 24 bags freed seeds 61-63, but on seed 64 the warm-up overfitted them (loss 0.86 -> 0.00) and that
-overconfident head began end-to-end training at a loss of 1.9-2.7.
+ends after ``patience`` passes without a new lowest (or at ``steps``), and the keep rule reads the held-out loss against
+a constant output at the fitted bags' class prior. Why (*measured*, docs/research/plateau.md section 16): 48,000 steps
+on all 24 bags freed seeds 61-63, but on seed 64 the warm-up overfitted them (loss 0.86 -> 0.00) and that overconfident
+head began end-to-end training at a loss of 1.9-2.7.
 
-Laid out as the slide's map (``layout: map``): each patch's trunk map is kept cell by cell, not averaged, and put
-where it lies in the slide's map (``host_cell_map``), so the head warms up on a (1, C, H / stride, W / stride) map
-pooled under the same tissue mask and border rule as end to end; only the context across patch borders differs. Why
-(*measured*, docs/plateau.md section 17): with ``hold_out`` on seed 64 the patch-vector head was right on its held-out
-training bags too (loss 0.0005), yet end to end began at a loss of 3.1: the head had learnt averages of 16 cells
-over tissue and background alike, and met single cells over tissue only.
+Laid out as the slide's map (``layout: map``): each patch's trunk map is kept cell by cell, not averaged, and put where
+it lies in the slide's map (``host_cell_map``), so the head warms up on a (1, C, H / stride, W / stride) map pooled
+under the same tissue mask and border rule as end to end; only the context across patch borders differs. Why
+(*measured*, docs/research/plateau.md section 17): with ``hold_out`` on seed 64 the patch-vector head was right on its
+held-out training bags too (loss 0.0005), yet end to end began at a loss of 3.1: the head had learnt averages of 16
+cells over tissue and background alike, and met single cells over tissue only.
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ from wsitrain.train.attention_mask import masked_pool
 from wsitrain.train.frozen_mil import patch_grid
 
 # nats below the prior's loss the warm-up's last epoch must reach to be kept: the warm-ups that shortened the plateau
-# ended 0.013-0.091 below ln 2, the one that flattened its run 0.0006 below (measured, docs/plateau.md section 6)
+# ended 0.013-0.091 below ln 2, the one that flattened its run 0.0006 below (measured, docs/research/plateau.md section
+# 6)
 MIN_GAIN = 0.01
 BATCH = 64  # patches per trunk forward on the device (frozen_mil's batch)
 PATCHES, MAP = "patches", "map"  # train.head_warmup.layout: a vector per patch, or the slide's map cell by cell

@@ -11,19 +11,20 @@ A softmax ignores its scores' level, so this changes what the attention pool com
 order: a cell that is also on negative slides (a look-alike) is pushed below 0, and a cell found only on positive
 slides (the lesion) above it, which is what the map's pointing game reads.
 
-The two sides are means over different counts, so a structure of n < k cells that every slide has settles above 0:
-where (1 - sigmoid(s)) = (n / k) sigmoid(s) for j <= n, at sigmoid(s) = k / (j + k) for fewer than j. The map's outer
-ring, computed against the trunk's zero padding, is such a structure, and it held the positive branch's peak on 5 of
-9 seeds (an edge row scoring 3.4-4.9 above the inside on a blank image, docs/plateau.md section 11). With the loss
-on, the attention pool leaves that ring out (``model.attention.border_cells``, 1 by default with the loss:
+The two sides are means over different counts, so a structure of n < k cells that every slide has settles above 0: where
+(1 - sigmoid(s)) = (n / k) sigmoid(s) for j <= n, at sigmoid(s) = k / (j + k) for fewer than j. The map's outer ring,
+computed against the trunk's zero padding, is such a structure, and it held the positive branch's peak on 5 of 9 seeds
+(an edge row scoring 3.4-4.9 above the inside on a blank image, docs/research/plateau.md section 11). With the loss on,
+the attention pool leaves that ring out (``model.attention.border_cells``, 1 by default with the loss:
 ``AttentionPool(border)``).
 
-Why (docs/plateau.md sections 9-10, *measured*): one attention branch for all classes learnt to find the negative
-class's evidence, a look-alike, and put its peak there on every positive slide that also carried one (0 of 21 over
-six seeds, 1,440 steps). With one branch per class and this loss (16 cells up, 64 down), the positive branch put its
-peak in a lesion on 11 of the 14 held-out positives beside a look-alike over the learning benchmark's six seeds
-(docs/bench_learning/mil_before_ring.md); its pointing game over all positives was 1.0 on seeds 0-2 and 0.36 on
-seeds 3-5, and 0.45 over nine seeds before the border ring was left out (docs/bench_learning/mil.md: with it).
+Why (docs/research/plateau.md sections 9-10, *measured*): one attention branch for all classes learnt to find the
+negative class's evidence, a look-alike, and put its peak there on every positive slide that also carried one (0 of 21
+over six seeds, 1,440 steps). With one branch per class and this loss (16 cells up, 64 down), the positive branch put
+its peak in a lesion on 11 of the 14 held-out positives beside a look-alike over the learning benchmark's six seeds
+(docs/benchmarks/bench_learning/mil_before_ring.md); its pointing game over all positives was 1.0 on seeds 0-2 and 0.36
+on seeds 3-5, and 0.45 over nine seeds before the border ring was left out (docs/benchmarks/bench_learning/mil.md: with
+it).
 
 The scores come from the pool's output (``AttentionPool(instance_k)``: each branch's highest scores follow its
 pooled vector, plain and fused alike), read on the input of the ``InstanceSplit`` module after it by a forward

@@ -1,13 +1,13 @@
 """Autocast as the forward found it, replayed for tiles and their recomputation.
 
-A sweep of tiles casts each weight once (``forward_sweep``, ``backward_sweep``), not once per tile: autocast's
-cache holds the low-precision copy of every weight the sweep's layers cast, and is cleared when the sweep ends.
-Per tile (autocast's cache off) ResNet-50 at 8192 px capped cast 490 weights per step for 94 distinct (segment,
-sweep, weight) triples (simulated, ``plan --simulate``: docs/simulated-clock.md). Results are bitwise the per-tile
-casts': a cast is deterministic, and in the recompute each tile's weight gradient still goes back through the
-cached copy's own ``ToCopyBackward`` (the bf16 gradient of this tile cast to float32, then summed in float32 as
-before). A weight two layers of one segment share would have its two bf16 gradients summed before that cast
-instead of after; such a segment keeps per-tile casts (``cast_once`` False).
+A sweep of tiles casts each weight once (``forward_sweep``, ``backward_sweep``), not once per tile: autocast's cache
+holds the low-precision copy of every weight the sweep's layers cast, and is cleared when the sweep ends. Per tile
+(autocast's cache off) ResNet-50 at 8192 px capped cast 490 weights per step for 94 distinct (segment, sweep, weight)
+triples (simulated, ``plan --simulate``: docs/research/simulated-clock.md). Results are bitwise the per-tile casts': a
+cast is deterministic, and in the recompute each tile's weight gradient still goes back through the cached copy's own
+``ToCopyBackward`` (the bf16 gradient of this tile cast to float32, then summed in float32 as before). A weight two
+layers of one segment share would have its two bf16 gradients summed before that cast instead of after; such a segment
+keeps per-tile casts (``cast_once`` False).
 """
 
 from __future__ import annotations

@@ -22,10 +22,10 @@ backward a tile adds each kept score's gradient at the position it holds::
 
     dL/ds_kp += dL/dtop_kj    where top_kj is position p's score
 
-Border (``border`` > 0, ``model.attention.border_cells``): the map's outer ``border`` rings of cells are left out of
-the mask, as background is. Their features are computed against the trunk's zero padding, so they differ from the
-tissue's in the same way on every slide; an attention head can rank them first on every slide, and the instance loss
-held its peak there (docs/plateau.md section 11, measured). A sample whose kept positions all lie on the border keeps
+Border (``border`` > 0, ``model.attention.border_cells``): the map's outer ``border`` rings of cells are left out of the
+mask, as background is. Their features are computed against the trunk's zero padding, so they differ from the tissue's
+in the same way on every slide; an attention head can rank them first on every slide, and the instance loss held its
+peak there (docs/research/plateau.md section 11, measured). A sample whose kept positions all lie on the border keeps
 them: a slide is never left with nothing to attend to.
 """
 

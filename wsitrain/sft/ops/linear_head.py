@@ -29,12 +29,12 @@ MAX_OUTPUTS = 2
 # p = 1 - 1e-5, where float32's p - y itself carries that much rounding. Past this share (2^-12) the segment
 # recomputes and back-propagates as without one-pass.
 RESIDUAL_SHARE = 2.0**-12
-# A head that multiplies in half precision (autocast, or half weights) rounds its weight and the pooled gradient to
-# that precision: the gradient is off the float32 direction by that rounding alone (a share of 2.1e-3 in bf16 on the
-# one-pass tests' ResNet block, against 7e-8 in float32, measured). Within RESIDUAL_SHARE every bf16 step recomputed
-# after its one pass, as the H200 did (docs/gpu_time_breakdown.md): the segment's work twice. Up to four units of
-# the dtype's rounding the gradient is taken as on the direction; the direction's multiple is then closer to the
-# exact gradient than the rounded one is, and the one-pass gradients are as close to float64's as plain autocast's
+# A head that multiplies in half precision (autocast, or half weights) rounds its weight and the pooled gradient to that
+# precision: the gradient is off the float32 direction by that rounding alone (a share of 2.1e-3 in bf16 on the one-pass
+# tests' ResNet block, against 7e-8 in float32, measured). Within RESIDUAL_SHARE every bf16 step recomputed after its
+# one pass, as the H200 did (docs/benchmarks/gpu_time_breakdown.md): the segment's work twice. Up to four units of the
+# dtype's rounding the gradient is taken as on the direction; the direction's multiple is then closer to the exact
+# gradient than the rounded one is, and the one-pass gradients are as close to float64's as plain autocast's
 # (tests/test_sft_one_pass.py).
 HALF_RESIDUAL_SHARE = {torch.bfloat16: 2.0**-6, torch.float16: 2.0**-9}
 

@@ -5,7 +5,7 @@ precision cuDNN falls back to old generic kernels for 1x1 layers, and forward wi
 the same layer as a matrix product over the map's pixels, measured on an H200 (bf16, nine tile shapes of ResNet-50's
 capped 8192 px step: 8-61 TFLOP/s as convolutions, 96-145 as matrix products, 3.0-12.1x on 128-1024 channels and
 about even on 64-256; aligned maps: the same time either way; ``scripts/bench_pointwise.py``,
-docs/pointwise_matmul.md). cuBLAS takes any leading dimension.
+docs/benchmarks/pointwise_matmul.md). cuBLAS takes any leading dimension.
 
 The product is the convolution's arithmetic: for each image, ``W (Cout, Cin) @ x (Cin, H*W)``. In float64 it equals
 the layer to rounding; in bf16 the forward came out bitwise equal on every measured shape. Its autograd saves the same
@@ -22,7 +22,7 @@ from torch import nn
 from wsitrain.precision import is_half
 
 # a map's pixels per channel must be a multiple of this for cuDNN's fast 1x1 kernels in half precision: 16 bytes of
-# bf16 / fp16 (the H200's kernels by shape: docs/gpu_time_breakdown.md). The simulated clock reads it too.
+# bf16 / fp16 (the H200's kernels by shape: docs/benchmarks/gpu_time_breakdown.md). The simulated clock reads it too.
 ALIGN = 8
 
 

@@ -1,9 +1,9 @@
 """Top-k mean pooling: per channel, the mean of the k largest values of the map (over the tissue mask), plain and fused.
 
-Why (docs/plateau.md, issue 32): an average pool (and an attention head that starts uniform, which is one) gives each
-position 1/N of the pooled gradient, so a lesion that is 0.6% of the map gets 0.6% of the signal and training sits on
-a plateau of near-constant output; a max pool gives it all to one position per channel. The top-k mean is between
-the two: each channel's gradient goes to its k strongest positions, ``g / k`` each, whatever the map's size.
+Why (docs/research/plateau.md, issue 32): an average pool (and an attention head that starts uniform, which is one)
+gives each position 1/N of the pooled gradient, so a lesion that is 0.6% of the map gets 0.6% of the signal and training
+sits on a plateau of near-constant output; a max pool gives it all to one position per channel. The top-k mean is
+between the two: each channel's gradient goes to its k strongest positions, ``g / k`` each, whatever the map's size.
 
 Plain (``MaskedTopKMean``, (B, C, H, W) -> (B, C, 1, 1)): positions outside the mask set with ``masked()`` are -inf;
 the values are ordered largest first, ties by the lower row-major index (a stable sort), and the first

@@ -10,7 +10,7 @@ executor, or plain PyTorch) and prices it with a preset's constants (``wsitrain.
   tile's halo; cuDNN's fallback kernels), and matrix products whose rows are not 16 bytes aligned (what a tile runs
   in such layers' place: ops/pointwise_conv.py) at ``unaligned_matmul_efficiency`` of the tensor rate;
   BatchNorm's kernels move their bytes at their own measured share of the bandwidth (``norm_efficiency``,
-  ``norm_backward_efficiency``; docs/gpu_time_breakdown.md);
+  ``norm_backward_efficiency``; docs/benchmarks/gpu_time_breakdown.md);
 - on the host, each operator costs its dispatch time (eager PyTorch's Python and autograd work), views less, and
   host-side copies (cropping the uint8 image) their bytes at one thread's copy rate; each tile visit adds the
   executor's own bookkeeping (``tile_host_us``);
@@ -237,8 +237,8 @@ class OpClock(TorchDispatchMode):
             px = float(ref.shape[-1] * ref.shape[-2])
             kernel = (args[1] if packet is aten.convolution else args[2]).shape[-2:]
             # the matrix product's rows: every pixel of every image in the batch. (A batch of two unaligned NCHW maps
-            # ran slowly too, 27 TFLOP/s on an H200, docs/pointwise_matmul.md; but 256 channels-last patches whose
-            # 7 x 7 maps this rule would flag ran at the aligned rate, and the clock has no memory-format term.)
+            # ran slowly too, 27 TFLOP/s on an H200, docs/benchmarks/pointwise_matmul.md; but 256 channels-last patches
+            # whose 7 x 7 maps this rule would flag ran at the aligned rate, and the clock has no memory-format term.)
             unaligned = low and tuple(kernel) == (1, 1) and int(px) * ref.shape[0] % ALIGN != 0
             kind = "convolution backward" if packet is aten.convolution_backward else "convolution forward"
             weight = args[1] if packet is aten.convolution else args[2]
@@ -289,8 +289,8 @@ class OpClock(TorchDispatchMode):
                 if o.conv_px:
                     rate = s.conv_rate(o.low_precision) * o.conv_px / (o.conv_px + s.small_map_px)
                     rate *= s.conv_shape_factor(o.channels, o.large)  # narrow layers, whole maps of 2^31 elements
-                    # the tiles' own penalty is their unaligned 1x1 layers' (measured, docs/traces): a tile's 3x3
-                    # layers ran at the whole map's rate
+                    # the tiles' own penalty is their unaligned 1x1 layers' (measured, docs/benchmarks/traces): a tile's
+                    # 3x3 layers ran at the whole map's rate
                     rate *= s.unaligned_conv_efficiency if o.unaligned else 1.0
                 else:
                     rate = s.matmul_rate(o.low_precision, o.unaligned)
