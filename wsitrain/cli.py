@@ -143,7 +143,7 @@ def _main(
     """Train CNNs end-to-end on whole-slide images with slide-level labels.
 
     The SFT engine tiles each slide so it fits your GPU and still gives exactly the gradients of plain PyTorch.
-    Start with `wsitrain fit configs/demo.yaml`; see README.md for the config reference.
+    Start with `wsitrain fit configs/demo.yaml`; every config key: docs/reference/config.md.
     """
     _state.update(quiet=quiet, verbose=verbose, console=None)
 
@@ -151,7 +151,7 @@ def _main(
 @app.command()
 @_handled
 def fit(
-    config: Path = typer.Argument(..., metavar="CONFIG", help="YAML config file (see configs/ and README.md)."),
+    config: Path = typer.Argument(..., metavar="CONFIG", help="YAML config file (see configs/ and docs/reference/config.md)."),
     set_: list[str] | None = typer.Option(None, "--set", "-s", metavar="KEY=VALUE", help=SET_HELP),
     resume: Path | None = typer.Option(
         None, "--resume", metavar="RUN_DIR",
@@ -189,7 +189,7 @@ def fit(
 @app.command()
 @_handled
 def cv(
-    config: Path = typer.Argument(..., metavar="CONFIG", help="YAML config file (see configs/ and README.md)."),
+    config: Path = typer.Argument(..., metavar="CONFIG", help="YAML config file (see configs/ and docs/reference/config.md)."),
     folds: int = typer.Option(5, "--folds", min=2, help="Number of folds (K)."),
     set_: list[str] | None = typer.Option(None, "--set", "-s", metavar="KEY=VALUE", help=SET_HELP),
     name: str | None = typer.Option(None, "--name", help="Folder name under log.dir [NAME-cvK from the config]."),

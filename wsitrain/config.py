@@ -7,8 +7,8 @@ Relative paths (``data.labels``, ``data.slides_dir``, ``model.weights``, ``log.d
 current working directory, not the config file's folder: users run ``wsitrain`` from the project root, and the
 example configs in ``configs/`` are written for that.
 
-To add a key: add a field to the section class below (with a default, so old configs stay valid) and document it
-in README.md's config reference.
+To add a key: add a field to the section class below (with a default, so old configs stay valid) and give it an entry
+in docs/reference/config.md (type, default, meaning; tests/test_docs_reference.py fails until it has one).
 """
 
 from __future__ import annotations
@@ -330,7 +330,7 @@ class ModelConfig(Section):
     def freeze_spec(self) -> FreezeSpec | None:
         return self.freeze.spec() if self.freeze is not None else None
     # with data.mask_background, max and average pools reduce over the slide's tissue only (attention always does):
-    # no class decided on the background or the image border (README "Pooling"; false: the whole map, as before)
+    # no class decided on the background or the image border (docs/guide/models.md; false: the whole map, as before)
     mask_pool: Annotated[bool, Field(strict=True)] = True
 
     _known_pool = field_validator("pool")(lambda value: one_of(value, POOLS, "pool"))
