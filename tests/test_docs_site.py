@@ -42,3 +42,15 @@ def test_a_broken_link_and_a_broken_anchor_fail_the_build(tmp_path: Path) -> Non
     assert "no-such-page.md" in log and "guide/gpus.md" in log, log[-4000:]
     assert "#no-such-anchor" in log, log[-4000:]
     assert "Aborted with 2 warnings in strict mode" in log, log[-4000:]
+
+
+def test_the_readme_links_only_to_files_that_exist() -> None:
+    """README.md is the repository's front page, outside the site: its relative links are checked here."""
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    targets = [t.split("#")[0] for t in re.findall(r"\]\(([^)\s]+)\)", text) if not t.startswith(("http", "#"))]
+    assert len(targets) > 20
+    missing = sorted({t for t in targets if not (ROOT / t).exists()})
+    assert not missing, f"README.md links to files that do not exist: {', '.join(missing)}"
+    assert len(text.splitlines()) <= 350, "README.md is the front page: at most 350 lines (the rest goes to docs/)"
