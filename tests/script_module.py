@@ -1,4 +1,4 @@
-"""The benchmark scripts under scripts/ as modules, for the tests that call their functions."""
+"""The benchmark scripts under benchmarks/ (and the probes under research/) as modules, for their tests."""
 
 from __future__ import annotations
 
@@ -7,12 +7,13 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def load_script(name: str) -> ModuleType:
-    """``scripts/<name>.py`` imported as module ``name`` (registered in ``sys.modules``, as its dataclasses need)."""
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+def load_script(name: str, folder: str = "benchmarks") -> ModuleType:
+    """``<folder>/<name>.py`` (benchmarks/, or research/ for the probes) imported as module ``name`` (registered in
+    ``sys.modules``, as its dataclasses need)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / folder / f"{name}.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod

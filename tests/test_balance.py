@@ -167,7 +167,7 @@ def test_a_bad_balance_value_is_a_config_error(tmp_path: Path) -> None:
 
 
 def test_the_benchmarks_simulation_runs_and_favours_time() -> None:
-    """scripts/bench_balance.py --simulate (docs/benchmarks/bench_balance.md's simulated table), on fewer slides."""
+    """benchmarks/bench_balance.py --simulate (docs/benchmarks/bench_balance.md's simulated table), on fewer slides."""
     bench = load_script("bench_balance")
     rows = bench.simulate(n=512)
     share = {(r["world"], r["accumulate"], r["balance"]): r["wait_share"] for r in rows}

@@ -1,4 +1,4 @@
-"""scripts/bench_learning.py's offline paths: ``--rescore`` (the pointing game split by look-alikes, from a run's
+"""benchmarks/bench_learning.py's offline paths: ``--rescore`` (the pointing game split by look-alikes, from a run's
 heatmaps) and the bad input of ``--rescore`` / ``--rerun-baseline`` (exit 2, one message naming the file or seed)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from script_module import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ROOT / "docs" / "bench_learning"  # the committed benchmark tables
+DOCS = ROOT / "docs" / "benchmarks" / "bench_learning"  # the committed benchmark tables
 LESION = {"kind": "lesion", "x0": 64, "y0": 32, "x1": 96, "y1": 64}
 
 

@@ -1,4 +1,4 @@
-"""scripts/bench_throughput.py: the quick run end to end (files, keys, the equality check, reuse on a masked
+"""benchmarks/bench_throughput.py: the quick run end to end (files, keys, the equality check, reuse on a masked
 image), the synthetic masked slide, and a step that differs with reuse being refused. No timing assertions."""
 
 from __future__ import annotations

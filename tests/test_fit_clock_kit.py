@@ -1,6 +1,6 @@
-"""scripts/fit_clock.py --kit: a GPU kit's measured cases replayed on the simulated clock, and both factors refitted.
+"""benchmarks/fit_clock.py --kit: a GPU kit's measured cases replayed on the simulated clock, and both factors refitted.
 
-The kit's JSONL is written here by hand, as scripts/gpu_session.py writes it on a card (its CPU run is tested in
+The kit's JSONL is written here by hand, as benchmarks/gpu_session.py writes it on a card (its CPU run is tested in
 test_gpu_session.py); the "measured" seconds are made up, so what is checked is the replay and the refit, not a card.
 """
 
@@ -112,7 +112,7 @@ def test_a_kit_file_the_replay_cannot_read_is_exit_2_naming_file_and_line(tmp_pa
     (tmp_path / "old.jsonl").write_text("\n".join(json.dumps(r) for r in old) + "\n")
     err = _exit_2(fc, tmp_path / "old.jsonl", capsys)
     assert "old.jsonl:4: case 'SFT, capped at 175MiB, cudnn.benchmark off' lacks time_model" in err
-    assert "run scripts/gpu_session.py again" in err
+    assert "run benchmarks/gpu_session.py again" in err
 
 
 @pytest.mark.parametrize(("extra", "target_label", "plan_optimizer", "falls_back"), [

@@ -230,7 +230,7 @@ def test_two_steps_under_the_2080ti_budget_do_not_fragment(model: str, size: int
     """The first GPU run's failures: with PyTorch's fixed segments both cases ran out of memory under plans that fit
     (2.4 / 3.3 GiB reserved but unusable). Two steps in their own process, capped at the 2080 Ti preset's budget:
     no error, the reserved peak within the budget, the allocated peak within the plan's estimate."""
-    cmd = [sys.executable, str(REPO / "scripts" / "bench_measured.py"), "--out", str(tmp_path), "--case",
+    cmd = [sys.executable, str(REPO / "benchmarks" / "bench_measured.py"), "--out", str(tmp_path), "--case",
            f"{model}:{size}", "--steps", "2"]  # fmt: skip
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""scripts/gpu_session.py on a CPU: the GPU kit's code path (cases, OOM guard, profiler, breakdown, tables)."""
+"""benchmarks/gpu_session.py on a CPU: the GPU kit's code path (cases, OOM guard, profiler, breakdown, tables)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""scripts/pretrain_patches.py: a trunk trained on a disjoint lesion cohort's patch labels, saved so that
+"""benchmarks/pretrain_patches.py: a trunk trained on a disjoint lesion cohort's patch labels, saved so that
 ``model.weights`` loads it into any head; the benchmark's own cohort is refused."""
 
 from __future__ import annotations

@@ -124,7 +124,7 @@ def test_budget_driven_whole_slide_plan_holds_when_simulated(name: str, size: in
     ],
 )
 def test_whole_slide_models_fit_when_simulated(name: str, size: int, budget: str | None) -> None:
-    """Cases that simulate in seconds; the 2080 Ti table at 8192-100,000 px: scripts/bench_simulated.py.
+    """Cases that simulate in seconds; the 2080 Ti table at 8192-100,000 px: benchmarks/bench_simulated.py.
 
     At these sizes the fixed parts weigh more and the replay is conservative (EfficientNet-B0 -5%, ConvNeXt-T -15%
     measured: the head's backward replays buffers the real step frees earlier); at whole-slide sizes both are

@@ -23,7 +23,7 @@ def meta_model(name: str) -> nn.Module:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 # DarkNet-19's limit rose from 0.60 when tiles began to count what out-of-place LeakyReLU saves (its input: one more
 # tile map per conv-BN-LeakyReLU layer than the in-place form): +58% planned before, +68% now, and the simulated
-# device agrees with the new plan (scripts/bench_simulated.py).
+# device agrees with the new plan (benchmarks/bench_simulated.py).
 @pytest.mark.parametrize(("name", "max_extra"), [("vgg16", 0.60), ("darknet19", 0.75), ("resnet50", 1.00)])
 def test_whole_slide_fits_a_2080ti(name: str, max_extra: float, dtype: torch.dtype) -> None:
     p = plan(meta_model(name), SLIDE, "11GiB", dtype=dtype, device="cuda")

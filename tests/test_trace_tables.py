@@ -1,4 +1,4 @@
-"""scripts/trace_tables.py on the H200 trace the project keeps (docs/benchmarks/traces): what it reads from a real
+"""benchmarks/trace_tables.py on the H200 trace the project keeps (docs/benchmarks/traces): what it reads from a real
 profile."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from script_module import load_script
 
-PLAIN = Path(__file__).resolve().parents[1] / "docs" / "traces" / "h200_resnet50_plain.json.gz"
+PLAIN = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "traces" / "h200_resnet50_plain.json.gz"
 
 
 def test_kernels_are_charged_to_their_launching_operators() -> None:

@@ -64,6 +64,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 SHAPES_ONLY_HELP = "Preflight: plan whole slides, skipping tissue detection (faster on thousands of slides)."
 MODEL_HELP = f"Model: a built-in ({', '.join(BUILTIN_NAMES)}), torchvision/<name> or timm/<name>."
+CONFIG_HELP = "YAML config file (see configs/ and docs/reference/config.md)."
 SET_HELP = "Override a config key, e.g. --set train.lr=1e-4 --set data.level=1 (repeatable; values are YAML)."
 
 
@@ -151,7 +152,7 @@ def _main(
 @app.command()
 @_handled
 def fit(
-    config: Path = typer.Argument(..., metavar="CONFIG", help="YAML config file (see configs/ and docs/reference/config.md)."),
+    config: Path = typer.Argument(..., metavar="CONFIG", help=CONFIG_HELP),
     set_: list[str] | None = typer.Option(None, "--set", "-s", metavar="KEY=VALUE", help=SET_HELP),
     resume: Path | None = typer.Option(
         None, "--resume", metavar="RUN_DIR",
@@ -189,7 +190,7 @@ def fit(
 @app.command()
 @_handled
 def cv(
-    config: Path = typer.Argument(..., metavar="CONFIG", help="YAML config file (see configs/ and docs/reference/config.md)."),
+    config: Path = typer.Argument(..., metavar="CONFIG", help=CONFIG_HELP),
     folds: int = typer.Option(5, "--folds", min=2, help="Number of folds (K)."),
     set_: list[str] | None = typer.Option(None, "--set", "-s", metavar="KEY=VALUE", help=SET_HELP),
     name: str | None = typer.Option(None, "--name", help="Folder name under log.dir [NAME-cvK from the config]."),

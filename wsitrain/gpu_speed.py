@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 CONV_EFFICIENCY = 0.7017
 # Share of the tensor-core rate aligned half-precision matrix products reach (a tile's 1x1 layers on aligned maps, the
 # heads): MEASURED on an H200, forward and backward of two aligned 1x1 layers as products, 363 and 583 TFLOP/s
-# (``scripts/bench_pointwise.py``, docs/benchmarks/pointwise_matmul.md).
+# (``benchmarks/bench_pointwise.py``, docs/benchmarks/pointwise_matmul.md).
 MATMUL_EFFICIENCY = 0.48
 # The planner's time model ranks plans with the constants of the clock before BatchNorm and unaligned 1x1 layers had
 # rates of their own (conv 0.1039, TILE_CONV_EFFICIENCY below): its shapes-only costs price every byte alike and
@@ -34,12 +34,12 @@ PLAN_CONV_EFFICIENCY = 0.1039
 # Share of the data sheet's memory bandwidth that element-wise kernels (BatchNorm, ReLU, adds, copies) reach:
 # ASSUMED, not fitted: 0.8 is what STREAM-like copies reach on HBM cards (public reports for A100/H100: 80-90%).
 MEMORY_EFFICIENCY = 0.8
-# Share of the bandwidth BatchNorm's own kernels reach, forward and backward: FITTED to the kernels of the plain
-# 8192 px ResNet-50 step profiled on an H200 (bf16, NCHW, one image; docs/benchmarks/traces, ``scripts/trace_tables.py
-# --bandwidth 4800``): 834 and 626 GB/s of the bytes the clock counts, where ReLU's kernels reach 0.90 of the
-# bandwidth. The capped SFT step's tiles gave 0.207 and 0.141 (a check, not fitted). Half of that plain step's
-# device time is BatchNorm (214 of 415 ms), so pricing it at MEMORY_EFFICIENCY had put its time into
-# CONV_EFFICIENCY, and convolution-heavy models (VGG-16) were priced four times too slow.
+# Share of the bandwidth BatchNorm's own kernels reach, forward and backward: FITTED to the kernels of the plain 8192 px
+# ResNet-50 step profiled on an H200 (bf16, NCHW, one image; docs/benchmarks/traces, ``benchmarks/trace_tables.py
+# --bandwidth 4800``): 834 and 626 GB/s of the bytes the clock counts, where ReLU's kernels reach 0.90 of the bandwidth.
+# The capped SFT step's tiles gave 0.207 and 0.141 (a check, not fitted). Half of that plain step's device time is
+# BatchNorm (214 of 415 ms), so pricing it at MEMORY_EFFICIENCY had put its time into CONV_EFFICIENCY, and
+# convolution-heavy models (VGG-16) were priced four times too slow.
 NORM_EFFICIENCY = 0.174
 NORM_BACKWARD_EFFICIENCY = 0.130
 # A kernel occupies the GPU for at least this long (launch latency, tail of the grid), microseconds: ASSUMED,
@@ -68,13 +68,13 @@ TILE_CONV_EFFICIENCY = 0.663
 # maps. FITTED to the capped SFT step on an H200 (docs/research/simulated-clock.md; replayed as it ran, its one-pass
 # segment recomputing after its pass, which every bf16 step did before 2026-11-27); the profile of that step
 # (docs/benchmarks/traces) shows it directly: the tiles' large 1x1 layers ran at 55-180 TFLOP/s where the whole image's
-# same layers ran at 520-710 (``scripts/trace_tables.py ... --against``).
+# same layers ran at 520-710 (``benchmarks/trace_tables.py ... --against``).
 UNALIGNED_CONV_EFFICIENCY = 0.2938
 # Matrix products in half precision whose operands' rows are not 16 bytes aligned (a tile's 1x1 layers run as
 # products on such maps: wsitrain/sft/ops/pointwise_conv.py), as a share of the tensor rate: MEASURED on an H200
 # (bf16, forward and backward of nine of ResNet-50's tile shapes: 85-124 TFLOP/s, mean 98, in the script's first run;
 # 96-145, mean 108, in the run docs/benchmarks/pointwise_matmul.md keeps; the same layers as convolutions 8-61;
-# ``scripts/bench_pointwise.py``). The first run's figure stands: the clock's tables were made with it.
+# ``benchmarks/bench_pointwise.py``). The first run's figure stands: the clock's tables were made with it.
 UNALIGNED_MATMUL_EFFICIENCY = 0.099
 # A convolution's rate grows with its narrower channel count c = min(input channels per group, output channels): it
 # reaches c / (c + CONV_CHANNELS_HALF) of the large-channel rate (CONV_EFFICIENCY). FITTED to the kernel rates of the

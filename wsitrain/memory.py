@@ -151,7 +151,7 @@ class _AllocatorState:
 _ALLOCATOR = _AllocatorState()
 # Used as a library (``SFT`` in a process wsitrain does not own), the engine tunes the allocator on first use
 # on CPU, as fit does: with glibc's default dynamic threshold VGG-16 at 1024 px under 35% of plain's peak
-# measured 45% of plain (scripts/bench_library_budget.py). Setting this variable to "default" leaves the
+# measured 45% of plain (benchmarks/bench_library_budget.py). Setting this variable to "default" leaves the
 # allocator alone; plans then do not hold on CPU with glibc.
 ALLOCATOR_ENV = "WSITRAIN_CPU_ALLOCATOR"
 
@@ -185,7 +185,7 @@ def tune_library_allocator(device: torch.device, env: dict[str, str] | None = No
 
 # CUDA: with its default fixed-size segments, PyTorch's caching allocator fragments under the engine's mix of
 # whole-map buffers (checkpoints, input gradients) and tile-sized ones. Measured on an H100 capped at the 2080 Ti
-# preset's 10.47 GiB (scripts/bench_measured.py, torch 2.11): ConvNeXt-T at 8192 px and VGG-16 at 20480 px ran out
+# preset's 10.47 GiB (benchmarks/bench_measured.py, torch 2.11): ConvNeXt-T at 8192 px and VGG-16 at 20480 px ran out
 # of memory with 7.7 and 6.5 GiB allocated and 2.4 and 3.3 GiB reserved but unusable, although their plans and the
 # simulated device said 9.0 and 8.7 GiB. Expandable segments map pages into one growing segment per stream, so
 # freed memory serves a request of any size.

@@ -80,7 +80,7 @@ class SegmentPlan:
     @property
     def brief(self) -> str:
         """"plain", "tiled 3x3", "tiled 3x3 (forward 1x1)" (the forward sweep on its own tiles), "tiled 3x3 one pass":
-        what a replay of the plan on the simulated clock must reproduce (scripts/gpu_session.py, fit_clock.py)."""
+        what a replay of the plan on the simulated clock must reproduce (benchmarks/gpu_session.py, fit_clock.py)."""
         if self.mode != "tiled":
             return self.mode
         own = f" (forward {self.forward_grid[0]}x{self.forward_grid[1]})" if self.forward_grid else ""
@@ -227,7 +227,7 @@ class Plan:
             f"  extra compute vs plain: {100 * self.overhead:+.1f}% "
             f"({self.recomputed_tiles} tiles recomputed per step)",
             f"  predicted step time vs plain: {self.slowdown:.2f}x ({self.device} time model: FLOPs, memory traffic, "
-            "calls; scripts/calibrate_costs.py)",
+            "calls; benchmarks/calibrate_costs.py)",
         ]
         if self.time_tiles:
             lines.append(

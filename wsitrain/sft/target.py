@@ -47,7 +47,7 @@ class Generation:
 # Context: the CUDA context with lazy module loading (CUDA >= 11.7, PyTorch's default) and the kernels a CNN
 # step loads: a few hundred MiB, more on newer generations (larger kernel images). Hopper's is measured: an H100
 # (torch 2.11, CUDA 13.0, cuDNN 9.19) held 769 MiB outside PyTorch's allocator after a DarkNet-19 step and 921 MiB
-# after six backbones had loaded their kernels (scripts/bench_measured.py); 1 GiB leaves room. The workspaces are
+# after six backbones had loaded their kernels (benchmarks/bench_measured.py); 1 GiB leaves room. The workspaces are
 # published defaults; under the allocator cap that fit sets, cuDNN picks algorithms whose workspace fits (an
 # uncapped H100 gave one 3x3 convolution 514 MiB, `wsitrain doctor`). The older generations' figures are typical
 # ones, to be replaced by `wsitrain doctor`'s measurements.

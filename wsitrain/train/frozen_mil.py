@@ -6,7 +6,7 @@ patches; the frozen trunk embeds every patch once, without autograd, into one ve
 then only the model's own head (``attention`` -> ``pool`` -> ``flatten`` -> ``classifier``) is trained on the bags of
 patch vectors, laid out as a (1, C, N, 1) map so it is the very module end-to-end training runs on the trunk's map.
 
-Plain tensors in and out: the caller reads the slides (scripts/bench_learning.py ``--baseline``).
+Plain tensors in and out: the caller reads the slides (benchmarks/bench_learning.py ``--baseline``).
 """
 
 from __future__ import annotations

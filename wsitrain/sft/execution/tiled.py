@@ -43,7 +43,7 @@ from wsitrain.sft.ops.types import TILE_CALL, tile_call
 from wsitrain.sft.plan_types import SegmentPlan
 from wsitrain.sft.regions import AxisTile
 
-# Profiler ranges (``torch.profiler``; free when no profiler runs): what scripts/gpu_session.py breaks a step into.
+# Profiler ranges (``torch.profiler``; free when no profiler runs): what benchmarks/gpu_session.py breaks a step into.
 JOIN = "sft.join"  # output tiles stored into the next checkpoint or folded into a fused pool
 RECOMPUTE = "sft.recompute"  # a tile's forward again, with autograd, in backward
 TILE_BACKWARD = "sft.tile_backward"  # autograd through one recomputed tile

@@ -4,7 +4,7 @@ A tile's halo leaves maps whose pixel count is not a multiple of 8 (387 x 387, 3
 precision cuDNN falls back to old generic kernels for 1x1 layers, and forward with backward runs up to 12x slower than
 the same layer as a matrix product over the map's pixels, measured on an H200 (bf16, nine tile shapes of ResNet-50's
 capped 8192 px step: 8-61 TFLOP/s as convolutions, 96-145 as matrix products, 3.0-12.1x on 128-1024 channels and
-about even on 64-256; aligned maps: the same time either way; ``scripts/bench_pointwise.py``,
+about even on 64-256; aligned maps: the same time either way; ``benchmarks/bench_pointwise.py``,
 docs/benchmarks/pointwise_matmul.md). cuBLAS takes any leading dimension.
 
 The product is the convolution's arithmetic: for each image, ``W (Cout, Cin) @ x (Cin, H*W)``. In float64 it equals

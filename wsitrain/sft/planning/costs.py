@@ -18,7 +18,7 @@ from wsitrain.sft.target import TargetDevice
 # element-wise layers are bound by memory traffic, not FLOPs), plus CALL_FLOPS per call (dispatch, autograd,
 # kernel set-up), plus TILE_CALL_FLOPS per call the tile executor makes (cropping, its Python bookkeeping):
 # light layers on many tiles pay these many times.
-# CPU: fitted by `python scripts/calibrate_costs.py` on the 2-core CI machine (float32, one thread, two quiet
+# CPU: fitted by `python benchmarks/calibrate_costs.py` on the 2-core CI machine (float32, one thread, two quiet
 # runs): least squares over plain steps of FLOP-, traffic- and call-bound micro-models gave 9.0-9.2e10 FLOP/s,
 # 1 byte = 7.5-8.1 FLOPs (11-12 GB/s) and a call of 9 us (8.1-8.4e5 FLOPs). Tiled steps of a 121-layer 1x1-conv
 # chain on 32 px maps with 4 and 16 tiles then matched their predicted slowdown (7.2x, 26.6x) within 5% with
@@ -43,7 +43,7 @@ OPTIMIZER_STEP_TEMPORARY = {"none": 0.0, "sgd": 0.0, "adam": 1.0, "adamw": 1.0}
 # caching allocator rounds and splits blocks. Activation memory is planned with this much slack.
 ALLOCATOR_SLACK = 1.10
 # Plans keep this share of the activation budget free for the memory model's own error: the estimate
-# stays a best guess, the plan a safe one. CPU, measured with the tuned allocator (scripts/bench_whole_slide.py,
+# stays a best guess, the plan a safe one. CPU, measured with the tuned allocator (benchmarks/bench_whole_slide.py,
 # uint8 image, 256 MiB): tiled steps of the tiny model at 4096, 8192 and 16384 px peaked 13%, 8% and 9% above
 # their plans (252, 246, 255 MiB against 223, 228, 233 planned), so 8% left 1 MiB at 16384 px; VGG-16 at 2048
 # and 4096 px under 2 GiB peaked 1% under. CUDA: not measured yet; the round-1 figure.

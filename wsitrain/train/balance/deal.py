@@ -31,11 +31,11 @@ from wsitrain.train.data import epoch_order
 from wsitrain.train.distributed import padded_order
 
 # Steps sorted together. Larger windows pair slides of closer cost (less waiting) but regroup the epoch's order over a
-# longer stretch. Simulated (`python scripts/bench_balance.py --simulate`: costs uniform in [1, 4], 4096 slides, every
-# slide taking exactly its cost): 2 ranks wait 16.5% of their time with round_robin, and 10.6%, 6.1%, 3.4%, 1.8% with
-# windows of 2, 4, 8, 16 steps (4 ranks: 26.4% and 5.2% at 8; accumulate 4: 8.6% and 0.2% at 8). 8 takes most of the
-# gain (a fifth of round robin's waiting) while regrouping only 8 steps at a time, so steps still mix slides differently
-# each epoch. Measured (docs/benchmarks/bench_balance.md, 2 CPU ranks, 24 slides): 16.6% -> 7.1%.
+# longer stretch. Simulated (`python benchmarks/bench_balance.py --simulate`: costs uniform in [1, 4], 4096 slides,
+# every slide taking exactly its cost): 2 ranks wait 16.5% of their time with round_robin, and 10.6%, 6.1%, 3.4%, 1.8%
+# with windows of 2, 4, 8, 16 steps (4 ranks: 26.4% and 5.2% at 8; accumulate 4: 8.6% and 0.2% at 8). 8 takes most of
+# the gain (a fifth of round robin's waiting) while regrouping only 8 steps at a time, so steps still mix slides
+# differently each epoch. Measured (docs/benchmarks/bench_balance.md, 2 CPU ranks, 24 slides): 16.6% -> 7.1%.
 WINDOW_STEPS = 8
 
 

@@ -1,6 +1,6 @@
 """A tile's 1x1 layers on a GPU: as cuDNN convolutions against as matrix products (wsitrain/sft/ops/pointwise_conv.py).
 
-    python scripts/bench_pointwise.py --out docs/          # a CUDA GPU, bf16: about 15 s
+    python benchmarks/bench_pointwise.py --out docs/benchmarks          # a CUDA GPU, bf16: about 15 s
 
 For each map shape (ResNet-50's tiles in the capped 8192 px step on an H200, from its trace, and two whole maps), one
 1x1 layer in bf16, NCHW: forward alone and forward with backward (input and weight gradients), as ``F.conv2d``, as
@@ -30,6 +30,8 @@ SHAPES = [
     (256, 1024, 512, 512),
 ]  # fmt: skip
 Layer = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+PAGE = "docs/benchmarks/pointwise_matmul.md"  # where this script's figures are documented (named in --help)
 
 
 def _conv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -89,7 +91,7 @@ def markdown(rows: list[dict[str, Any]], device: str) -> str:
     out = [
         "# A tile's 1x1 layers: convolution against matrix product",
         "",
-        f"*Measured* on {device}, torch {torch.__version__}, by `python scripts/bench_pointwise.py`: one 1x1 layer, "
+        f"*Measured* on {device}, torch {torch.__version__}, by `python benchmarks/bench_pointwise.py`: one 1x1 layer, "
         "bf16, NCHW, fastest of 8 runs; \"both\" is forward with the input and weight gradients; TFLOP/s of both.",
         "",
         "| Cin | Cout | map | batch | pixels aligned | conv: forward / both | product: forward / both | "
@@ -108,8 +110,10 @@ def markdown(rows: list[dict[str, Any]], device: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=Path("docs"))
+    ap = argparse.ArgumentParser(
+        description=f"{__doc__}\nDocs page: {PAGE}", formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_pointwise.py needs a CUDA GPU (cuDNN's kernels are what it measures)")

@@ -1,11 +1,11 @@
 """Why whole slides: a learning benchmark. Small lesions that only full resolution shows, against a thumbnail.
 
-    python scripts/bench_learning.py --out docs                       # the documented run (~30-40 min, 2-core CPU)
-    python scripts/bench_learning.py --out /tmp/bl --quick            # a smoke run: 16 slides of 1024 px, 1 seed
-    python scripts/bench_learning.py --out docs --pools avg,max,attention
-    python scripts/bench_learning.py --out docs --plot-only           # rewrite the table and plot from the JSONL
-    python scripts/pretrain_patches.py --objective contrastive --out trunk.pt   # a trunk pretrained without labels
-    python scripts/bench_learning.py --out D --jobs 2 --baseline --model tiny_ln --set model.weights=trunk.pt ...
+    python benchmarks/bench_learning.py --out docs/benchmarks                # the documented run (~30-40 min, 2 CPUs)
+    python benchmarks/bench_learning.py --out /tmp/bl --quick            # a smoke run: 16 slides of 1024 px, 1 seed
+    python benchmarks/bench_learning.py --out docs/benchmarks --pools avg,max,attention
+    python benchmarks/bench_learning.py --out docs/benchmarks --plot-only    # the table and plot from the JSONL
+    python benchmarks/pretrain_patches.py --objective contrastive --out trunk.pt   # a trunk pretrained without labels
+    python benchmarks/bench_learning.py --out D --jobs 2 --baseline --model tiny_ln --set model.weights=trunk.pt ...
 
 ``--jobs N`` runs N of the benchmark's runs at once, each in a process of its own with ``--threads`` threads (its
 log in ``--work``/logs): on a 2-core CPU, ``--jobs 2 --threads 1`` does in about half the time what one process
@@ -66,8 +66,8 @@ THUMB_MPP = LESION_MPP * BLOCK  # pyramid level 2: 512 px for a 2048 px slide
 # ``attention_per_class`` is CLAM-MB (one attention branch per class); its maps are scored on the positive class's
 # branch, the evidence for a lesion, where one branch for all classes also attends to what argues for "negative".
 # ``attention_mil`` is CLAM-MB with the MIL instance loss on the positive branch's scores at its defaults
-# (model.attention.instance_loss, docs/research/plateau.md sections 10-11; the map's outer ring left out, border_cells' default
-# with the loss), ``attention_mil_w01`` the same at a fifth of the weight; ``attention_mil_pos1`` pushes only a
+# (model.attention.instance_loss, docs/research/plateau.md sections 10-11; the map's outer ring left out, border_cells'
+# default with the loss), ``attention_mil_w01`` the same at a fifth of the weight; ``attention_mil_pos1`` pushes only a
 # positive slide's highest cell up, ``attention_mil_top1`` also only a negative slide's highest down;
 # ``attention_mil_stream`` is ``attention_mil`` whose positive branch's 16 highest scores add to the positive logit
 # (model.attention.instance_stream) and whose scores read the trunk's map standardised over the slide (norm: slide);
@@ -89,6 +89,8 @@ HEADS = {"attention_per_class": PER_CLASS, "attention_mil": MIL, "attention_mil_
          "max_map_norm": ["model.pool=max", "model.map_norm=slide"],
          "attention_map_norm": ["model.pool=attention", "model.map_norm=slide"],
          "attention_mil_w01_map_norm": [*W01, "model.map_norm=slide"]}  # fmt: skip
+
+PAGE = "docs/benchmarks/learning.md and docs/benchmarks/bench_learning/"  # named in --help
 
 
 def available_pools() -> list[str]:
@@ -484,7 +486,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         "# Why whole slides: a learning benchmark (measured)",
         "",
         f"Measured on {_where(head)}, {m['torch_threads']} intra-op thread, torch {m['torch']}, "
-        f"{m['date']}; `python scripts/bench_learning.py {head['argv']}` (total wall time "
+        f"{m['date']}; `python benchmarks/bench_learning.py {head['argv']}` (total wall time "
         f"{head.get('total_wall_s', 0) / 60:.1f} min).",
         "",
         f"Cohort: `wsitrain synth --lesions small`, {head['n']} slides of {head['size']} px at {LESION_MPP} um/px "
@@ -707,7 +709,9 @@ def run_units(units: list[Unit], jobs: int, run: Callable[[Unit], dict[str, Any]
 
 # ---- main -------------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=f"{__doc__}\nDocs page: {PAGE}", formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", type=Path, required=True, help="folder for bench_learning.{jsonl,md,png}")
     ap.add_argument("--cohort", type=Path, default=Path(".cache/wsitrain/lesions"), help="where the slides go")
     ap.add_argument("--work", type=Path, default=Path(".cache/wsitrain/bench_learning"), help="run folders, CSVs")

@@ -6,9 +6,9 @@ the simulated device peak and where it happens, the plan's replay and estimate, 
 peak against the plan's host memory, and the plan's extra compute. Results are appended one JSON line per case as
 each finishes (a long run keeps what it measured), then rendered as a markdown table.
 
-    python scripts/bench_simulated.py --out docs                  # every case, a few minutes
-    python scripts/bench_simulated.py --out /tmp/s --quick        # without the 100,000 px ones
-    python scripts/bench_simulated.py --out docs --render-only    # redraw the table from the JSON lines
+    python benchmarks/bench_simulated.py --out docs/benchmarks                  # every case, a few minutes
+    python benchmarks/bench_simulated.py --out /tmp/s --quick        # without the 100,000 px ones
+    python benchmarks/bench_simulated.py --out docs/benchmarks --render-only    # redraw the table from the JSON lines
 
 Writes ``bench_simulated.jsonl`` and ``bench_simulated.md`` into ``--out``. Figures are *simulated*: live tensor
 bytes as the code allocates them; not allocator rounding, library workspaces, the CUDA context, or time.
@@ -37,6 +37,16 @@ QUICK = [
     ("vgg16", 20480),
 ]
 SLOW = [("darknet19", 100_000), ("resnet50", 100_000), ("vgg16", 100_000)]
+
+PAGE = "docs/benchmarks/bench_simulated.md"  # where this script's figures are documented (named in --help)
+# The page's title and what kind of figures it holds, above the table this script writes.
+PAGE_HEAD = (
+    "# The simulated device: one training step against its plan\n"
+    "\n"
+    "**Simulated** peaks (the real executor on fake tensors, every live storage counted) against the plan's\n"
+    "**planned** replay and estimate; written by `benchmarks/bench_simulated.py`.\n"
+    "\n"
+)
 
 
 def run_case(name: str, size: int, gpu: str, every_tile: bool) -> dict[str, object]:
@@ -102,7 +112,9 @@ def render(rows: list[dict[str, object]]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        description=f"{__doc__}\nDocs page: {PAGE}", formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--gpu", default="2080ti")
     ap.add_argument("--quick", action="store_true", help="without the 100,000 px cases")
@@ -120,7 +132,7 @@ def main() -> None:
             with lines_path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
     rows = [json.loads(line) for line in lines_path.read_text().splitlines() if line.strip()]
-    (args.out / "bench_simulated.md").write_text(render(rows))
+    (args.out / "bench_simulated.md").write_text(PAGE_HEAD + render(rows))
     print(render(rows))
 
 

@@ -1,8 +1,8 @@
 """Why a head warm-up that did not learn flattens the run (docs/research/plateau.md section 6): one seed, whole slides.
 
-    PYTHONPATH=$PWD python scripts/plateau_warmup_diag.py --cohort C --seed 1
+    PYTHONPATH=$PWD python research/plateau_warmup_diag.py --cohort C --seed 1
 
-Builds the probe's attention model (scripts/plateau_probe.py, same split and init), runs ``train.head_warmup``'s
+Builds the probe's attention model (research/plateau_probe.py, same split and init), runs ``train.head_warmup``'s
 function without its keep rule, then 24 end-to-end AdamW steps, and prints the trunk's share of active (> 0) features,
 their spread over positions, the largest attention weight and the classifier's largest weight along the way. Every
 figure it prints is *measured* on the machine that runs it.

@@ -1,13 +1,12 @@
 """Would ``model.bn_stats: slide`` change a run's predictions? Score its validation slides both ways.
 
 For a finished run trained with ``model.freeze_bn: false`` (BatchNorm on each slide's statistics while training), the
-run's last checkpoint predicts every validation slide twice on the same read (level 0, whole, plain PyTorch):
-- with the running averages (``model.bn_stats: running``, PyTorch's eval mode);
-- with each slide's own statistics (``model.bn_stats: slide``).
-It prints ROC AUC and accuracy of the positive class for both. The learning benchmark's figures in docs/research/plateau.md
-section 14 were measured with it:
+run's last checkpoint predicts every validation slide twice on the same read (level 0, whole, plain PyTorch): - with the
+running averages (``model.bn_stats: running``, PyTorch's eval mode); - with each slide's own statistics
+(``model.bn_stats: slide``). It prints ROC AUC and accuracy of the positive class for both. The learning benchmark's
+figures in docs/research/plateau.md section 14 were measured with it:
 
-    python scripts/bn_stats_probe.py RUN_DIR [RUN_DIR ...]
+    python research/bn_stats_probe.py RUN_DIR [RUN_DIR ...]
 
 The read has no tissue mask or crop, so its figures differ a little from the run's own validation; both columns
 share the read, so their difference is the statistics'. Small slides only (the benchmark's 1024 px).

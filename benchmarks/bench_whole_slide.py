@@ -6,9 +6,9 @@ above the loaded model and image (VmHWM), the planned peak, the budget, seconds 
 planned vs measured extra compute. The measured extra compute compares the SFT step with plain PyTorch
 at the largest size plain training fits in host memory (time scales with pixels).
 
-    python scripts/bench_whole_slide.py --out bench-whole-slide          # tiny 4096-16384, vgg16 2048-8192
-    python scripts/bench_whole_slide.py --quick --out /tmp/wsb           # tiny only, for a smoke run
-    python scripts/bench_whole_slide.py --plot-only --out bench-whole-slide  # redraw the plot from the JSON
+    python benchmarks/bench_whole_slide.py --out bench-whole-slide          # tiny 4096-16384, vgg16 2048-8192
+    python benchmarks/bench_whole_slide.py --quick --out /tmp/wsb           # tiny only, for a smoke run
+    python benchmarks/bench_whole_slide.py --plot-only --out bench-whole-slide  # redraw the plot from the JSON
 
 Writes bench_whole_slide.json, bench_whole_slide.md and bench_whole_slide.png (peak memory against the
 budget and the plan, and seconds per megapixel, per size). The time goal: every size's seconds per
@@ -56,6 +56,18 @@ CONFIGS = {
     "tiny": ("256MiB", (4096, 8192, 16384), 2048),
     "vgg16": ("2GiB", (2048, 4096, 8192), 1024),
 }
+
+PAGE = "docs/benchmarks/bench_whole_slide.md"  # where this script's figures are documented (named in --help)
+# The page's title and what kind of figures it holds, above the table this script writes.
+PAGE_HEAD = (
+    "# Whole slides on a fixed budget\n"
+    "\n"
+    "**Measured** peaks and times (on the machine that ran `benchmarks/bench_whole_slide.py`; the committed table:\n"
+    "this project's 2-core CPU) beside the **planned** peaks and slowdowns.\n"
+    "\n"
+    "![peak memory and time per megapixel against the slide's edge](bench_whole_slide.png)\n"
+    "\n"
+)
 
 
 def run(name: str, size: int, budget: str, mode: str) -> dict:
@@ -118,7 +130,9 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=f"{__doc__}\nDocs page: {PAGE}", formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--quick", action="store_true", help="only the tiny model")
     ap.add_argument("--models", default=None, help="comma-separated subset of: " + ", ".join(CONFIGS))
@@ -176,7 +190,7 @@ def write(rows: list[dict], out: Path) -> None:
             + (f"{r['planned_slowdown']:.2f}x | " if r.get("planned_slowdown") else "- | ")
             + (f"{100 * r['measured_extra']:+.0f}% |" if r.get("measured_extra") is not None else "- |")
         )
-    (out / "bench_whole_slide.md").write_text("\n".join(lines) + "\n")
+    (out / "bench_whole_slide.md").write_text(PAGE_HEAD + "\n".join(lines) + "\n")
     plot(rows, out / "bench_whole_slide.png")
     print("\n".join(lines))
 

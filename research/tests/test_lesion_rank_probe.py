@@ -1,4 +1,4 @@
-"""scripts/lesion_rank_probe.py: where a lesion cohort's lesions and look-alikes rank in a run's positive attention
+"""research/lesion_rank_probe.py: where a lesion cohort's lesions and look-alikes rank in a run's positive attention
 branch, at initialisation (the weights fit built for the run's seed) and trained; bad input is exit 2 or names the
 folder."""
 
@@ -18,7 +18,7 @@ from wsitrain.train.checkpoint import load_checkpoint
 
 
 def test_slide_figures_from_hand_made_maps() -> None:
-    probe = load_script("lesion_rank_probe")
+    probe = load_script("lesion_rank_probe", "research")
     tissue = np.ones((4, 4), bool)
     scores = np.zeros((4, 4))
     scores[0, 0] = 5.0  # a look-alike above the lesion
@@ -70,7 +70,7 @@ def lesion_run(tmp: Path) -> Path:
 
 
 def test_a_run_is_probed_at_init_and_trained(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    probe = load_script("lesion_rank_probe")
+    probe = load_script("lesion_rank_probe", "research")
     run = lesion_run(tmp_path)
     trained = load_checkpoint(run / "last.pt")["model"]
     init = probe.run_model(run, init=True).state_dict()
@@ -91,7 +91,7 @@ def test_a_run_is_probed_at_init_and_trained(tmp_path: Path, capsys: pytest.Capt
 
 
 def test_bad_input_names_the_folder(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    probe = load_script("lesion_rank_probe")
+    probe = load_script("lesion_rank_probe", "research")
     assert probe.main([str(tmp_path)]) == 2
     assert f"{tmp_path} is not a run folder (config.yaml, last.pt missing)" in capsys.readouterr().err
     (tmp_path / "config.yaml").write_text(

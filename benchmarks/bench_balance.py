@@ -1,8 +1,8 @@
 """Balanced ranks on CPU: the share of rank-time spent waiting at the gradient all_reduce, round_robin against time.
 
-    python scripts/bench_balance.py --out /tmp/bench-balance             # measured: 2 ranks (gloo), ~4 minutes
-    python scripts/bench_balance.py --out /tmp/bench-balance --quick     # 16 slides, 2 epochs: a smoke run
-    python scripts/bench_balance.py --simulate                           # the balancer alone, on drawn costs
+    python benchmarks/bench_balance.py --out /tmp/bench-balance             # measured: 2 ranks (gloo), ~4 minutes
+    python benchmarks/bench_balance.py --out /tmp/bench-balance --quick     # 16 slides, 2 epochs: a smoke run
+    python benchmarks/bench_balance.py --simulate                           # the balancer alone, on drawn costs
 
 Measured: a synthetic cohort (``write_synthetic_slide``) whose slide sides are drawn log-uniform in
 [--min-size, --max-size] (2x in side: 4x in area), read with ``data.region: tissue`` (the tissue box, so the read
@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+PAGE = "docs/benchmarks/bench_balance.md"  # where this script's figures are documented (named in --help)
 
 
 def write_cohort(folder: Path, n: int, min_size: int, max_size: int, seed: int) -> Path:
@@ -176,7 +178,9 @@ def simulate(n: int = 4096, seed: int = 0) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=f"{__doc__}\nDocs page: {PAGE}", formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", type=Path, default=Path("/tmp/bench-balance"), help="cohort, runs and the JSONL")
     ap.add_argument("--n", type=int, default=24, help="slides (all train)")
     ap.add_argument("--min-size", type=int, default=1024, help="smallest slide side, px")

@@ -7,9 +7,9 @@ device (``simulate_step``, fake tensors: spilled tensors counted as disk, the re
 case: the plan's host RAM and disk spill per rank, where each host checkpoint lives, and the simulated host RAM
 and disk peaks against them. Figures are *planned* and *simulated*; nothing is allocated.
 
-    OMP_NUM_THREADS=1 python scripts/bench_host_spill.py             # the two cases
-    OMP_NUM_THREADS=1 python scripts/bench_host_spill.py --quick     # ResNet-50 at 8192 px on the 2080 Ti, 64 MiB
-    OMP_NUM_THREADS=1 python scripts/bench_host_spill.py --step-time --spill-dir /tmp   # *measured*, this CPU
+    OMP_NUM_THREADS=1 python benchmarks/bench_host_spill.py             # the two cases
+    OMP_NUM_THREADS=1 python benchmarks/bench_host_spill.py --quick     # ResNet-50 at 8192 px on the 2080 Ti, 64 MiB
+    OMP_NUM_THREADS=1 python benchmarks/bench_host_spill.py --step-time --spill-dir /tmp   # *measured*, this CPU
 
 ``--step-time`` instead times real CPU steps (one thread, median of 5 after a warm-up) of VGG-16 at
 512 px, float32, every checkpoint after the image on the host (``host_checkpoints="always"``, the CUDA staging
@@ -33,6 +33,8 @@ from wsitrain.units import format_bytes, parse_bytes
 
 CASES = [("resnet50", 100_000, "2080ti", "8GiB"), ("resnet50", 200_000, "rtx3090", "16GiB")]
 QUICK = [("resnet50", 8192, "2080ti", "64MiB")]
+
+PAGE = "docs/engine/index.md (host checkpoints and disk spill)"  # named in --help
 
 
 def run(model: str, size: int, gpu: str, host: str) -> dict[str, object]:
@@ -82,7 +84,9 @@ def step_time(spill_dir: str, size: int = 512, repeats: int = 5) -> dict[str, fl
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        description=f"{__doc__}\nDocs page: {PAGE}", formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--quick", action="store_true", help="one small case")
     ap.add_argument("--step-time", action="store_true", help="time CPU steps, host checkpoints in RAM vs on disk")
     ap.add_argument("--spill-dir", default=None, help="the spill folder for --step-time (default: system temp)")

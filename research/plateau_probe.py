@@ -1,6 +1,6 @@
 """What makes the near-constant-output plateau: a small, cheap probe (docs/research/plateau.md).
 
-    python scripts/plateau_probe.py --out /tmp/probe.jsonl --variants torch_init,he_init --pools max,attention
+    python research/plateau_probe.py --out /tmp/probe.jsonl --variants torch_init,he_init --pools max,attention
 
 Trains wsitrain's ``tiny`` model (``wsitrain.models.zoo.build``, the same layers ``fit`` trains) with plain autograd
 (no SFT engine, no data loader: the slides are small enough to hold whole) on a ``synth --lesions small`` cohort,
@@ -39,7 +39,8 @@ from wsitrain.slides.synth.lesions import LESION_MODES, read_sidecar
 from wsitrain.slides.tissue.detect import tissue_mask
 
 # The plateau ends at the first epoch whose mean training loss is <= 0.6 (chance is ln 2 = 0.693; on the plateau it
-# stays 0.68-0.72, measured, docs/research/plateau.md). Not the spread of p: a large init starts with a spread it has not learnt.
+# stays 0.68-0.72, measured, docs/research/plateau.md). Not the spread of p: a large init starts with a spread it has
+# not learnt.
 PLATEAU_LOSS = 0.6
 VARIANTS = (
     "torch_init",
@@ -121,15 +122,16 @@ MIL_POSITIVE_K = 16
 # above 0, tissue and look-alikes below) still concentrate the pooled feature on the lesion (score_mil_negk's
 # attention pointed at the lesions from epoch 5 on seed 0 but held 1-7% of its mass there, measured)
 SCORE_SHARPNESS = 4.0
-# mb_*: one attention branch per class (CLAM-MB, model.attention.branches: per_class). The probe's maps (pointing,
-# mass, structure scores) and mb_score_mil_negk's instance loss read the positive class's branch: the negative class's
-# branch stays free to find the look-alikes (the fast way off the plateau, section 9), the positive one is asked to
-# rank the lesions first. _bias: the instance logits are the scores plus a learnt bias (the attention layers have none,
-# a softmax being shift-invariant), so the loss can lower every cell's logit at once without saturating the tanh layer
+# mb_*: one attention branch per class (CLAM-MB, model.attention.branches: per_class). The probe's maps (pointing, mass,
+# structure scores) and mb_score_mil_negk's instance loss read the positive class's branch: the negative class's branch
+# stays free to find the look-alikes (the fast way off the plateau, section 9), the positive one is asked to rank the
+# lesions first. _bias: the instance logits are the scores plus a learnt bias (the attention layers have none, a softmax
+# being shift-invariant), so the loss can lower every cell's logit at once without saturating the tanh layer
 # (mb_score_mil_negk, seed 1: every score driven to about -3.3, lesions and look-alikes alike, and no way back)
 # he_max_refit_evidence: at SWITCH_EPOCH the classifier is first fitted as the max-instance head on the frozen trunk's
 # training maps (head-only AdamW steps, one slide each), so the hand-over starts from a head that fits the cells
-# (max_then_evidence fell back at the switch: train loss 0.36-0.62 -> 0.75-0.89, H200, docs/research/plateau.md section 9)
+# (max_then_evidence fell back at the switch: train loss 0.36-0.62 -> 0.75-0.89, H200, docs/research/plateau.md section
+# 9)
 REFIT_STEPS = 500
 # the evidence heads' softmax temperature: 0 is a hard maximum (max-instance MIL), < 0 standardises the scores over
 # the map and sharpens them by its absolute value (docs/research/plateau.md section 9)

@@ -1,6 +1,6 @@
 """Benchmark of the SFT engine on CPU (issue "SFT engine"): VGG-16, plain vs best checkpoint_sequential vs SFT.
 
-    .venv/bin/python scripts/bench_sft.py [--sizes 512,1024,2048] [--runs 2] [--out bench_sft.json]
+    .venv/bin/python benchmarks/bench_sft.py [--sizes 512,1024,2048] [--runs 2] [--out bench_sft.json]
 
 SFT's budget is 35% of plain PyTorch's measured peak at the same size (1 GiB at 2048 px and above, where
 plain may not be run). Each configuration runs in its own process (wsitrain.bench's worker): one
@@ -29,6 +29,8 @@ SFT_FRACTION = 0.35  # of plain PyTorch's peak
 LARGE_SIZE = 2048  # from here on SFT gets a fixed budget
 LARGE_BUDGET = "1GiB"
 N_LAYERS = 32  # normalize + VGG-16's 31 feature layers: what checkpoint_sequential splits
+
+PAGE = "docs/benchmarks/engine-cpu.md"  # where this script's figures are documented (named in --help)
 
 
 def _row(size: int, strategy: str, r: dict[str, Any], budget: int | None, plain_ms: float | None) -> dict[str, Any]:
@@ -99,7 +101,9 @@ def render(rows: list[dict[str, Any]], console: Console) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=f"{__doc__}\nDocs page: {PAGE}", formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--sizes", default="512,1024,2048", help="image edges, comma-separated")
     ap.add_argument("--runs", type=int, default=2, help="timed steps per configuration after 1 warm-up")
     ap.add_argument("--out", type=Path, default=None, help="also write the rows as JSON here")

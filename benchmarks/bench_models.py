@@ -7,7 +7,7 @@ two predictions are printed next to the measured ratio: extra FLOPs (the paper's
 the fastest of ``--runs`` is kept for each, so a load that comes and goes hits both alike.
 
 Usage:
-    python scripts/bench_models.py [--dtype float32] [--threads 1] [--runs 5] [--out DIR] [MODEL ...]
+    python benchmarks/bench_models.py [--dtype float32] [--threads 1] [--runs 5] [--out DIR] [MODEL ...]
 """
 
 from __future__ import annotations
@@ -34,6 +34,16 @@ MODELS: dict[str, tuple[bool, tuple[int, int], float]] = {
     "shufflenet_v2_x1_0": (False, (240, 272), 0.45),
     "resnet18": (True, (160, 192), 0.95),
 }
+
+PAGE = "docs/benchmarks/bench_models.md"  # where this script's figures are documented (named in --help)
+# The page's title and what kind of figures it holds, above the table this script writes.
+PAGE_HEAD = (
+    "# The time model on real backbones\n"
+    "\n"
+    "**Measured** step times (SFT against plain PyTorch, on the machine that ran `benchmarks/bench_models.py`; the\n"
+    "committed table: this project's 2-core CPU, float32, one thread) beside the time model's **planned** ratios.\n"
+    "\n"
+)
 
 
 @dataclass
@@ -99,7 +109,9 @@ def markdown(rows: list[Row]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=f"{__doc__}\nDocs page: {PAGE}", formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("models", nargs="*", metavar="MODEL", help="default: all of " + ", ".join(MODELS))
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     ap.add_argument("--threads", type=int, default=1)
@@ -121,7 +133,7 @@ def main() -> None:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench_models.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
-        (args.out / "bench_models.md").write_text(table + "\n")
+        (args.out / "bench_models.md").write_text(PAGE_HEAD + table + "\n")
 
 
 if __name__ == "__main__":

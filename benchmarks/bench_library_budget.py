@@ -11,8 +11,8 @@ interpreter's with torch and the model's library imported (their code pages are 
 step alone: its resident high-water mark (VmHWM reset before it) above the memory before it, plus the model and
 the image (the budget covers them); heap the first step left resident is not in it.
 
-    python scripts/bench_library_budget.py                    # VGG-16, 1024 px, 35% of plain
-    python scripts/bench_library_budget.py --model tiny --size 2048 --share 0.35
+    python benchmarks/bench_library_budget.py                    # VGG-16, 1024 px, 35% of plain
+    python benchmarks/bench_library_budget.py --model tiny --size 2048 --share 0.35
 """
 
 from __future__ import annotations
@@ -55,6 +55,9 @@ print(json.dumps({"peak": peak_rss_bytes() - rss0, "step_peak": step_peak, "seco
 """
 
 
+PAGE = "docs/engine/background.md (the library's budget)"  # named in --help
+
+
 def run(model: str, size: int, mode: str, budget: int, allocator: str | None) -> dict[str, float]:
     env = dict(os.environ)
     env.pop("WSITRAIN_CPU_ALLOCATOR", None)
@@ -71,7 +74,9 @@ def run(model: str, size: int, mode: str, budget: int, allocator: str | None) ->
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        description=f"{__doc__}\nDocs page: {PAGE}", formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default="vgg16")
     ap.add_argument("--size", type=int, default=1024)
     ap.add_argument("--share", type=float, default=0.35, help="budget as a share of plain PyTorch's measured peak")

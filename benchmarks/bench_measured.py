@@ -2,16 +2,16 @@
 simulated peak and the plan.
 
 Each case builds the model on the GPU, plans it for a preset card (``--gpu``, default the 2080 Ti: the same budget
-and generation ``scripts/bench_simulated.py`` simulates), caps the process's CUDA allocator at that budget
+and generation ``benchmarks/bench_simulated.py`` simulates), caps the process's CUDA allocator at that budget
 (``torch.cuda.set_per_process_memory_fraction``) and runs ``--steps`` training steps as ``wsitrain fit`` does: a
 uint8 image in pinned host memory, cross entropy, backward, AdamW (foreach). Per step it records the allocator's
 peak (``max_memory_allocated``: live tensor bytes, what the simulation counts) and its reserved peak (plus cached
 and fragmented blocks), the wall time, and the error if the step failed. The simulated figures are read from
 ``--simulated`` (the JSON lines ``bench_simulated.py`` writes), so the GPU runs only real steps.
 
-    python scripts/bench_measured.py --out OUT                       # the quick cases of bench_simulated.py
-    python scripts/bench_measured.py --out OUT --case resnet50:16384 # one case (repeatable)
-    python scripts/bench_measured.py --out OUT --render-only         # redraw the table from OUT/bench_measured.jsonl
+    python benchmarks/bench_measured.py --out OUT                       # the quick cases of bench_simulated.py
+    python benchmarks/bench_measured.py --out OUT --case resnet50:16384 # one case (repeatable)
+    python benchmarks/bench_measured.py --out OUT --render-only         # redraw the table from OUT/bench_measured.jsonl
 
 Writes ``bench_measured.jsonl`` (a line per case as it finishes) and ``bench_measured.md`` into ``--out``. Figures
 are *measured* on the GPU it ran on; the plan is for the preset, whatever card runs it (an H100 capped at 10.47 GiB
@@ -45,6 +45,17 @@ CASES = [
     ("torchvision/convnext_tiny", 8192),
     ("vgg16", 20480),
 ]
+
+PAGE = "docs/benchmarks/bench_measured.md and docs/benchmarks/measured_on_gpu.md"  # named in --help
+# The page's title and what kind of figures it holds, above the table this script writes.
+PAGE_HEAD = (
+    "# Plans on a real GPU against the simulated device\n"
+    "\n"
+    "**Measured** CUDA peaks and step times on the GPU named in each row (the committed table: one NVIDIA H100 80GB,\n"
+    "2026-11-24) beside the **simulated** peaks of [bench_simulated.md](bench_simulated.md) and the **planned**\n"
+    "estimates; written by `benchmarks/bench_measured.py`.\n"
+    "\n"
+)
 
 
 def measure(name: str, size: int, gpu: str, steps: int) -> dict[str, object]:
@@ -161,12 +172,14 @@ def render(rows: list[dict[str, object]], simulated: dict[tuple[str, int, str], 
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        description=f"{__doc__}\nDocs page: {PAGE}", formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--gpu", default="2080ti", help="the preset whose budget and generation the plans are for")
     ap.add_argument("--steps", type=int, default=2, help="training steps per case (the second holds AdamW's state)")
     ap.add_argument("--case", action="append", default=[], help="MODEL:SIZE (repeatable); default: the quick cases")
-    ap.add_argument("--simulated", type=Path, default=REPO / "docs" / "bench_simulated.jsonl")
+    ap.add_argument("--simulated", type=Path, default=REPO / "docs" / "benchmarks" / "bench_simulated.jsonl")
     ap.add_argument("--render-only", action="store_true")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -186,7 +199,7 @@ def main() -> int:
                 print(row["traceback"], file=sys.stderr, flush=True)
     rows = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()] if jsonl.is_file() else []
     table = render(rows, _simulated(args.simulated))
-    (args.out / "bench_measured.md").write_text(table)
+    (args.out / "bench_measured.md").write_text(PAGE_HEAD + table)
     print(table)
     return 0
 

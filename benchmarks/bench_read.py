@@ -1,15 +1,15 @@
 """Read throughput of one slide region on 1 and 2 (or more) decoder threads, against OpenSlide's one-call read.
 
-    python scripts/bench_read.py                       # writes an 8192 x 8192 JPEG-tiled TIFF in a temp folder
-    python scripts/bench_read.py --size 4096 --compression zlib --runs 5
-    python scripts/bench_read.py --slide path/to/slide.svs
+    python benchmarks/bench_read.py                       # writes an 8192 x 8192 JPEG-tiled TIFF in a temp folder
+    python benchmarks/bench_read.py --size 4096 --compression zlib --runs 5
+    python benchmarks/bench_read.py --slide path/to/slide.svs
 
 Each configuration is read ``--runs`` times after one warm-up read (which fills the page cache, so the figures are
 decoding, not the disk); the best and the median Mpx/s are printed. The threaded reads must give the same bytes as
 the one-thread read, and the script says so. Readers: wsitrain's OpenSlide reader and tifffile reader (chunks via
 ``fill_region``), ``openslide.OpenSlide.read_region`` of the whole area in one call (one thread, RGBA via PIL), and
 pyvips (libvips' own TIFF loader and thread pool, the file opened and decoded whole per read, its cache off) when
-``import pyvips`` works. ``measure`` returns the figures as rows (scripts/bench_throughput.py reports them too).
+``import pyvips`` works. ``measure`` returns the figures as rows (benchmarks/bench_throughput.py reports them too).
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ import torch
 
 from wsitrain.slides.pixels import available_cores, fill_region
 from wsitrain.slides.readers import OpenSlideReader, SlideReader, TiffFileReader
+
+PAGE = "docs/benchmarks/read_throughput.md"  # where this script's figures are documented (named in --help)
 
 
 def write_synthetic(path: Path, size: int, compression: str, tile: int = 256) -> None:
@@ -199,7 +201,9 @@ def measure(path: Path, threads: list[int], runs: int, chunk: int, tile: int = 0
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=f"{__doc__}\nDocs page: {PAGE}", formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--slide", type=Path, help="a slide to read (default: write a synthetic tiled TIFF)")
     ap.add_argument("--size", type=int, default=8192, help="synthetic slide side in px")
     ap.add_argument("--compression", default="jpeg", choices=("jpeg", "zlib"))

@@ -1,7 +1,7 @@
 """Host memory of a fit on CPU, whole-image against streamed tiles (data.stream_tiles): peak process RSS and step time.
 
-    python scripts/bench_host_memory.py --out bench-host-memory                 # two 16,384 px slides (issue 34)
-    python scripts/bench_host_memory.py --size 2048 --out /tmp/bhm              # a quick smoke run
+    python benchmarks/bench_host_memory.py --out bench-host-memory                 # two 16,384 px slides (issue 34)
+    python benchmarks/bench_host_memory.py --size 2048 --out /tmp/bhm              # a quick smoke run
 
 Writes two synthetic slides of ``--size`` px, then runs ``wsitrain fit`` (tiny, one epoch, read threads on) once
 per configuration, each in a fresh process under ``/usr/bin/time -v``, in this order: the whole-image path at the
@@ -29,6 +29,8 @@ from typing import Any
 # one is where the whole-image path runs today
 RUNS = (("whole", False, "small"), ("whole", False, "large"), ("streamed", True, "small"),
         ("streamed", True, "large"))  # fmt: skip
+
+PAGE = "docs/benchmarks/host_memory.md"  # where this script's figures are documented (named in --help)
 
 
 def config(root: Path, name: str, stream: bool, budget: str, read_threads: int) -> Path:
@@ -81,7 +83,7 @@ def gib(n: int | None) -> str:
 def table(rows: list[dict[str, Any]], size: int) -> str:
     out = [
         f"Fit of two {size:,} px synthetic slides on CPU, tiny, one epoch (*measured*; "
-        f"`scripts/bench_host_memory.py`).",
+        f"`benchmarks/bench_host_memory.py`).",
         "",
         "| run | data.stream_tiles | budget | exit | max RSS | fit's peak meter (max over steps) | step s (each) |"
         " mean step s | wall s |",
@@ -101,7 +103,9 @@ def table(rows: list[dict[str, Any]], size: int) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=f"{__doc__}\nDocs page: {PAGE}", formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", type=Path, required=True, help="folder for the slides, runs and results")
     ap.add_argument("--size", type=int, default=16384, help="slide edge in px")
     ap.add_argument("--small", default="512MiB", help="the budget streaming is measured at")

@@ -1,8 +1,8 @@
 """Fine-tuning speed: one training step through the SFT engine with the early stages frozen (``model.freeze``)
 against the same step with nothing frozen, *measured* on this machine's CPU.
 
-    python scripts/bench_freeze.py                                   # resnet50, 256 px, stem+layer1+layer2 frozen
-    python scripts/bench_freeze.py --model resnet18 --size 768 --freeze layer1 --repeats 3
+    python benchmarks/bench_freeze.py                                   # resnet50, 256 px, stem+layer1+layer2 frozen
+    python benchmarks/bench_freeze.py --model resnet18 --size 768 --freeze layer1 --repeats 3
 
 The engine's tiles are forced (``--tile``) so both runs tile the same way; a frozen segment runs forward only (no
 recompute, no backward). Prints the median step time (forward + backward) of ``--repeats`` steps after one warm-up,
@@ -22,6 +22,8 @@ import torch
 from wsitrain.models import build
 from wsitrain.models.freeze import FreezeSpec
 from wsitrain.sft import SFT
+
+PAGE = "docs/guide/training.md (model.freeze's measured step time)"  # named in --help
 
 
 class Case:
@@ -51,7 +53,9 @@ class Case:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=f"{__doc__}\nDocs page: {PAGE}", formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default="resnet50")
     ap.add_argument("--size", type=int, default=256)
     ap.add_argument("--tile", type=int, default=64)

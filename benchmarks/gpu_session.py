@@ -1,7 +1,7 @@
 """GPU profiling kit: where a whole-slide step's time goes, on one GPU, in one command (at most 8 minutes).
 
-    python scripts/gpu_session.py                    # an H100 or H200, unchanged: the table of issue 36 and a profile
-    python scripts/gpu_session.py --device cpu --size 512 --quick --models tiny --budget 64MiB --out /tmp/x
+    python benchmarks/gpu_session.py                    # an H100 or H200: the table of issue 36 and a profile
+    python benchmarks/gpu_session.py --device cpu --size 512 --quick --models tiny --budget 64MiB --out /tmp/x
                                                      # the same code path on a CPU (the test runs this)
 
 Cases per model (``--models``, default resnet50, vgg16, darknet19), each 2 classes, batch 1, bf16 autocast, cross
@@ -19,12 +19,13 @@ Then one capped SFT step of the first model runs under ``torch.profiler`` and it
 convolution forward and backward, recompute, copies, crops, pads, joins and overlap-adds, host staging, optimizer,
 other kernels, and the device's idle time between kernels (from the kernel timeline). Every case is bounded: timed
 steps stop after ``--case-seconds``, and an out-of-memory marks the case and moves on. Writes
-``gpu_session.md`` and ``gpu_session.jsonl`` (a line per case, then the breakdown) into ``--out`` (default docs/).
+``gpu_session.md`` and ``gpu_session.jsonl`` (a line per case, then the breakdown) into ``--out`` (default
+docs/benchmarks/).
 Figures are *measured* on the device that ran them. Each row also records what a replay on the simulated clock needs
 (the case's shapes, the plan's budget and time model, the plan it ran); the clock runs afterwards, on any machine,
 so it costs no GPU time:
 
-    PYTHONPATH=. python scripts/fit_clock.py --kit docs/benchmarks/gpu_session.jsonl   # measured against simulated, per case
+    PYTHONPATH=. python benchmarks/fit_clock.py --kit docs/benchmarks/gpu_session.jsonl   # measured against simulated
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ CATEGORIES = (
     "conv forward", "conv backward", "recompute", "copies", "crops", "pads", "joins", "overlap-adds",
     "host staging", "optimizer", "other kernels", "idle between kernels",
 )  # fmt: skip
+
+PAGE = "docs/benchmarks/gpu_session.md and docs/benchmarks/gpu_time_breakdown.md"  # named in --help
 
 
 @dataclass(frozen=True)
@@ -232,7 +235,7 @@ def run_case(case: Case, device: torch.device, size: int, patch: int, steps: int
             plan = runner.sft.plan_of(runner.x, torch.bfloat16)
             row["plan"] = plan.brief
             row["planned_overhead"] = plan.slowdown - 1.0
-            # what the clock's replay (scripts/fit_clock.py --kit) plans with: the same budget, constants and target
+            # what the clock's replay (benchmarks/fit_clock.py --kit) plans with: the same budget, constants and target
             row["budget_bytes"] = plan.budget_bytes
             row["plan_optimizer"] = runner.sft.optimizer  # whose state the plan holds (fit_clock.py replays it)
             # one-pass segments that recomputed after their pass in the last step (fit_clock.py replays that too)
@@ -457,9 +460,9 @@ def write_tables(out: Path, rows: list[dict[str, Any]], profs: list[dict[str, An
     lines = [
         "# GPU session: where a whole-slide step's time goes",
         "",
-        f"*Measured* on {dev}, torch {torch.__version__}, by `python scripts/gpu_session.py {' '.join(argv)}`: "
+        f"*Measured* on {dev}, torch {torch.__version__}, by `python benchmarks/gpu_session.py {' '.join(argv)}`: "
         "batch 1, bf16 autocast, cross entropy, AdamW (foreach), one warm-up step, the fastest timed step. The "
-        "simulated clock's figures for the same cases: `PYTHONPATH=. python scripts/fit_clock.py --kit "
+        "simulated clock's figures for the same cases: `PYTHONPATH=. python benchmarks/fit_clock.py --kit "
         "gpu_session.jsonl`.",
         "",
         "| model | run | step | throughput | peak allocated | first step | plan | planned overhead | allocator retries "
@@ -500,7 +503,9 @@ def write_tables(out: Path, rows: list[dict[str, Any]], profs: list[dict[str, An
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=f"{__doc__}\nDocs page: {PAGE}", formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (the code path, small)")
     ap.add_argument("--size", type=int, default=8192, help="image edge in px (default 8192)")
     ap.add_argument("--models", default="resnet50,vgg16,darknet19")
@@ -509,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3, help="timed steps per case (default 3)")
     ap.add_argument("--case-seconds", type=float, default=20.0, help="stop timing a case after this (default 20)")
     ap.add_argument("--quick", action="store_true", help="one timed step, 4 patches of 64 px: the code path only")
-    ap.add_argument("--out", type=Path, default=REPO / "docs")
+    ap.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks")
     ap.add_argument("--deadline", type=float, default=420.0,
                     help="start no case after this many seconds (default 420: the whole kit within 8 minutes)")
     ap.add_argument("--trace", action="store_true", help="also write each profiled step's Chrome trace (gzipped)")

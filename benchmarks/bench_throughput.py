@@ -1,9 +1,10 @@
 """Throughput on masked slides: background tiles computed once, zero-gradient tiles skipped, and read rates.
 
-    python scripts/bench_throughput.py --out docs                  # tiny 4096 + 8192, resnet18 2048 (~15 min)
-    python scripts/bench_throughput.py --out /tmp/bt --quick       # tiny at 2048 px only: a smoke run (~20 s)
-    python scripts/bench_throughput.py --out docs --models resnet18 --sizes 4096 --pools avg --runs 1 --read-size 0
-    python scripts/bench_throughput.py --out docs --plot-only      # rewrite the table and plot from the JSONL
+    python benchmarks/bench_throughput.py --out docs/benchmarks  # tiny 4096 + 8192, resnet18 2048 (~15 min)
+    python benchmarks/bench_throughput.py --out /tmp/bt --quick       # tiny at 2048 px only: a smoke run (~20 s)
+    python benchmarks/bench_throughput.py --out docs/benchmarks --models resnet18 --sizes 4096 --pools avg --runs 1 \
+        --read-size 0
+    python benchmarks/bench_throughput.py --out docs/benchmarks --plot-only  # the table and plot from the JSONL
 
 A run with ``--models`` or ``--sizes`` replaces its own rows in ``--out``'s earlier results (and keeps their read
 rows when ``--read-size 0``); ``--read-only`` keeps the step rows and measures the reads again. On this project's
@@ -42,7 +43,7 @@ Threads: one intra-op thread (``--threads``). This machine's two cores are share
 threads every parallel region waits for a thread the other job has descheduled: the same tiny 2048 px step took
 117 s on two threads and 1.9 s on one while another process held a core.
 
-Read throughput: ``scripts/bench_read.py``'s readers (wsitrain's OpenSlide and tifffile readers on 1 and 2 threads,
+Read throughput: ``benchmarks/bench_read.py``'s readers (wsitrain's OpenSlide and tifffile readers on 1 and 2 threads,
 OpenSlide's one-call ``read_region``, pyvips when installed) on the masked slide of ``--read-size`` px written as a
 JPEG-tiled TIFF, and on bench_read's tissue-everywhere slide of the same size, in this (the parent) process.
 
@@ -74,7 +75,7 @@ from torch import nn
 from wsitrain.models import build
 from wsitrain.sft import SFT
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is no package: bench_read beside this file
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ is no package: bench_read beside this file
 import bench_read  # noqa: E402
 
 BACKGROUND = (240, 240, 240)  # the background colour data.mask_background writes (uint8 RGB)
@@ -94,6 +95,8 @@ TILING: dict[str, dict[str, Any]] = {
 }
 DEFAULT_CASES = (("tiny", 4096), ("tiny", 8192), ("resnet18", 2048))
 QUICK_TILE = 128  # --quick: 16 x 16 tiles at 2048 px
+
+PAGE = "docs/benchmarks/bench_throughput.md"  # where this script's figures are documented (named in --help)
 
 
 # ---- the synthetic masked slide ---------------------------------------------------------------------------------
@@ -355,7 +358,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         lines.append("")
     if reads:
         lines += [
-            f"Read throughput ({reads[0]['size']} px JPEG-tiled TIFF in the page cache, `scripts/bench_read.py`'s "
+            f"Read throughput ({reads[0]['size']} px JPEG-tiled TIFF in the page cache, `benchmarks/bench_read.py`'s "
             "readers; best and median of the timed reads after a warm-up; speed-up over 1 thread; bytes equal: "
             "the same pixels as wsitrain's OpenSlide reader):",
             "",
@@ -423,7 +426,9 @@ def write(rows: list[dict[str, Any]], out: Path) -> None:
 
 # ---- main -------------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=f"{__doc__}\nDocs page: {PAGE}", formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", type=Path, help="folder for bench_throughput.{jsonl,md,png}")
     ap.add_argument(
         "--quick", action="store_true", help=f"tiny at 2048 px ({QUICK_TILE} px tiles), 1 run, 1024 px read"
@@ -449,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         text = (args.out / "bench_throughput.jsonl").read_text()
         write([json.loads(line) for line in text.splitlines() if line.strip()], args.out)
         return 0
-    command = "python scripts/bench_throughput.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python benchmarks/bench_throughput.py " + " ".join(argv if argv is not None else sys.argv[1:])
     tile = None
     if args.quick:
         cases: list[tuple[str, int]] = [("tiny", 2048)]

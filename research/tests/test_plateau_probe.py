@@ -1,4 +1,4 @@
-"""scripts/plateau_probe.py's measuring pieces: the pointing game it logs and the max-instance score loss it tries."""
+"""research/plateau_probe.py's measuring pieces: the pointing game it logs and the max-instance score loss it tries."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from wsitrain.models import zoo
 
 @pytest.fixture(scope="module")
 def probe():
-    return load_script("plateau_probe")
+    return load_script("plateau_probe", "research")
 
 
 def _model() -> torch.nn.Module:

@@ -1,4 +1,4 @@
-"""scripts/bn_stats_probe.py: a finished run's validation slides scored with BatchNorm's running averages and with
+"""research/bn_stats_probe.py: a finished run's validation slides scored with BatchNorm's running averages and with
 each slide's own statistics, on the same read; bad input is exit 2 naming the folder."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from tiny_runs import config_file, finished_run, synthetic_slides
 
 
 def test_a_run_is_scored_both_ways(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    probe = load_script("bn_stats_probe")
+    probe = load_script("bn_stats_probe", "research")
     cfg = config_file(tmp_path, synthetic_slides(tmp_path / "synth"))
     model = "model: {name: tiny_bn, pool: max, freeze_bn: false}"
     cfg.write_text(cfg.read_text().replace("model: {name: tiny}", model))

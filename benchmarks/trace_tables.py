@@ -1,8 +1,8 @@
 """Read the GPU kit's Chrome traces (``gpu_session.py --trace``) offline: where the device's time went.
 
-    python scripts/trace_tables.py docs/benchmarks/traces/h200_resnet50_capped.json.gz                  # by launching operator
-    python scripts/trace_tables.py docs/benchmarks/traces/h200_resnet50_capped.json.gz \\
-        --against docs/benchmarks/traces/h200_resnet50_plain.json.gz                                   # convolutions, side by side
+    python benchmarks/trace_tables.py docs/benchmarks/traces/h200_resnet50_capped.json.gz    # by launching operator
+    python benchmarks/trace_tables.py docs/benchmarks/traces/h200_resnet50_capped.json.gz \\
+        --against docs/benchmarks/traces/h200_resnet50_plain.json.gz                     # convolutions, side by side
 
 The first table charges every kernel (and device copy or fill) to the operator that launched it, named with the
 operators and profiler ranges around it (``aten::copy_ < _CropBackward < ... < sft.tile_backward``). The second
@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 Event = dict[str, Any]
+
+PAGE = "docs/benchmarks/gpu_time_breakdown.md"  # where this script's figures are documented (named in --help)
 
 
 def load(path: Path) -> list[Event]:
@@ -145,7 +147,9 @@ NORMS = ("aten::native_batch_norm", "aten::native_batch_norm_backward", "aten::c
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=f"{__doc__}\nDocs page: {PAGE}", formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("trace", type=Path)
     ap.add_argument("--against", type=Path, help="a second trace (the plain step): convolutions side by side")
     ap.add_argument("--rows", type=int, default=30)

@@ -1,10 +1,10 @@
 """Fit the simulated clock's two fitted factors to the measured H200 table, and check the rest.
 
-PYTHONPATH=. python scripts/fit_clock.py           # ~3 min on one core: records four steps, fits, prints the table
-PYTHONPATH=. python scripts/fit_clock.py --host-op-us 8 27 80   # also: how the fit moves with the host's cost
-PYTHONPATH=. python scripts/fit_clock.py --kit docs/benchmarks/gpu_session.jsonl   # a GPU kit's cases, replayed and refitted
+PYTHONPATH=. python benchmarks/fit_clock.py           # ~3 min on one core: records four steps, fits, prints the table
+PYTHONPATH=. python benchmarks/fit_clock.py --host-op-us 8 27 80   # also: how the fit moves with the host's cost
+PYTHONPATH=. python benchmarks/fit_clock.py --kit docs/benchmarks/gpu_session.jsonl   # a GPU kit's cases, refitted
 
-With ``--kit``, the measured figures are the GPU kit's (scripts/gpu_session.py, whichever card ran it): every case
+With ``--kit``, the measured figures are the GPU kit's (benchmarks/gpu_session.py, whichever card ran it): every case
 it measured is replayed on the clock of the card's speed preset, with the plan's own budget, time model and target,
 and the replayed plan is checked against the plan the card ran. Both factors are then refitted, on the first
 model's plain NCHW step and its capped step (``cudnn.benchmark`` off, the run's constants), and every case is shown
@@ -46,6 +46,8 @@ MEASURED = {
     "plain 256 x 224 px (channels_last)": 0.075,
 }
 FIT_ON = "plain 8192 px NCHW"
+
+PAGE = "docs/research/simulated-clock.md"  # where this script's figures are documented (named in --help)
 
 
 def record() -> dict[str, OpClock]:
@@ -110,7 +112,7 @@ def host_sensitivity(clocks: dict[str, OpClock], base: GpuSpeed, host_op_us: lis
         print(f"| {us:g} us | {eff:.4f} | {tile:.3f} | {r.host_seconds:.3f} s, {r.host_bound_seconds:.3f} s |")
 
 
-# ---- a GPU kit's cases (scripts/gpu_session.py's JSONL) -----------------------------------------------------------
+# ---- a GPU kit's cases (benchmarks/gpu_session.py's JSONL) -----------------------------------------------------------
 
 KIT_CLASSES, KIT_PRECISION = 2, "bf16"  # as the kit runs every case
 
@@ -133,7 +135,7 @@ class KitReplay:
         return self.plan == self.row.get("plan")
 
 
-# what every measured case of the kit records, and what its SFT cases add (scripts/gpu_session.py, run_case)
+# what every measured case of the kit records, and what its SFT cases add (benchmarks/gpu_session.py, run_case)
 KIT_KEYS = ("model", "run", "size", "device", "patches", "patch", "channels_last", "cudnn_benchmark", "constants",
             "step_s")  # fmt: skip
 KIT_SFT_KEYS = ("budget", "budget_bytes", "time_model", "large_conv")
@@ -153,14 +155,14 @@ def kit_rows(path: Path) -> list[dict[str, Any]]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise KitError(f"{path}:{n}: not JSON ({e.msg}); pass the gpu_session.jsonl scripts/gpu_session.py "
+            raise KitError(f"{path}:{n}: not JSON ({e.msg}); pass the gpu_session.jsonl benchmarks/gpu_session.py "
                            "wrote") from None  # fmt: skip
         if not isinstance(row, dict) or "run" not in row or row.get("status") != "ok":
             continue
         missing = [k for k in KIT_KEYS + (KIT_SFT_KEYS if "plan" in row else ()) if k not in row]
         if missing:
             raise KitError(f"{path}:{n}: case {row['run']!r} lacks {', '.join(missing)}: written by a kit older than "
-                           "the replay; run scripts/gpu_session.py again")  # fmt: skip
+                           "the replay; run benchmarks/gpu_session.py again")  # fmt: skip
         rows.append(row)
     return rows
 
@@ -214,7 +216,7 @@ def _fit_rows(replays: list[KitReplay]) -> tuple[KitReplay, KitReplay | None]:
               and r.row["constants"] == "run"]  # fmt: skip
     if not plain:
         raise KitError(f"the kit has no measured plain NCHW step of {first} to fit the convolution rate on; run "
-                       "scripts/gpu_session.py with its default cases")
+                       "benchmarks/gpu_session.py with its default cases")
     return plain[0], capped[0] if capped else None
 
 
@@ -246,7 +248,8 @@ def kit_table(path: Path) -> str:
     plain, capped = _fit_rows(replays)
     assert plain.clock is not None
     refit = dataclasses.replace(speed, conv_efficiency=fit(plain.clock, plain.measured, speed))
-    # the capped step's excess is its tiles' unaligned 1x1 layers (docs/benchmarks/traces); a model without them keeps the factor
+    # the capped step's excess is its tiles' unaligned 1x1 layers (docs/benchmarks/traces); a model without them keeps
+    # the factor
     unaligned = capped is not None and capped.clock is not None and _has_unaligned(capped.clock)
     if unaligned:
         assert capped is not None and capped.clock is not None
@@ -287,14 +290,16 @@ def kit_table(path: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=f"{__doc__}\nDocs page: {PAGE}", formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--host-op-us", type=float, nargs="*", default=[], help="host costs per operator to refit at")
-    parser.add_argument("--kit", type=Path, help="a GPU kit's JSONL (scripts/gpu_session.py): replay its cases")
+    parser.add_argument("--kit", type=Path, help="a GPU kit's JSONL (benchmarks/gpu_session.py): replay its cases")
     args = parser.parse_args(argv)
     if args.kit is not None:
         try:
             if not args.kit.is_file():
-                raise KitError(f"--kit {args.kit}: no such file (scripts/gpu_session.py writes gpu_session.jsonl)")
+                raise KitError(f"--kit {args.kit}: no such file (benchmarks/gpu_session.py writes gpu_session.jsonl)")
             rows = kit_rows(args.kit)  # every line checked before the first (minutes long) replay
             kit_speed(args.kit, rows)
             print(kit_table(args.kit))

@@ -1,6 +1,6 @@
 """Where do a benchmark run's lesions rank in its positive attention branch, against the look-alikes?
 
-For a run of the learning benchmark (scripts/bench_learning.py: a ``wsitrain synth --lesions small`` cohort, whose
+For a run of the learning benchmark (benchmarks/bench_learning.py: a ``wsitrain synth --lesions small`` cohort, whose
 lesions.json boxes every lesion and look-alike) with a per-class attention head, read each slide of one split whole
 (level 0, plain PyTorch), take the positive class's attention scores over the map, and compare three kinds of cell:
 the lesions', the look-alikes' (on positive and on negative slides) and the plain tissue's. Printed per run:
@@ -14,7 +14,7 @@ the lesions', the look-alikes' (on positive and on negative slides) and the plai
 ``--init`` scores the model ``wsitrain fit`` built for the run's seed before its first step (the run's config and
 seed, no checkpoint); without it, the run's last checkpoint. docs/research/plateau.md section 15 was measured with it:
 
-    python scripts/lesion_rank_probe.py RUN_DIR [RUN_DIR ...] [--init] [--split train|val] [--json OUT]
+    python research/lesion_rank_probe.py RUN_DIR [RUN_DIR ...] [--init] [--split train|val] [--json OUT]
 
 The read has no tissue crop or mask (tissue cells are the product's tissue mask of the cells' mean colours), so the
 scores are those of the whole image. Small slides only (the benchmark's 1024 px).

@@ -8,9 +8,9 @@ than the benchmark's (``--cohort-seed``, default 1; the benchmark's cohort is se
 average pool and a linear layer on them (AdamW, flips and rot90), a quarter of the slides held out. It saves the
 trunk alone, ``torch.save(model.features.state_dict())``, which ``model.weights`` loads into any head:
 
-    python scripts/pretrain_patches.py --out .cache/wsitrain/tiny_ln_patches.pt
-    python scripts/pretrain_patches.py --objective contrastive --out .cache/wsitrain/tiny_ln_simclr.pt
-    python scripts/bench_learning.py ... --model tiny_ln --set model.weights=.cache/wsitrain/tiny_ln_simclr.pt
+    python benchmarks/pretrain_patches.py --out .cache/wsitrain/tiny_ln_patches.pt
+    python benchmarks/pretrain_patches.py --objective contrastive --out .cache/wsitrain/tiny_ln_simclr.pt
+    python benchmarks/bench_learning.py ... --model tiny_ln --set model.weights=.cache/wsitrain/tiny_ln_simclr.pt
 
 This is a stronger start than ImageNet gives: the trunk has been told what a lesion and a look-alike look like (on
 other slides). ``--objective contrastive`` is the fairer stand-in, a trunk pretrained *without labels*, as the
@@ -41,6 +41,8 @@ from wsitrain.slides.synth import write_synthetic_dataset
 from wsitrain.slides.synth.lesions import SIDECAR
 from wsitrain.slides.tissue.detect import block_tissue
 from wsitrain.train.class_balance import class_weights
+
+PAGE = "docs/benchmarks/bench_learning/pretrained.md"  # where this script's figures are documented (named in --help)
 
 
 def crop(rgb: np.ndarray, cy: int, cx: int, patch: int) -> np.ndarray:
@@ -258,7 +260,9 @@ def train_contrastive(model: torch.nn.Module, crops: torch.Tensor, args: argpars
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=f"{__doc__}\nDocs page: {PAGE}", formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", type=Path, help="the trunk's state dict (.pt)")
     ap.add_argument("--probe", default=None, metavar="TRUNK",
                     help="train nothing: print the linear probe of a trunk file (or 'random': --seed's random trunk)")

@@ -4,7 +4,7 @@
 script prints the fit, micro-model by micro-model, and writes it only with ``--out``.
 
 Usage:
-    python scripts/calibrate_costs.py [--device cpu|cuda] [--threads 1] [--runs 5] [--out calib.json]
+    python benchmarks/calibrate_costs.py [--device cpu|cuda] [--threads 1] [--runs 5] [--out calib.json]
 """
 
 from __future__ import annotations
@@ -19,9 +19,13 @@ import torch
 from wsitrain.doctor.calibrate import calibrate
 from wsitrain.sft.planning.calibration import device_name
 
+PAGE = "docs/benchmarks/engine-cpu.md (the CPU constants of wsitrain/sft/planning/costs.py)"  # named in --help
+
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=f"{__doc__}\nDocs page: {PAGE}", formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--runs", type=int, default=5)
