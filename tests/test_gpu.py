@@ -130,7 +130,8 @@ def test_budget_honoured_under_a_memory_cap(size: int, budget_gib: float, record
 
 @pytest.mark.parametrize("size", [20480])
 def test_vgg16_20480_within_11gib_as_planned(size: int, record_property) -> None:
-    """The promise the README makes on plans only: VGG-16 at 20480 px trains under an 11 GiB cap.
+    """The promise the docs make on plans only (docs/engine/measured-and-planned.md): VGG-16 at 20480 px trains
+    under an 11 GiB cap.
 
     One step in its own process; ``max_memory_allocated`` against the plan's peak and the budget.
     """

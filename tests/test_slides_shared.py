@@ -74,7 +74,7 @@ def test_kidney_reads_through_tifffile() -> None:
 def test_kidney_tissue_box_finds_the_small_fragment() -> None:
     res = read_slide_region(KIDNEY, region="tissue")
     x, y, w, h = res.tissue_box
-    # The only tissue is a small fragment left of centre, a little below the middle (see the README's picture).
+    # The only tissue is a small fragment left of centre, a little below the middle.
     assert 250 < x < 330 and 470 < y < 530 and 60 < w < 200 and 40 < h < 130
     assert tuple(res.image.shape[1:]) == (h, w)
 

@@ -183,7 +183,8 @@ def test_max_pooling_skips_tiles_without_a_maximum(make: Callable[[], nn.Module]
 
 def test_max_pool_ties_at_the_image_border_are_bitwise_the_unskipped_engine() -> None:
     """Flat background against the image border: max pooling's tie there is broken by the conv's rounding, which
-    differs in the last bit between a tile and the whole map (see the README); reuse still changes nothing."""
+    differs in the last bit between a tile and the whole map (docs/engine/background.md);
+    reuse still changes nothing."""
     x = masked_image((1, 3, 200, 232), BLOBS)
     _, off, on, sft = run_three(lambda: vgg("max", nn.MaxPool2d), x, memory_budget="1GiB", tile_size=32)
     assert_bitwise(on, off)

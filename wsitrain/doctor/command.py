@@ -40,7 +40,7 @@ from wsitrain.write_errors import named_write_errors
 
 # The cap of the peak checks and Figure 8: the RTX 2080 Ti's 11 GiB, as the SFT paper budgets it.
 DEFAULT_CAP = "11GiB"
-# (model, image edge) of the peak-under-cap checks: VGG-16 tiled at 4096 px and at 16384 px (the README's promise
+# (model, image edge) of the peak-under-cap checks: VGG-16 tiled at 4096 px and at 16384 px (the docs' promise
 # is 20480 px in 11 GiB; 16384 keeps the check to about a minute on an H100, planned), tiny in fast mode.
 CAP_STEPS = (("vgg16", 4096), ("vgg16", 16384))
 FAST_CAP_STEPS = (("tiny", 1024),)

@@ -1,9 +1,9 @@
 """Live storages per device, counted as the code allocates and frees them: the simulated device's memory.
 
 ``LiveMemory`` is a ``TorchDispatchMode``: every operator's output whose storage is new (not one of its inputs'
-storages, not seen before) is registered with a ``weakref.finalize`` that subtracts its bytes when the storage
-dies. On real CPU tensors this matches the tensors PyTorch's allocator hands out byte for byte; it does not see
-the allocator's rounding and fragmentation, library workspaces or the CUDA context (see the README).
+storages, not seen before) is registered with a ``weakref.finalize`` that subtracts its bytes when the storage dies. On
+real CPU tensors this matches the tensors PyTorch's allocator hands out byte for byte; it does not see the allocator's
+rounding and fragmentation, library workspaces or the CUDA context (docs/engine/measured-and-planned.md).
 
 At each new peak of the device it notes where the step was (``where``, set by the caller: segment, tile, phase)
 and the largest live storages then, so a report can say what fills the device at its peak.
