@@ -1,0 +1,1 @@
+"""Patch encoders applied to a grid of patches: the encoders themselves (encoders) and the trunk the engine tiles."""
