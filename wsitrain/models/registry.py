@@ -113,10 +113,10 @@ def naming_help() -> str:
     """How to name a model, in one sentence (used by errors and `wsitrain models`)."""
     return (
         f"choose one of {', '.join(BUILTIN_NAMES)}, or torchvision/<name> for any torchvision classification model "
-        "(e.g. torchvision/efficientnet_b0, torchvision/vit_b_16), or timm/<name> for a timm model (e.g. timm/resnet18, "
-        "timm/vit_small_patch16_224; needs `pip install 'wsitrain[timm]'`), or timm/hf-hub:<org>/<name> for a timm "
-        "model in your Hugging Face cache (e.g. timm/hf-hub:MahmoodLab/UNI), or python:<module>:<function> for your "
-        "own patch encoder"
+        "(e.g. torchvision/efficientnet_b0, torchvision/vit_b_16), or timm/<name> for a timm model "
+        "(e.g. timm/resnet18, timm/vit_small_patch16_224; needs `pip install 'wsitrain[timm]'`), or "
+        "timm/hf-hub:<org>/<name> for a timm model in your Hugging Face cache (e.g. timm/hf-hub:MahmoodLab/UNI), or "
+        "python:<module>:<function> for your own patch encoder"
     )
 
 
@@ -224,7 +224,7 @@ def _resolve_python(name: str, target: str, key: str) -> ModelSpec:
         found = False
     if not found:
         raise ModelNameError(key, f"{name!r}: module {module!r} cannot be found on the Python path",
-                             f"install the package that holds it, or add its folder to PYTHONPATH")  # fmt: skip
+                             "install the package that holds it, or add its folder to PYTHONPATH")  # fmt: skip
     return ModelSpec(name, "python", f"{module}:{func}", f"the patch encoder {module}.{func}()", patch_only=True)
 
 

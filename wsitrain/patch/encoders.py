@@ -197,7 +197,7 @@ def _timm_encoder(net: nn.Module, name: str) -> nn.Module:
             net.reset_classifier(0, "token")
         except (AssertionError, ValueError, TypeError) as exc:
             raise WsiTrainError(f"{name}: its forward returns tokens and it has no class-token pooling",
-                                hint="use python:<module>:<function> to wrap it into (B, D) output") from exc  # fmt: skip
+                                hint="wrap it in python:<module>:<function> with (B, D) output") from exc  # fmt: skip
     return net
 
 
@@ -288,7 +288,7 @@ def _python(spec: ModelSpec) -> nn.Module:
                             hint=f"define {func}() in {module}, returning an nn.Module") from exc  # fmt: skip
     net = make()
     if not isinstance(net, nn.Module):
-        raise WsiTrainError(f"model.name {spec.name}: {module}.{func}() returned {type(net).__name__}, not an nn.Module",
+        raise WsiTrainError(f"model.name {spec.name}: {module}.{func}() returned {type(net).__name__}, not a module",
                             hint="return a module taking (B, 3, p, p) to (B, D)")  # fmt: skip
     return net
 
