@@ -235,14 +235,8 @@ def build(
         )
     imagenet = is_imagenet(weights)
     parts = _builtin_parts if spec.is_builtin else _library_parts
-    features, classifier, channels, stride, (mean, std) = parts(spec, num_classes, imagenet)
-    head = _pool_layers(pool, attention or AttentionSpec(), channels, classifier, num_classes, mask_pool, topk)
-    # why a map norm: the trunk's level drifts while it trains, and a head reading it raw can stay on the plateau
-    # (docs/plateau.md sections 12-13)
-    norm = {"map_norm": slide_norm(channels)} if map_norm == SLIDE_NORM else {}
-    model = nn.Sequential(OrderedDict(normalize=InputNormalization(mean, std), features=features, **norm, **head))
-    model.name = spec.name
-    model.stride = stride
+    model = assemble(spec.name, parts(spec, num_classes, imagenet), num_classes, pool, attention, mask_pool, topk,
+                     map_norm)  # fmt: skip
     if weights is not None and not imagenet:
         load_weights(model, weights)
     if freeze_bn:
@@ -251,6 +245,35 @@ def build(
         slide_batchnorm(model)
     apply_freeze(model, freeze)
     return model
+
+
+def assemble(name: str, parts: Parts, num_classes: int, pool: str = AVG, attention: AttentionSpec | None = None,
+             mask_pool: bool = True, topk: int = DEFAULT_TOPK, map_norm: str = NO_NORM) -> nn.Sequential:  # fmt: skip
+    """``normalize -> features -> [map_norm] -> head`` from a trunk and its classifier (``build``'s layout; the
+    patch models' too, ``patch_model``)."""
+    features, classifier, channels, stride, (mean, std) = parts
+    head = _pool_layers(pool, attention or AttentionSpec(), channels, classifier, num_classes, mask_pool, topk)
+    # why a map norm: the trunk's level drifts while it trains, and a head reading it raw can stay on the plateau
+    # (docs/plateau.md sections 12-13)
+    norm = {"map_norm": slide_norm(channels)} if map_norm == SLIDE_NORM else {}
+    model = nn.Sequential(OrderedDict(normalize=InputNormalization(mean, std), features=features, **norm, **head))
+    model.name = name
+    model.stride = stride
+    return model
+
+
+def patch_model(name: str, encoder: nn.Module, patch: int, dim: int, num_classes: int,
+                norm: Norm = (IMAGENET_MEAN, IMAGENET_STD), **head: object) -> nn.Sequential:  # fmt: skip
+    """A patch-encoder model: ``encoder`` ((N, 3, patch, patch) -> (N, dim)) on every patch of the slide
+    (``wsitrain.patch.trunk.PatchTrunk``, stride ``patch``), the embedding map pooled by the head ``head`` names
+    (``assemble``'s pool, attention, mask_pool, topk, map_norm), as ``build`` makes every model."""
+    from wsitrain.patch.trunk import PatchTrunk
+
+    ref = next(iter(encoder.parameters()), None)
+    classifier = nn.Linear(dim, num_classes, device=ref.device if ref is not None else None,
+                           dtype=ref.dtype if ref is not None else None)  # fmt: skip
+    parts: Parts = (PatchTrunk(encoder, patch, dim), classifier, dim, patch, norm)
+    return assemble(name, parts, num_classes, **head)  # type: ignore[arg-type]
 
 
 def count_parameters(model: nn.Module) -> int:

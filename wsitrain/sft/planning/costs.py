@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from wsitrain.errors import PlanError
 from wsitrain.sft.facts import GraphFacts
+from wsitrain.sft.ops.patch_grid import patch_cost, patches_in
 from wsitrain.sft.ops.registry import WINDOW
 from wsitrain.sft.target import TargetDevice
 
@@ -131,6 +132,10 @@ def memory_terms(facts: GraphFacts, target: TargetDevice, optimizer: str | None)
 def node_flops(facts: GraphFacts, i: int, numel_out: float) -> tuple[float, float]:
     """Forward and backward FLOPs of node i producing ``numel_out`` output elements."""
     node = facts.nodes[i]
+    cost = patch_cost(node.spec)
+    if cost is not None:  # a patch encoder: its measured FLOPs per patch, backward only where autograd goes
+        pc, n = cost(facts.act_dtype), patches_in(node.spec, numel_out)
+        return pc.flops_forward * n, pc.flops_backward * n if node.requires_grad else 0.0
     f = node.spec.flops_per_output * numel_out
     if not node.requires_grad:
         return f, 0.0
