@@ -90,3 +90,18 @@ def merge_lora(module: nn.Module) -> nn.Module:
         parent, _, child = path.rpartition(".")
         setattr(module.get_submodule(parent) if parent else module, child, layer.get_base_layer())
     return module
+
+
+def add_lora(model: nn.Module, spec: LoraSpec, freeze: object = None) -> int:
+    """Put ``spec``'s adapters on a built patch model's encoder (``features.encoder``), then apply ``model.freeze``
+    (a ``FreezeSpec``) again so adapters inside frozen blocks stay fixed too. Returns the layers adapted."""
+    from wsitrain.models.freeze import apply_freeze
+    from wsitrain.patch.blocks import patch_encoder
+
+    encoder = patch_encoder(model)
+    if encoder is None:
+        raise WsiTrainError(f"model.lora applies to patch encoders; {getattr(model, 'name', 'the model')} tiles the "
+                            "whole slide", hint="set model.patch, or remove model.lora")  # fmt: skip
+    n = apply_lora(encoder, spec, str(getattr(model, "name", "the encoder")))
+    apply_freeze(model, freeze)  # type: ignore[arg-type]
+    return n
