@@ -196,6 +196,7 @@ def build(
     topk: int = DEFAULT_TOPK,
     map_norm: str = NO_NORM,
     bn_stats: str = RUNNING,
+    patch: int | None = None,
 ) -> nn.Sequential:
     """Build model ``name`` (a built-in, ``torchvision/<name>`` or ``timm/<name>``) with a ``num_classes``-way head.
 
@@ -214,6 +215,9 @@ def build(
     the trunk's map over the slide (a BatchNorm without running statistics or affine parameters: batch statistics in
     training and prediction alike; the engine runs it exactly in two sweeps). The pool, the attention and the
     classifier, and so the CAM, read the standardised map. "none" (the default): no such module.
+    ``patch``: apply the model as a patch encoder to every ``patch`` px patch of a grid (``model.patch``;
+    wsitrain.patch): its embeddings form the map the head pools, stride ``patch``. Vision transformers, hub encoders
+    and a user's ``python:`` module are patch encoders whatever ``patch`` says (None: the encoder's own input size).
     ``bn_stats``: "slide" makes every BatchNorm normalise with its batch's own statistics in prediction too
     (wsitrain.models.slide_bn; needs ``freeze_bn=False``); "running" (the default): PyTorch's running averages.
     """
@@ -234,11 +238,19 @@ def build(
             f"num_classes must be a positive integer, got {num_classes!r}", hint="set it to the number of labels"
         )
     imagenet = is_imagenet(weights)
-    parts = _builtin_parts if spec.is_builtin else _library_parts
-    model = assemble(spec.name, parts(spec, num_classes, imagenet), num_classes, pool, attention, mask_pool, topk,
-                     map_norm)  # fmt: skip
-    if weights is not None and not imagenet:
-        load_weights(model, weights)
+    if spec.patch_only or patch is not None:  # an encoder on every patch of a grid (wsitrain.patch)
+        from wsitrain.patch.encoders import build_encoder
+
+        enc, info = build_encoder(name, weights=None if weights is None or imagenet else Path(weights),
+                                  pretrained=imagenet, patch=patch)  # fmt: skip
+        model = patch_model(spec.name, enc, info.patch, info.dim, num_classes, (info.mean, info.std), pool=pool,
+                            attention=attention, mask_pool=mask_pool, topk=topk, map_norm=map_norm)  # fmt: skip
+    else:
+        parts = _builtin_parts if spec.is_builtin else _library_parts
+        model = assemble(spec.name, parts(spec, num_classes, imagenet), num_classes, pool, attention, mask_pool, topk,
+                         map_norm)  # fmt: skip
+        if weights is not None and not imagenet:
+            load_weights(model, weights)
     if freeze_bn:
         freeze_batchnorm(model)
     if bn_stats == SLIDE:  # after the weights: a checkpoint or ImageNet file with running statistics still loads

@@ -164,10 +164,11 @@ class WorkTerms:
     traffic: float
     calls: float
     tiled: bool = False  # calls made by the tile executor (each pays TILE_CALL_FLOPS more)
+    batch: bool = False  # a tile is a batch of whole inputs (a chunk of patches): its FLOPs at a whole map's rate
 
     def time(self, tm: TimeModel) -> float:
         per_call = tm.call_flops + (tm.tile_call_flops if self.tiled else 0.0)
-        flops = self.flops * (tm.tile_flop_factor if self.tiled else 1.0)
+        flops = self.flops * (tm.tile_flop_factor if self.tiled and not self.batch else 1.0)
         return flops + tm.byte_flops * self.traffic + per_call * self.calls
 
 
@@ -179,9 +180,11 @@ def node_terms(
     gradient and the saved input and writes the input's gradient: twice the forward's traffic."""
     fw, bw = node_flops(facts, i, numel_out)
     traffic = _elem_bytes(facts, i) * (numel_out + numel_in)
+    # a chunk of patches is a batch of whole encoder inputs, not a crop of a map: its FLOPs run at the batch's rate
+    batch = patch_cost(facts.nodes[i].spec) is not None
     if backward and facts.nodes[i].requires_grad:
-        return WorkTerms(fw + bw, 3 * traffic, 2 * calls, tiled)
-    return WorkTerms(fw, traffic, calls, tiled)
+        return WorkTerms(fw + bw, 3 * traffic, 2 * calls, tiled, batch)
+    return WorkTerms(fw, traffic, calls, tiled, batch)
 
 
 def node_work(
