@@ -46,3 +46,11 @@ def write_timm_repo(cache: Path, repo: str, *, architecture: str = "vit_tiny_pat
     (snapshot / "config.json").write_text(json.dumps(config))
     save_file(state, str(snapshot / "model.safetensors"))
     return state
+
+
+def tiny_vit() -> torch.nn.Module:
+    """``python:tests.fake_hub:tiny_vit``: a 2-block ViT of width 24 on 16 px patches (8 px tokens), for fit tests."""
+    import timm
+
+    return timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=0, img_size=16, patch_size=8,
+                             depth=2, embed_dim=24, num_heads=2)  # fmt: skip

@@ -372,7 +372,7 @@ def build_encoder(name: str, *, weights: Path | None, pretrained: bool, patch: i
 
     # a file of a LoRA run holds the adapters (and base_layer keys): the adapters go in first; any other file holds
     # the base weights the adapters start from
-    adapted = weights is not None and _file_has_lora(weights)
+    adapted = weights is not None and file_has_lora(weights)
     if weights is not None and not adapted:
         load_encoder_weights(net, weights)
     apply_lora(net, lora, name)
@@ -382,7 +382,7 @@ def build_encoder(name: str, *, weights: Path | None, pretrained: bool, patch: i
     return net, EncoderInfo(size, dim, mean, std, blocks)
 
 
-def _file_has_lora(weights: Path) -> bool:
+def file_has_lora(weights: Path) -> bool:
     from wsitrain.patch.lora import has_lora_keys
     from wsitrain.safe_load import safe_torch_load
 

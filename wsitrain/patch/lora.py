@@ -33,6 +33,13 @@ class LoraSpec:
     targets: tuple[str, ...] = DEFAULT_TARGETS
     dropout: float = 0.0
 
+    @classmethod
+    def from_dict(cls, d: dict[str, object] | None) -> LoraSpec | None:
+        """From a config's (or a checkpoint's saved config's) ``model.lora`` section; None without one."""
+        if not d:
+            return None
+        return cls(int(d["rank"]), float(d["alpha"]), tuple(d["targets"]), float(d.get("dropout") or 0.0))  # type: ignore[arg-type]
+
 
 def _need_peft() -> None:
     if importlib.util.find_spec("peft") is None:
