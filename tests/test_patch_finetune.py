@@ -204,3 +204,25 @@ def test_lora_target_that_names_no_layer() -> None:
 
     with pytest.raises(WsiTrainError, match="model.lora applies to patch encoders"):
         add_lora(build("tiny", 2), LoraSpec())
+
+
+def test_a_lora_runs_weights_start_another_lora_run(tmp_path) -> None:
+    """``model.weights`` holding adapters: the run's model gets its adapters first, then the file's state (strict)."""
+    from wsitrain.config import WsiTrainConfig
+    from wsitrain.train.engine import build_model
+
+    m = {"name": "python:tests.fake_hub:tiny_vit", "patch": 16, "pool": "attention",
+         "lora": {"rank": 2, "targets": ["qkv"]}}  # fmt: skip
+    torch.manual_seed(0)
+    first = build_model(WsiTrainConfig.model_validate({"model": m}).model, 2)
+    for name, p in first.named_parameters():
+        if "lora_B" in name:  # B starts at zero: give the adapters something to carry over
+            nn.init.normal_(p)
+    file = tmp_path / "best.pt"
+    torch.save({"model": first.state_dict()}, file)
+    torch.manual_seed(1)
+    second = build_model(WsiTrainConfig.model_validate({"model": {**m, "weights": str(file)}}).model, 2)
+    for k, v in first.state_dict().items():
+        torch.testing.assert_close(second.state_dict()[k], v, rtol=0, atol=0, msg=k)
+    assert {n for n, p in second.named_parameters() if p.requires_grad and n.startswith("features.")} == {
+        n for n in second.state_dict() if "lora_" in n}
