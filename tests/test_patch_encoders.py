@@ -193,3 +193,13 @@ def test_user_module_by_entry_point(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         build_encoder("python:my_encoders:not_a_module", weights=None, pretrained=False, patch=16)
     with pytest.raises(WsiTrainError, match="has no attribute 'missing'"):
         build_encoder("python:my_encoders:missing", weights=None, pretrained=False, patch=16)
+
+
+def test_the_hub_encoders_normalisation_reaches_the_model(offline: Path) -> None:
+    """The run's input normalisation (the model's first layer, fed uint8 patches) is the encoder's own."""
+    from wsitrain.models.zoo import build
+
+    model = build(f"timm/hf-hub:{REPO}", 2, pool="attention")
+    torch.testing.assert_close(model.normalize.mean, torch.tensor(TINY_MEAN))
+    torch.testing.assert_close(model.normalize.std, torch.tensor(TINY_STD))
+    assert model.stride == 32 and model.features.encoder.pos_embed.shape[1] == 1 + 16
