@@ -5,7 +5,7 @@
     python benchmarks/bench_foundation.py --out docs/benchmarks --write-only  # rewrite the page from the JSONL
 
 The encoder stands in for UNI / Virchow2 / H-optimus-0 (no weights are downloaded here): ``benchmarks/small_vit.py``
-(a timm VisionTransformer on 32 px patches, 8 px tokens, width 64, 4 blocks), pretrained *without labels* by
+(a timm VisionTransformer on 32 px patches, 16 px tokens, width 64, 4 blocks), pretrained *without labels* by
 ``scripts/pretrain_patches.py --objective contrastive`` (SimCLR: two augmented 32 px views of random 40 px tissue
 crops, NT-Xent) on a disjoint cohort (``wsitrain synth --lesions small``, cohort seed 1; the benchmark's is seed 0,
 no slide shared). Its file is the trunk's state dict, loaded with ``model.weights``.
@@ -99,6 +99,7 @@ def pretrain(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
         raise SystemExit(f"error: pretraining failed ({code}):\n{log.getvalue()}")
     lines = log.getvalue().splitlines()
     probe = [ln for ln in lines if "linear probe" in ln]
+    probe = [ln.split("held-out linear probe: ", 1)[-1] for ln in probe]
     return out, {"encoder": str(out), "pretrained_here": True, "pretrain_argv": " ".join(argv),
                  "pretrain_s": round(time.perf_counter() - t0, 1), "probe_before": probe[0] if probe else None,
                  "probe_after": probe[-1] if probe else None,
@@ -185,16 +186,25 @@ def run_frozen_row(seed: int, labels: str, cohort: str, encoder: str, budget_s: 
 
 
 # ---- reporting ------------------------------------------------------------------------------------------------------
+# the CNN rows beside them: bench_learning runs on the same cohort and protocol (tiny_ln, 48 slides, 12 epochs,
+# lr 3e-4): its trunk pretrained on patch labels (pretrained_fresh, seeds 67-69) and without labels (contrastive,
+# SimCLR as here, seeds 61-63)
+CNN_RUNS = {"pretrained_fresh": "labels", "contrastive": "SimCLR"}
+CNN_ROWS = {("whole slide", "max"), ("whole slide", "attention"), ("frozen features", "attention")}
+
+
 def cnn_rows() -> list[dict[str, Any]]:
-    """The CNN rows beside them: docs' pretrained_fresh run of bench_learning (tiny_ln, seeds 67-69)."""
-    for path in (ROOT / "docs" / "bench_learning" / "pretrained_fresh.jsonl",
-                 ROOT / "docs" / "benchmarks" / "bench_learning" / "pretrained_fresh.jsonl"):  # fmt: skip
-        if path.is_file():
-            rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-            keep = [r for r in rows if r.get("kind") == "run" and (r["input"], r["pool"]) in
-                    {("whole slide", "max"), ("whole slide", "attention"), ("frozen features", "attention")}]
-            return [{**r, "row": f"CNN tiny_ln: {r['input']}, {r['pool']}"} for r in keep]
-    return []
+    """The CNN rows of docs' bench_learning runs (CNN_RUNS), where they are in this checkout."""
+    rows: list[dict[str, Any]] = []
+    for name, how in CNN_RUNS.items():
+        for folder in (ROOT / "docs" / "bench_learning", ROOT / "docs" / "benchmarks" / "bench_learning"):
+            path = folder / f"{name}.jsonl"
+            if path.is_file():
+                runs = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+                rows += [{**r, "row": f"CNN tiny_ln ({how}-pretrained): {r['input']}, {r['pool']}"} for r in runs
+                         if r.get("kind") == "run" and (r["input"], r["pool"]) in CNN_ROWS]  # fmt: skip
+                break
+    return rows
 
 
 def _mean(rows: list[dict[str, Any]], key: str) -> float | None:
@@ -207,14 +217,15 @@ def _fmt(v: float | None, digits: int = 2) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> list[str]:
-    out = ["| row | held-out ROC AUC (mean ± std) | per seed | accuracy (mean) | held-out loss / chance (mean) | "
-           "pointing game (mean) | wall per run (mean) |", "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    out = ["| row | held-out ROC AUC (mean ± sample std) | per seed | accuracy (mean) | "
+           "held-out loss / chance (mean) | pointing game (mean) | wall per run (mean) |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     names = [n for n in ORDER if any(r["row"] == n for r in rows)]
-    names += sorted({r["row"] for r in rows} - set(ORDER))
+    names += list(dict.fromkeys(r["row"] for r in rows if r["row"] not in ORDER))
     for name in names:
         rs = sorted((r for r in rows if r["row"] == name), key=lambda r: r["seed"])
         aucs = [r["roc_auc"] for r in rs]
-        sd = statistics.pstdev(aucs) if len(aucs) > 1 else 0.0
+        sd = statistics.stdev(aucs) if len(aucs) > 1 else 0.0  # the sample std, as bench_learning's tables
         out.append(f"| {name} | {statistics.mean(aucs):.3f} ± {sd:.3f} | {', '.join(f'{a:.2f}' for a in aucs)} | "
                    f"{_fmt(_mean(rs, 'accuracy'))} | {_fmt(_mean(rs, 'val_loss'))} / {_fmt(_mean(rs, 'chance_loss'))} "
                    f"| {_fmt(_mean(rs, 'pointing_game'))} | {_fmt(_mean(rs, 'wall_s'), 0)} s |")  # fmt: skip
@@ -232,7 +243,7 @@ def markdown(setup: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         "",
         f"Cohort: `wsitrain synth --lesions small`, {setup['n']} slides of {setup['size']} px at 2.5 um/px (seed 0), "
         f"half positive; per seed {setup['n_train']} training slides, the rest held out (stratified). Model "
-        f"`{MODEL}` (a ViT: 32 px patches of 8 px tokens, width 64, 4 blocks; 0.15 M parameters) at `model.patch: "
+        f"`{MODEL}` (a ViT: 32 px patches of 16 px tokens, width 64, 4 blocks; 0.18 M parameters) at `model.patch: "
         f"{PATCH}`, attention-MIL head, {setup['epochs']} epochs, AdamW lr {setup['lr']:g}, constant schedule, flips "
         "and rot90; held-out AUC of the last epoch.",
         "",
@@ -254,9 +265,12 @@ def markdown(setup: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     ]
     cnn = [r for r in rows if r["row"].startswith("CNN")]
     if cnn:
-        lines += ["", "The CNN rows are docs/bench_learning/pretrained_fresh (tiny_ln, a trunk pretrained on patch "
-                  "labels of a disjoint cohort, 48 slides of 1024 px, seeds 67-69, 12 epochs, lr 3e-4): the same "
-                  "cohort and protocol, measured on 2026-11-29 on this kind of machine."]  # fmt: skip
+        lines += ["", "The CNN rows are the learning benchmark's (scripts/bench_learning.py, measured 2026-11-29 "
+                  "on this kind of machine, the same cohort and protocol: 48 slides of 1024 px, 12 epochs, lr 3e-4) "
+                  "with the tiny_ln trunk (4 convolutions with a LayerNorm, 32 channels) pretrained on a disjoint "
+                  "cohort by `scripts/pretrain_patches.py`: on patch labels (docs/bench_learning/pretrained_fresh, "
+                  "seeds 67-69) and without labels, SimCLR as the ViT here (docs/bench_learning/contrastive, seeds "
+                  "61-63). Their *frozen features* row embeds 64 px patches without the cache's augmentations."]
     return "\n".join(lines) + "\n"
 
 
