@@ -37,6 +37,8 @@ from torch import nn
 from wsitrain.errors import WsiTrainError
 from wsitrain.models.normalize import IMAGENET_MEAN, IMAGENET_STD
 from wsitrain.models.registry import ModelSpec, resolve_model_name, split_entry_point
+from wsitrain.patch.blocks import block_paths
+from wsitrain.patch.lora import LoraSpec
 from wsitrain.safe_load import first_line, library_loads_weights_only
 
 RGB = tuple[float, float, float]
@@ -67,54 +69,6 @@ def _rgb(values: Sequence[float], what: str) -> RGB:
         raise WsiTrainError(f"the encoder's {what} has {len(vals)} values, not 3 (RGB)",
                             hint="patch encoders take RGB patches")  # fmt: skip
     return vals[0], vals[1], vals[2]
-
-
-def _timm_blocks(encoder: nn.Module) -> tuple[str, ...] | None:
-    """A timm model's blocks as timm itself groups them for layer decay (``group_matcher(coarse=True)``): each group
-    after the stem, as the module path its modules share (``blocks.3``, ``layer2``, ``stages.1``)."""
-    matcher = getattr(encoder, "group_matcher", None)
-    if matcher is None:
-        return None
-    from timm.models import group_modules
-
-    try:
-        groups = group_modules(encoder, matcher(coarse=True))
-    except (NotImplementedError, TypeError, AttributeError):
-        return None
-    paths = []
-    for gid in sorted(groups)[1:]:  # group 0 is the stem (patch embedding, position embedding, first conv)
-        # the modules under the group's first top-level name: timm may put a final norm in the last block's group
-        top = groups[gid][0].split(".")[0]
-        parts = [name.split(".") for name in groups[gid] if name.split(".")[0] == top]
-        common = []
-        for level in zip(*parts, strict=False):
-            if len(set(level)) != 1:
-                break
-            common.append(level[0])
-        if common:
-            paths.append(".".join(common))
-    return tuple(paths) if len(paths) > 1 else None
-
-
-def block_paths(encoder: nn.Module) -> tuple[str, ...]:
-    """The encoder's repeated blocks in forward order: timm's own grouping for timm models (``_timm_blocks``); else
-    the children holding parameters of its ``ModuleList`` / ``Sequential`` with the most such children
-    (torchvision's ``encoder.layers.encoder_layer_0 ...``, a CNN trunk's layers). Empty when there is none."""
-    timm_blocks = _timm_blocks(encoder)
-    if timm_blocks is not None:
-        return timm_blocks
-    best: tuple[str, ...] = ()
-    for path, module in encoder.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
-            continue
-        children = tuple(
-            f"{path}.{name}" if path else name
-            for name, child in module.named_children()
-            if any(True for _ in child.parameters())
-        )
-        if len(children) > len(best):
-            best = children
-    return best
 
 
 def hub_cache() -> Path:
@@ -365,13 +319,14 @@ def load_encoder_weights(encoder: nn.Module, weights: Path) -> None:
     encoder.load_state_dict(state, strict=True)
 
 
-def build_encoder(name: str, *, weights: Path | None, pretrained: bool,
-                  patch: int | None = None) -> tuple[nn.Module, EncoderInfo]:  # fmt: skip
+def build_encoder(name: str, *, weights: Path | None, pretrained: bool, patch: int | None = None,
+                  lora: LoraSpec | None = None) -> tuple[nn.Module, EncoderInfo]:  # fmt: skip
     """The patch encoder ``name`` (B, 3, p, p) -> (B, D) and its ``EncoderInfo``.
 
     ``pretrained``: the library's own weights (timm's or torchvision's, from their caches); hub names always load
     their hub weights unless ``weights`` (a local file: the encoder's state dict, or a wsitrain patch model's) is
-    given. ``patch``: ``model.patch`` in px, or None for the encoder's own input size. Errors are WsiTrainError
+    given. ``patch``: ``model.patch`` in px, or None for the encoder's own input size. ``lora``: adapters on the
+    encoder (wsitrain.patch.lora; its other weights frozen). Errors are WsiTrainError
     (exit 2) naming the model and how to fix it.
     """
     spec = resolve_model_name(name)
@@ -407,7 +362,33 @@ def build_encoder(name: str, *, weights: Path | None, pretrained: bool,
             net, size = _cnn(spec, pretrained), patch
             m, s = input_normalization(spec)
             mean, std = _rgb(m, "mean"), _rgb(s, "std")
-    if weights is not None:
-        load_encoder_weights(net, weights)
     dim = _embedding_dim(net, size, name)
-    return net, EncoderInfo(size, dim, mean, std, block_paths(net))
+    blocks = block_paths(net)  # before LoRA: its layers wrap the targets, the block paths stay the same
+    if lora is None:
+        if weights is not None:
+            load_encoder_weights(net, weights)
+        return net, EncoderInfo(size, dim, mean, std, blocks)
+    from wsitrain.patch.lora import apply_lora
+
+    # a file of a LoRA run holds the adapters (and base_layer keys): the adapters go in first; any other file holds
+    # the base weights the adapters start from
+    adapted = weights is not None and file_has_lora(weights)
+    if weights is not None and not adapted:
+        load_encoder_weights(net, weights)
+    apply_lora(net, lora, name)
+    if adapted:
+        assert weights is not None
+        load_encoder_weights(net, weights)
+    return net, EncoderInfo(size, dim, mean, std, blocks)
+
+
+def file_has_lora(weights: Path) -> bool:
+    from wsitrain.patch.lora import has_lora_keys
+    from wsitrain.safe_load import safe_torch_load
+
+    path = Path(weights).expanduser()
+    if not path.is_file() or path.suffix == ".safetensors":
+        return False
+    obj = safe_torch_load(path, "weights file")
+    state = obj.get("model", obj.get("state_dict", obj)) if isinstance(obj, dict) else {}
+    return isinstance(state, dict) and has_lora_keys(state)
