@@ -20,6 +20,14 @@ contrastive loss (NT-Xent) on a small projection of the trunk's average-pooled f
 share of random tissue crops that happen to touch one. Its report says how well the frozen trunk's features tell
 the structures apart (a logistic regression on the pooled features of the training slides' structure patches,
 scored on the held-out slides'): the labels are read for that report only. Every figure it prints is *measured*.
+
+A patch encoder (a ViT: ``--model timm/...``, ``python:<module>:<function>``, or a CNN with ``--model-patch``) is
+pretrained the same way at its own patch size: the views are ``--model-patch`` px windows of ``--patch`` px crops, one
+embedding each, and the file holds its trunk (``encoder.*`` keys), which ``model.weights`` loads with the same
+``model.patch``:
+
+    python scripts/pretrain_patches.py --objective contrastive --model python:benchmarks.small_vit:small_vit \
+        --model-patch 32 --patch 40 --out .cache/wsitrain/small_vit_simclr.pt
 """
 
 from __future__ import annotations
@@ -238,7 +246,8 @@ def train_contrastive(model: torch.nn.Module, crops: torch.Tensor, args: argpars
     params = [*model.features.parameters(), *head.parameters()]
     opt = torch.optim.AdamW(params, lr=args.lr)
     g = torch.Generator().manual_seed(args.seed)
-    out = args.patch - args.patch // 6  # views are shifted windows of 5/6 of the crop
+    # views are shifted windows of 5/6 of the crop; a patch encoder's are its own patch size (one embedding each)
+    out = args.model_patch or args.patch - args.patch // 6
 
     def project(v: torch.Tensor) -> torch.Tensor:
         return head(model.features(model.normalize(v)).mean((-2, -1)))
@@ -272,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", type=int, default=1024, help="slide edge, px")
     ap.add_argument("--model", default="tiny_ln", help="model.name whose trunk is trained")
     ap.add_argument("--patch", type=int, default=96, help="patch edge, px (a structure's box is 88 px)")
+    ap.add_argument("--model-patch", type=int, default=None,
+                    help="model.patch of a patch encoder (a ViT): its views are this size, inside --patch px crops")
     ap.add_argument("--tissue", type=int, default=4, help="random tissue patches per slide")
     ap.add_argument("--objective", choices=("labels", "contrastive"), default="labels",
                     help="labels: lesion vs the rest; contrastive: SimCLR on random tissue crops, no labels")
@@ -288,6 +299,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.probe not in (None, "random") and not Path(args.probe).is_file():
         print(f"error: --probe {args.probe}: no such file (a trunk's state dict, or 'random')", file=sys.stderr)
+        return 2
+    if args.model_patch is not None and not 0 < args.model_patch < args.patch:
+        print(f"error: --model-patch {args.model_patch} must be below --patch {args.patch} (views are shifted windows "
+              "of the crops)", file=sys.stderr)  # fmt: skip
         return 2
     if args.cohort_seed == 0:
         print("error: --cohort-seed 0 is the learning benchmark's cohort: pretrain on another", file=sys.stderr)
@@ -321,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
 
     folds = [(stack(g)[0], torch.tensor([k for n in g for k in kinds(n)])) for g in (names[i::4] for i in range(4))]
     torch.manual_seed(args.seed)
-    model = build(args.model, 2, pool="avg", weights=args.probe if args.probe not in (None, "random") else None)
+    model = build(args.model, 2, pool="avg", weights=args.probe if args.probe not in (None, "random") else None,
+                  patch=args.model_patch)  # fmt: skip
     if args.probe is not None:
         print(f"{args.probe}: the {args.model} trunk's features, held-out linear probe: {probe(model, folds)}")
         return 0

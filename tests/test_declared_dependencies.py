@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Imported directly, installed by a declared distribution that requires it (checked below, so this cannot go stale).
 BROUGHT_BY = {
     "huggingface-hub": "timm",  # huggingface_hub: timm's pretrained weights; imported only with the timm extra
+    "safetensors": "timm",  # a patch encoder's local .safetensors weights, and the hub's (wsitrain.patch.encoders)
 }
 
 

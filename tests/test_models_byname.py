@@ -76,8 +76,11 @@ def test_builtin_and_library_names_resolve() -> None:
     ("name", "says"),
     [
         ("vgg61", "is not a valid choice; choose one of tiny, tiny_bn, tiny_ln, vgg16"),
-        ("torchvision/resnet19", "not a torchvision classification CNN (did you mean resnet18"),
-        ("torchvision/vit_b_16", "vision transformer, not a CNN"),
+        ("torchvision/resnet19", "not a torchvision classification model (did you mean resnet18"),
+        ("torchvision/vit_b_17", "not a torchvision classification model (did you mean vit_b_16"),
+        ("timm/hf-hub:MahmoodLab", "does not name a hub repository as <org>/<name>"),
+        ("python:my_pkg", "write it as python:<module>:<function>"),
+        ("python:no_such_package_here.mod:build", "module 'no_such_package_here.mod' cannot be found"),
         ("timm/not_a_model", "is not a timm model"),
         ("torchvision/", "names no model"),
         ("", "is not a model name"),

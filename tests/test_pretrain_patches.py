@@ -141,3 +141,21 @@ def test_separation_and_best_channel_auc() -> None:
     assert pre.best_auc(a, b) == 1.0 and pre.best_auc(b, a) == 1.0  # either way round
     assert pre.separation(a, b) == pytest.approx(10 / torch.tensor([-1.0, 1, 0, -1, 1, 0]).std().item(), rel=1e-5)
     assert pre.best_auc(a[:, 1:], b[:, 1:]) == 0.5
+
+
+def test_a_vit_patch_encoder_pretrains_contrastively_and_loads(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``--model-patch``: a ViT's views are its own patch size; the file (``encoder.*`` keys) loads with
+    ``model.weights`` into the same patch model."""
+    pre = load_script("pretrain_patches")
+    out = tmp_path / "vit.pt"
+    args = ["--out", str(out), "--cohort", str(tmp_path / "c"), "--n", "4", "--size", "512", "--epochs", "1",
+            "--threads", "1", "--objective", "contrastive", "--crops", "8", "--batch", "16",
+            "--model", "python:tests.fake_hub:tiny_vit", "--model-patch", "16", "--patch", "20"]  # fmt: skip
+    assert pre.main(args) == 0
+    assert "the python:tests.fake_hub:tiny_vit trunk (contrastive)" in capsys.readouterr().out
+    trunk = torch.load(out, weights_only=True)
+    assert trunk and all(k.startswith("encoder.") for k in trunk)
+    model = build("python:tests.fake_hub:tiny_vit", 2, pool="attention", weights=out, patch=16)
+    assert all(torch.equal(v, trunk[f"encoder.{k}"]) for k, v in model.features.encoder.state_dict().items())
+    assert pre.main([*args[:-2], "--patch", "16"]) == 2
+    assert "--model-patch 16 must be below --patch 16" in capsys.readouterr().err

@@ -286,6 +286,8 @@ class FreezeConfig(Section):
 
     until: str | None = None  # every layer from the input up to and including this module
     modules: list[str] | None = None  # these modules (and everything inside them)
+    # patch encoders: only the encoder's last N blocks (and what follows them) train; 0: the whole encoder is frozen
+    last_blocks: int | None = Field(None, ge=0, strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -298,16 +300,42 @@ class FreezeConfig(Section):
 
     @model_validator(mode="after")
     def _something(self) -> FreezeConfig:
-        if self.until is None and not self.modules:
+        if self.until is None and not self.modules and self.last_blocks is None:
             raise ValueError("names no module; write e.g. freeze: {until: layer2} or freeze: [features.conv1], "
-                             "or remove model.freeze")  # fmt: skip
+                             "or freeze: {last_blocks: 2} for a patch encoder, or remove model.freeze")  # fmt: skip
+        if self.until is not None and self.last_blocks is not None:
+            raise ValueError("until and last_blocks both say where the frozen part ends; keep one")
         for name in ([self.until] if self.until is not None else []) + list(self.modules or []):
             if not name.strip() or name != name.strip():
                 raise ValueError(f"{name!r} is not a module name (e.g. layer2 or features.layer2)")
         return self
 
     def spec(self) -> FreezeSpec:
-        return FreezeSpec(self.until, tuple(self.modules or ()))
+        return FreezeSpec(self.until, tuple(self.modules or ()), self.last_blocks)
+
+
+class LoraConfig(Section):
+    """``model.lora``: low-rank adapters on the patch encoder's layers (wsitrain.patch.lora, through peft); the
+    encoder's own weights stay fixed, the adapters and the head train."""
+
+    rank: int = Field(8, ge=1, strict=True)  # r: the adapters' inner width
+    alpha: float = Field(16.0, gt=0)  # the adapters' output is scaled by alpha / rank
+    # layers adapted, by name or a path ending in one (peft's target_modules): timm ViTs' attention projection
+    targets: list[str] = Field(default_factory=lambda: ["qkv"], min_length=1)
+    dropout: float = Field(0.0, ge=0, lt=1)  # on the adapters' input, in training
+
+    @field_validator("targets")
+    @classmethod
+    def _names(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if not name.strip() or name != name.strip():
+                raise ValueError(f"{name!r} is not a layer name (e.g. qkv, proj, fc1, or blocks.11.attn.qkv)")
+        return value
+
+    def spec(self) -> Any:
+        from wsitrain.patch.lora import LoraSpec
+
+        return LoraSpec(self.rank, self.alpha, tuple(self.targets), self.dropout)
 
 
 class ModelConfig(Section):
@@ -321,6 +349,10 @@ class ModelConfig(Section):
     topk: int = Field(DEFAULT_TOPK, ge=1, strict=True)
     freeze_bn: bool = True
     freeze: FreezeConfig | None = None  # fine-tuning: layers kept fixed (forward-only in the engine)
+    # px at the run's resolution: the model is a patch encoder applied to every patch of this size (its embeddings the
+    # map the head pools). None: a CNN tiles the whole slide; a ViT / hub / python: encoder uses its own input size
+    patch: int | None = Field(None, ge=2, strict=True)
+    lora: LoraConfig | None = None  # patch encoders: low-rank adapters trained instead of the encoder's weights
     # "slide": the head reads the trunk's map standardised per channel over the slide (wsitrain.models.zoo.build)
     map_norm: str = NO_NORM
     # with freeze_bn: false, "slide" normalises with each slide's own statistics in prediction too, as in training
@@ -367,6 +399,27 @@ class ModelConfig(Section):
         except ModelNameError as e:
             raise ValueError(e.reason) from e
         return value
+
+    @model_validator(mode="after")
+    def _patch_encoder_keys(self) -> ModelConfig:
+        try:
+            spec = resolve_model_name(self.name)
+        except ModelNameError:
+            return self  # said by the name's own validator
+        if spec.source == "python" and self.patch is None:
+            raise ValueError(f"model.patch is required with {self.name}: the px edge of the patches its module takes")
+        encoder = spec.patch_only or self.patch is not None
+        if self.lora is not None and not encoder:
+            raise ValueError(f"model.lora applies to patch encoders; {self.name} tiles the whole slide (set "
+                             "model.patch to use it as a patch encoder, or remove model.lora)")  # fmt: skip
+        if self.freeze is not None and self.freeze.last_blocks is not None and not encoder:
+            raise ValueError(f"model.freeze.last_blocks applies to patch encoders; {self.name} tiles the whole slide "
+                             "(use model.freeze.until with one of its modules, or set model.patch)")  # fmt: skip
+        return self
+
+    def lora_spec(self) -> Any:
+        """The build's ``wsitrain.patch.lora.LoraSpec``, or None without ``model.lora``."""
+        return self.lora.spec() if self.lora is not None else None
 
 
 class EngineConfig(Section):
@@ -465,6 +518,9 @@ class TrainConfig(Section):
     # The trunk's learning rate is lr times this (the head, everything after model.features, trains at lr): fine-tuning
     # a pretrained trunk gently while a fresh head learns fast. 1: one learning rate for all.
     backbone_lr_scale: float = Field(1.0, gt=0, le=1)
+    # Layer-wise learning-rate decay (ViT fine-tuning): of the trunk's n blocks, block i (0-based) trains at
+    # lr * layer_decay ** (n - i), the patch embedding below them at layer_decay ** (n + 1), the head at lr. None: off.
+    layer_decay: float | None = Field(None, gt=0, le=1)
     # Imbalanced classes: "weights" weighs each slide's loss by n / (classes * n_class) of the training set,
     # "sampling" draws each epoch's slides with those weights (with replacement, as many as there are); none: as is.
     class_balance: Literal["none", "weights", "sampling"] = "none"

@@ -1,8 +1,13 @@
 """``model.freeze``: fine-tuning with the early layers fixed, by module path.
 
-Two ways to say what is frozen: ``until`` (every layer from the input up to and including that module), or a list
-of ``modules``. A name is a module path of the built model (``features.layer2``) or a path inside its trunk
-(``layer2``, short for ``features.layer2``); an unknown name is an input error listing the names there are.
+Three ways to say what is frozen: ``until`` (every layer from the input up to and including that module), a list
+of ``modules``, or (patch encoders) ``last_blocks: N``: only the encoder's last N blocks (wsitrain.patch.blocks) and
+what follows them train, the stem (patch and position embeddings, class token) and the earlier blocks are frozen;
+``last_blocks: 0`` freezes the whole encoder (the head alone trains). A name is a module path of the built model
+(``features.layer2``), a path inside its trunk (``layer2``, short for ``features.layer2``) or inside a patch model's
+encoder (``blocks.9``, short for ``features.encoder.blocks.9``); an unknown name is an input error listing the names
+there are. ``until`` a module inside a patch encoder also freezes the parameters the encoder holds itself (a ViT's
+class token and position embedding: they enter at its input).
 
 Frozen parameters get ``requires_grad=False``: the optimizer never sees them, and the SFT engine plans and runs the
 segments that hold only frozen layers (before any trainable one) forward-only, with no recompute, no backward and
@@ -24,6 +29,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 TRUNK = "features"  # the trunk's name in every wsitrain model (wsitrain.models.zoo); short names are inside it
+ENCODER = f"{TRUNK}.encoder"  # a patch model's encoder (wsitrain.patch.trunk.PatchTrunk); short names inside it too
 
 
 @dataclass(frozen=True)
@@ -32,16 +38,18 @@ class FreezeSpec:
 
     until: str | None = None
     modules: tuple[str, ...] = ()
+    last_blocks: int | None = None  # patch encoders: train only the last N blocks (and what follows)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> FreezeSpec | None:
         """From a config's (or checkpoint's saved config's) ``model.freeze`` section; None when nothing is frozen."""
         if not d:
             return None
-        return cls(d.get("until"), tuple(d.get("modules") or ()))
+        return cls(d.get("until"), tuple(d.get("modules") or ()), d.get("last_blocks"))
 
     def describe(self) -> str:
         parts = ([f"until {self.until}"] if self.until else []) + ([", ".join(self.modules)] if self.modules else [])
+        parts += [f"all but the encoder's last {self.last_blocks} blocks"] if self.last_blocks is not None else []
         return "; ".join(parts)
 
 
@@ -62,16 +70,23 @@ class Frozen:
 
 def module_names(model: nn.Module) -> list[str]:
     """The names ``model.freeze`` accepts, outermost first: the model's parts and the trunk's parts (short form)."""
+    from torch import nn
+
     top = [n for n, _ in model.named_children()]
     trunk = getattr(model, TRUNK, None)
     inner = [n for n, _ in trunk.named_children()] if trunk is not None else []
-    return top + inner
+    encoder = getattr(trunk, "encoder", None)
+    if isinstance(encoder, nn.Module):  # a patch model: the encoder's parts, and its blocks by path
+        from wsitrain.patch.blocks import block_paths
+
+        inner += [n for n, _ in encoder.named_children()] + list(block_paths(encoder))
+    return top + list(dict.fromkeys(inner))
 
 
 def resolve_module(model: nn.Module, name: str, key: str) -> str:
     """The full module path ``name`` means (``layer2`` -> ``features.layer2``); an input error when there is none."""
     paths = {n for n, _ in model.named_modules() if n}
-    for candidate in (name, f"{TRUNK}.{name}"):
+    for candidate in (name, f"{TRUNK}.{name}", f"{ENCODER}.{name}"):
         if candidate in paths:
             return candidate
     names = module_names(model)
@@ -87,10 +102,38 @@ def _covered(paths: list[str], root: str) -> list[str]:
     return [p for p in paths if p == root or p.startswith(root + ".")]
 
 
+def _before_last_blocks(model: nn.Module, n: int, paths: list[str]) -> list[str]:
+    """Module paths of a patch encoder before its last ``n`` blocks (all of the encoder for n = 0); input errors when
+    the model has no patch encoder or fewer blocks."""
+    from wsitrain.patch.blocks import model_blocks, patch_encoder
+
+    if patch_encoder(model) is None:
+        raise WsiTrainError(
+            f"model.freeze.last_blocks applies to patch encoders; {getattr(model, 'name', 'the model')} is a "
+            "whole-slide trunk",
+            hint=f"use model.freeze.until with a trunk module instead, e.g. until: {module_names(model)[-1]}",
+        )
+    blocks = model_blocks(model)
+    if n > len(blocks):
+        listed = f" ({blocks[0]} ... {blocks[-1]})" if blocks else ""
+        raise WsiTrainError(
+            f"model.freeze.last_blocks: {n}, but {getattr(model, 'name', 'the encoder')} has {len(blocks)} "
+            f"blocks{listed}",
+            hint=f"choose 0 to {len(blocks)}",
+        )
+    if n == 0:  # the whole encoder
+        return _covered(paths, ENCODER)
+    first = blocks[len(blocks) - n]
+    start = paths.index(first)
+    return [p for p in _covered(paths, ENCODER) if paths.index(p) < start and not first.startswith(p + ".")]
+
+
 def frozen_paths(model: nn.Module, spec: FreezeSpec) -> list[str]:
     """Every module path (descendants included) that ``spec`` freezes, in the model's order."""
     paths = [n for n, _ in model.named_modules() if n]
     chosen: set[str] = set()
+    if spec.last_blocks is not None:
+        chosen |= set(_before_last_blocks(model, spec.last_blocks, paths))
     if spec.until is not None:
         target = resolve_module(model, spec.until, "model.freeze.until")
         end = max(i for i, p in enumerate(paths) if p == target or p.startswith(target + "."))
@@ -99,6 +142,27 @@ def frozen_paths(model: nn.Module, spec: FreezeSpec) -> list[str]:
     for name in spec.modules:
         chosen |= set(_covered(paths, resolve_module(model, name, "model.freeze.modules")))
     return [p for p in paths if p in chosen]
+
+
+def _encoder_input_owners(model: nn.Module, spec: FreezeSpec) -> list[str]:
+    """The patch encoder and its modules above the frozen boundary (``until``'s target, or the first block
+    ``last_blocks`` trains) that hold parameters of their own: a ViT's class token and position embedding (timm's on
+    the encoder, torchvision's on its ``encoder``) enter at the input, so they freeze with the first blocks."""
+    paths = {n for n, _ in model.named_modules()}
+    if ENCODER not in paths:
+        return []
+    boundary = None
+    if spec.last_blocks:
+        from wsitrain.patch.blocks import model_blocks
+
+        blocks = model_blocks(model)
+        boundary = blocks[len(blocks) - spec.last_blocks] if spec.last_blocks <= len(blocks) else None
+    elif spec.until is not None:
+        boundary = resolve_module(model, spec.until, "model.freeze.until")
+    if boundary is None or not boundary.startswith(ENCODER + "."):
+        return []
+    parts = boundary.split(".")
+    return [".".join(parts[:i]) for i in range(ENCODER.count(".") + 1, len(parts))]
 
 
 def apply_freeze(model: nn.Module, spec: FreezeSpec | None) -> Frozen | None:
@@ -111,14 +175,17 @@ def apply_freeze(model: nn.Module, spec: FreezeSpec | None) -> Frozen | None:
 
     from wsitrain.models.frozen_bn import freeze_batchnorm
 
-    if spec is None or (spec.until is None and not spec.modules):
+    if spec is None or (spec.until is None and not spec.modules and spec.last_blocks is None):
         model.frozen = None
         return None
     paths = frozen_paths(model, spec)
     mods = dict(model.named_modules())
     frozen_params: list[str] = []
     seen: set[int] = set()
-    for p in paths:
+    # a patch encoder's own parameters (a ViT's class token, position embedding) enter at its input: frozen with it,
+    # the encoder itself not listed as frozen (its later blocks train)
+    own = [q for q in _encoder_input_owners(model, spec) if q not in paths]
+    for p in own + paths:
         for pname, param in mods[p].named_parameters(recurse=False):
             if id(param) not in seen:
                 seen.add(id(param))

@@ -12,7 +12,7 @@ import os
 import pickle
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 import torch
@@ -143,17 +143,18 @@ def timm_cached(arch: str) -> bool:
     return any(isinstance(try_to_load_from_cache(repo, f.name, revision=revision or None), str) for f in files)
 
 
-def timm_net(arch: str, imagenet: bool) -> nn.Module:
-    """timm model ``arch``, randomly initialised or with timm's pretrained weights (tag after a dot, or default)."""
+def timm_net(arch: str, imagenet: bool, **kwargs: Any) -> nn.Module:
+    """timm model ``arch``, randomly initialised or with timm's pretrained weights (tag after a dot, or default);
+    ``kwargs`` go to ``timm.create_model`` (a patch encoder's ``num_classes=0``, ``img_size``)."""
     import timm
 
     if not imagenet:
-        return _build(lambda: timm.create_model(arch, pretrained=False))
+        return _build(lambda: timm.create_model(arch, pretrained=False, **kwargs))
     cached = timm_cached(arch)
     files, how = timm_cache_files(arch)
     try:
         with library_loads_weights_only():  # timm asks for weights_only itself; held to the same rule regardless
-            return _build(lambda: timm.create_model(arch, pretrained=True))
+            return _build(lambda: timm.create_model(arch, pretrained=True, **kwargs))
     except Exception as exc:  # hub, network, file or key errors: all mean the weights are not usable
         if cached:
             raise WsiTrainError(

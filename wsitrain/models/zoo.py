@@ -196,6 +196,7 @@ def build(
     topk: int = DEFAULT_TOPK,
     map_norm: str = NO_NORM,
     bn_stats: str = RUNNING,
+    patch: int | None = None,
 ) -> nn.Sequential:
     """Build model ``name`` (a built-in, ``torchvision/<name>`` or ``timm/<name>``) with a ``num_classes``-way head.
 
@@ -214,6 +215,9 @@ def build(
     the trunk's map over the slide (a BatchNorm without running statistics or affine parameters: batch statistics in
     training and prediction alike; the engine runs it exactly in two sweeps). The pool, the attention and the
     classifier, and so the CAM, read the standardised map. "none" (the default): no such module.
+    ``patch``: apply the model as a patch encoder to every ``patch`` px patch of a grid (``model.patch``;
+    wsitrain.patch): its embeddings form the map the head pools, stride ``patch``. Vision transformers, hub encoders
+    and a user's ``python:`` module are patch encoders whatever ``patch`` says (None: the encoder's own input size).
     ``bn_stats``: "slide" makes every BatchNorm normalise with its batch's own statistics in prediction too
     (wsitrain.models.slide_bn; needs ``freeze_bn=False``); "running" (the default): PyTorch's running averages.
     """
@@ -234,23 +238,54 @@ def build(
             f"num_classes must be a positive integer, got {num_classes!r}", hint="set it to the number of labels"
         )
     imagenet = is_imagenet(weights)
-    parts = _builtin_parts if spec.is_builtin else _library_parts
-    features, classifier, channels, stride, (mean, std) = parts(spec, num_classes, imagenet)
-    head = _pool_layers(pool, attention or AttentionSpec(), channels, classifier, num_classes, mask_pool, topk)
-    # why a map norm: the trunk's level drifts while it trains, and a head reading it raw can stay on the plateau
-    # (docs/research/plateau.md sections 12-13)
-    norm = {"map_norm": slide_norm(channels)} if map_norm == SLIDE_NORM else {}
-    model = nn.Sequential(OrderedDict(normalize=InputNormalization(mean, std), features=features, **norm, **head))
-    model.name = spec.name
-    model.stride = stride
-    if weights is not None and not imagenet:
-        load_weights(model, weights)
+    if spec.patch_only or patch is not None:  # an encoder on every patch of a grid (wsitrain.patch)
+        from wsitrain.patch.encoders import build_encoder
+
+        enc, info = build_encoder(name, weights=None if weights is None or imagenet else Path(weights),
+                                  pretrained=imagenet, patch=patch)  # fmt: skip
+        model = patch_model(spec.name, enc, info.patch, info.dim, num_classes, (info.mean, info.std), pool=pool,
+                            attention=attention, mask_pool=mask_pool, topk=topk, map_norm=map_norm)  # fmt: skip
+    else:
+        parts = _builtin_parts if spec.is_builtin else _library_parts
+        model = assemble(spec.name, parts(spec, num_classes, imagenet), num_classes, pool, attention, mask_pool, topk,
+                         map_norm)  # fmt: skip
+        if weights is not None and not imagenet:
+            load_weights(model, weights)
     if freeze_bn:
         freeze_batchnorm(model)
     if bn_stats == SLIDE:  # after the weights: a checkpoint or ImageNet file with running statistics still loads
         slide_batchnorm(model)
     apply_freeze(model, freeze)
     return model
+
+
+def assemble(name: str, parts: Parts, num_classes: int, pool: str = AVG, attention: AttentionSpec | None = None,
+             mask_pool: bool = True, topk: int = DEFAULT_TOPK, map_norm: str = NO_NORM) -> nn.Sequential:  # fmt: skip
+    """``normalize -> features -> [map_norm] -> head`` from a trunk and its classifier (``build``'s layout; the
+    patch models' too, ``patch_model``)."""
+    features, classifier, channels, stride, (mean, std) = parts
+    head = _pool_layers(pool, attention or AttentionSpec(), channels, classifier, num_classes, mask_pool, topk)
+    # why a map norm: the trunk's level drifts while it trains, and a head reading it raw can stay on the plateau
+    # (docs/research/plateau.md sections 12-13)
+    norm = {"map_norm": slide_norm(channels)} if map_norm == SLIDE_NORM else {}
+    model = nn.Sequential(OrderedDict(normalize=InputNormalization(mean, std), features=features, **norm, **head))
+    model.name = name
+    model.stride = stride
+    return model
+
+
+def patch_model(name: str, encoder: nn.Module, patch: int, dim: int, num_classes: int,
+                norm: Norm = (IMAGENET_MEAN, IMAGENET_STD), **head: object) -> nn.Sequential:  # fmt: skip
+    """A patch-encoder model: ``encoder`` ((N, 3, patch, patch) -> (N, dim)) on every patch of the slide
+    (``wsitrain.patch.trunk.PatchTrunk``, stride ``patch``), the embedding map pooled by the head ``head`` names
+    (``assemble``'s pool, attention, mask_pool, topk, map_norm), as ``build`` makes every model."""
+    from wsitrain.patch.trunk import PatchTrunk
+
+    ref = next(iter(encoder.parameters()), None)
+    classifier = nn.Linear(dim, num_classes, device=ref.device if ref is not None else None,
+                           dtype=ref.dtype if ref is not None else None)  # fmt: skip
+    parts: Parts = (PatchTrunk(encoder, patch, dim), classifier, dim, patch, norm)
+    return assemble(name, parts, num_classes, **head)  # type: ignore[arg-type]
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,13 +27,14 @@ from wsitrain.models import build
 from wsitrain.models.freeze import FreezeSpec, Frozen
 from wsitrain.models.heads import AVG, MAP_NORMS, NO_NORM, POOLS
 from wsitrain.models.registry import resolve_model_name
+from wsitrain.patch.plan_summary import PatchPlanSummary, summarize
 from wsitrain.plan.from_config import PLAN_NUM_CLASSES, from_config
 from wsitrain.precision import Precision, activation_dtype, check_precision
 from wsitrain.sft import Plan, max_square_size
 from wsitrain.sft import plan as plan_model
 from wsitrain.sft.plan_api import MAX_SQUARE_LIMIT
 from wsitrain.sft.planning.calibration import CLOCK_SOURCE, cpu_name, run_time_model
-from wsitrain.sft.planning.costs import DEFAULT_TIME_MODEL, TimeModel
+from wsitrain.sft.planning.costs import DEFAULT_TIME_MODEL, OPTIMIZER_STATE, TimeModel
 from wsitrain.sft.planning.placement import place_host
 from wsitrain.sft.simulate import SimulatedStep, simulate_step, simulation_dict, simulation_text
 from wsitrain.sft.simulate.clock import ClockReading, OpClock
@@ -64,6 +66,7 @@ class PlanReport:
     host_skipped: str | None = None  # why ``host`` was not measured (the image would not fit this machine's RAM)
     frozen: Frozen | None = None  # what ``--freeze`` froze
     unfrozen: PlanReport | None = None  # the same plan with nothing frozen, to show what freezing saves
+    patch: PatchPlanSummary | None = None  # a patch-encoder model's patches, chunks and memory by part
 
     def saving(self) -> dict[str, Any] | None:
         """Planned FLOPs and time (and simulated tile visits) with ``--freeze`` against without; None without it."""
@@ -129,6 +132,8 @@ class PlanReport:
             d["simulated"] = simulation_dict(self.simulated)
         if self.frozen is not None:
             d["freeze"] = self.saving()
+        if self.patch is not None:
+            d["patch"] = self.patch.to_dict()
         if self.clock is not None:
             d["clock"] = {
                 "sft": self.clock.to_dict(),
@@ -144,6 +149,8 @@ class PlanReport:
 
     def __str__(self) -> str:
         lines = [str(self.plan), f"budget source: {self.budget.source}", f"time model: {self.time_model}"]
+        if self.patch is not None:
+            lines.append(self.patch.text())
         if self.flop_rate:
             lines.append(
                 f"  predicted step time on the {self.budget.gpu} preset: {self.plan.time_sft / self.flop_rate:.3f} s "
@@ -402,11 +409,12 @@ def _plan_net(
                 time_model=tm,
             )  # fmt: skip
         )
+    patch = summarize(net, p, dtype, OPTIMIZER_STATE[optimizer])
     source = tm.source
     if source == DEFAULT_TIME_MODEL:
         source = (f"{DEFAULT_TIME_MODEL} for {budget.device} (no calibration of this device; `wsitrain doctor "
                   "--calibrate` fits them on yours)")  # fmt: skip
-    return PlanReport(p, budget, prec, max_size, source, flop_rate=_flop_rate(tm, speed, prec))
+    return PlanReport(p, budget, prec, max_size, source, flop_rate=_flop_rate(tm, speed, prec), patch=patch)
 
 
 def _flop_rate(tm: TimeModel, speed: GpuSpeed | None, prec: Precision) -> float | None:
@@ -477,7 +485,7 @@ def _simulated(
     rate = _flop_rate(tm, speed, prec)
     return PlanReport(
         sim.plan, budget, prec, None, tm.source, None if low else sim, reading, plain, rate, host=host,
-        host_skipped=skipped,
+        host_skipped=skipped, patch=summarize(net, sim.plan, activation_dtype(prec), OPTIMIZER_STATE[optimizer]),
     )
 
 
@@ -527,7 +535,9 @@ def run_plan(
             console.print(
                 f"with tissue in {tissue:.0%} of the tiles (data.mask_background: background computed once): "
                 f"predicted step time vs plain {report.plan.slowdown_at(tissue):.2f}x "
-                f"(all tissue {report.plan.slowdown:.2f}x)",
+                f"(all tissue {report.plan.slowdown:.2f}x)"
+                + (f"; {math.ceil(tissue * report.patch.patches):,} of {report.patch.patches:,} patches hold tissue"
+                   if report.patch is not None else ""),
                 markup=False,
                 highlight=False,
                 soft_wrap=True,

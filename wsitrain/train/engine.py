@@ -14,6 +14,10 @@ from wsitrain.config import EngineConfig, ModelConfig
 from wsitrain.errors import ConfigError
 from wsitrain.host_need import ranks_per_node
 from wsitrain.models import build
+from wsitrain.models.registry import is_imagenet
+from wsitrain.models.weights import load_weights
+from wsitrain.patch.encoders import file_has_lora
+from wsitrain.patch.lora import add_lora
 from wsitrain.sft import SFT
 from wsitrain.sft.execution.spill import SpillFiles
 from wsitrain.sft.plan_types import Plan
@@ -52,12 +56,22 @@ def build_model(
 ) -> nn.Module:
     """The run's model; ``class_names`` (a classification's) place an attention head's instance stream.
     ``with_weights=False``: ``model.weights`` is not read (a plan's shapes, or a checkpoint's state loaded after)."""
-    return build(
-        m.name, num_classes, weights=m.weights if with_weights else None, pool=m.pool, freeze_bn=m.freeze_bn,
+    weights = m.weights if with_weights else None
+    lora = m.lora_spec()
+    # a LoRA run's weights hold the adapters: loaded once they are in place (wsitrain.patch.lora)
+    adapted = lora is not None and weights is not None and not is_imagenet(weights) and file_has_lora(weights)
+    model = build(
+        m.name, num_classes, weights=None if adapted else weights, pool=m.pool, freeze_bn=m.freeze_bn,
         attention=m.attention.spec(class_names),
         freeze=m.freeze_spec(),
-        mask_pool=m.mask_pool, topk=m.topk, map_norm=m.map_norm, bn_stats=m.bn_stats,
+        mask_pool=m.mask_pool, topk=m.topk, map_norm=m.map_norm, bn_stats=m.bn_stats, patch=m.patch,
     )
+    if lora is not None:
+        add_lora(model, lora, m.freeze_spec())
+        if adapted:
+            assert weights is not None
+            load_weights(model, weights)
+    return model
 
 
 def batchnorm_note(model: nn.Module, freeze_bn: bool) -> str:

@@ -6,12 +6,18 @@ patches; the frozen trunk embeds every patch once, without autograd, into one ve
 then only the model's own head (``attention`` -> ``pool`` -> ``flatten`` -> ``classifier``) is trained on the bags of
 patch vectors, laid out as a (1, C, N, 1) map so it is the very module end-to-end training runs on the trunk's map.
 
-Plain tensors in and out: the caller reads the slides (benchmarks/bench_learning.py ``--baseline``).
+Patch encoders (``model.patch``, a ViT or foundation model: wsitrain.patch) are frozen the same way; their patch is
+their own, so each patch gives one embedding. wsitrain.train.feature_cache keeps the bags on disk, one per slide and
+augmentation, so the head can train for many epochs on augmented bags without running the encoder again.
+
+Plain tensors in and out: the caller reads the slides (benchmarks/bench_learning.py ``--baseline``,
+benchmarks/bench_foundation.py).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,11 +32,13 @@ from wsitrain.models.heads import ATTENTION, ATTENTION_POOLS
 HEAD_PARTS = ("attention", "pool", "flatten", "classifier")  # after the trunk, in the model's order (zoo.build)
 
 
-def build_frozen_mil(name: str, num_classes: int, pool: str = ATTENTION, weights: str | None = None) -> nn.Sequential:
-    """The model end-to-end training would build, with everything up to and including the trunk frozen."""
+def build_frozen_mil(name: str, num_classes: int, pool: str = ATTENTION, weights: str | None = None,
+                     patch: int | None = None) -> nn.Sequential:  # fmt: skip
+    """The model end-to-end training would build, with everything up to and including the trunk frozen; ``patch``:
+    ``model.patch`` (a patch encoder's trunk: wsitrain.patch)."""
     if pool not in ATTENTION_POOLS:
         raise ValueError(f"the frozen-feature baseline trains an attention-MIL head; pool {pool!r} is not one")
-    return zoo.build(name, num_classes, weights=weights, pool=pool, freeze=FreezeSpec(until="features"))
+    return zoo.build(name, num_classes, weights=weights, pool=pool, freeze=FreezeSpec(until="features"), patch=patch)
 
 
 def patch_grid(image: torch.Tensor, patch: int) -> tuple[torch.Tensor, tuple[int, int]]:
@@ -78,10 +86,12 @@ class HeadFit:
     wall_s: float = 0.0
 
 
-def train_head(model: nn.Sequential, bags: list[torch.Tensor], labels: list[int], *, epochs: int, lr: float,
-               seed: int, budget_s: float | None = None) -> HeadFit:  # fmt: skip
+def train_head(model: nn.Sequential, bags: Sequence[torch.Tensor | Sequence[torch.Tensor]], labels: list[int], *,
+               epochs: int, lr: float, seed: int, budget_s: float | None = None) -> HeadFit:  # fmt: skip
     """Train the trainable (head) parameters on ``bags`` ((N_i, C) each), one bag per step, AdamW at ``lr``, for
-    ``epochs`` epochs or until ``budget_s`` seconds have passed (checked after each epoch)."""
+    ``epochs`` epochs or until ``budget_s`` seconds have passed (checked after each epoch). A bag given as several
+    views (the slide's augmentations, wsitrain.train.feature_cache) is seen as one of them per step, drawn with the
+    seed."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr)
     rng = np.random.default_rng(seed)
@@ -91,7 +101,9 @@ def train_head(model: nn.Sequential, bags: list[torch.Tensor], labels: list[int]
     for _ in range(epochs):
         losses = []
         for i in rng.permutation(len(bags)).tolist():
-            loss = F.cross_entropy(head_logits(model, bags[i]), torch.tensor([labels[i]]))
+            views = bags[i]
+            bag = views if isinstance(views, torch.Tensor) else views[int(rng.integers(len(views)))]
+            loss = F.cross_entropy(head_logits(model, bag), torch.tensor([labels[i]]))
             opt.zero_grad()
             loss.backward()
             opt.step()

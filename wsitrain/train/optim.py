@@ -19,9 +19,38 @@ LOSSES = ("cross_entropy", "mse")
 ParamGroups = list[dict[str, Any]]
 
 
-def parameter_groups(model: torch.nn.Module, lr: float, backbone_lr_scale: float = 1.0) -> ParamGroups:
+def layer_ids(model: torch.nn.Module) -> tuple[dict[str, int], int]:
+    """Each trunk parameter's layer for layer-wise learning-rate decay, and the number of blocks n: 0 for everything
+    of the trunk (or patch encoder) before its first block (patch and position embeddings, a stem), i + 1 for block i
+    (wsitrain.patch.blocks), n + 1 for what follows the last block (a final norm). Head parameters are not listed."""
+    from wsitrain.models.freeze import head_prefixes
+    from wsitrain.patch.blocks import model_blocks
+
+    blocks = model_blocks(model)
+    heads = head_prefixes(model)
+    ids: dict[str, int] = {}
+    seen = 0  # blocks passed so far, in parameter order (forward order for every trunk wsitrain builds)
+    for name, _ in model.named_parameters():
+        if name.split(".")[0] in heads or not name.startswith("features."):
+            continue
+        inside = next((i for i, b in enumerate(blocks) if name.startswith(b + ".")), None)
+        if inside is not None:
+            seen = inside + 1
+            ids[name] = inside + 1
+        else:
+            ids[name] = len(blocks) + 1 if seen == len(blocks) and blocks else 0
+    return ids, len(blocks)
+
+
+def parameter_groups(model: torch.nn.Module, lr: float, backbone_lr_scale: float = 1.0,
+                     layer_decay: float | None = None) -> ParamGroups:  # fmt: skip
     """The trainable parameters as optimizer groups: one group at ``lr``, or with ``backbone_lr_scale`` < 1 the head
     (everything after the trunk) at ``lr`` first and the trunk at ``lr * backbone_lr_scale`` second.
+
+    ``layer_decay`` (``train.layer_decay``, as ViT fine-tuning recipes use): the trunk is split by layer
+    (``layer_ids``): of n blocks, block i (0-based) trains at ``lr * scale * decay ** (n - i)``, the stem (patch
+    embedding) below the first block at ``decay ** (n + 1)``, what follows the last block (a final norm) and the head
+    at the full rate; one group per layer, named ``layer_<id>``.
 
     The head comes first so ``param_groups[0]["lr"]`` (the lr the logs show) is the base rate. A frozen parameter is
     in no group; an empty group is left out (a trunk frozen whole)."""
@@ -29,6 +58,15 @@ def parameter_groups(model: torch.nn.Module, lr: float, backbone_lr_scale: float
 
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     heads = head_prefixes(model)
+    if layer_decay is not None and layer_decay != 1.0:
+        ids, n = layer_ids(model)
+        head = [p for name, p in trainable if name not in ids]
+        groups = [{"params": head, "lr": lr, "name": "head"}]
+        for layer in range(n + 2):
+            params = [p for name, p in trainable if ids.get(name) == layer]
+            scale = 1.0 if layer == n + 1 else layer_decay ** (n + 1 - layer)
+            groups.append({"params": params, "lr": lr * backbone_lr_scale * scale, "name": f"layer_{layer}"})
+        return [g for g in groups if g["params"]]
     if backbone_lr_scale == 1.0 or not heads:
         return [{"params": [p for _, p in trainable], "lr": lr, "name": "all"}]
     head = [p for n, p in trainable if n.split(".")[0] in heads]

@@ -19,6 +19,7 @@ from wsitrain.models import build
 from wsitrain.models.freeze import FreezeSpec
 from wsitrain.models.heads import DEFAULT_TOPK, NO_NORM, AttentionSpec
 from wsitrain.models.slide_bn import RUNNING
+from wsitrain.patch.lora import LoraSpec, add_lora
 from wsitrain.report.decision import DecisionWatch
 from wsitrain.report.heatmap_files import HeatmapWriter
 from wsitrain.slides.readers import open_slide
@@ -137,7 +138,11 @@ def run_predict(
     model = build(m["name"], n_outputs, weights=None, pool=m["pool"], freeze_bn=m["freeze_bn"],
                   attention=AttentionSpec.from_dict(m.get("attention"), class_names), mask_pool=m["mask_pool"],
                   freeze=FreezeSpec.from_dict(m.get("freeze")), topk=m.get("topk", DEFAULT_TOPK),
-                  map_norm=m.get("map_norm") or NO_NORM, bn_stats=m.get("bn_stats") or RUNNING)  # fmt: skip
+                  map_norm=m.get("map_norm") or NO_NORM, bn_stats=m.get("bn_stats") or RUNNING,
+                  patch=m.get("patch"))  # fmt: skip
+    lora = LoraSpec.from_dict(m.get("lora"))
+    if lora is not None:  # the adapters are in the checkpoint's state: put them in place first
+        add_lora(model, lora, FreezeSpec.from_dict(m.get("freeze")))
     model.load_state_dict(ckpt["model"])
     device = resolve_device(cfg.engine.device)
     budget = run_budget(cfg.engine.memory_budget, device)

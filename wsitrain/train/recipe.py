@@ -246,7 +246,7 @@ class FitRecipe:
                 shapes = [s.shape for s in report.slides if s.path in train]
                 _check_warmup_bags(cfg, shapes, trunk_channels(self.model, self.model.stride), self.model.stride)
         self.class_w = class_weights([r.label for r in self.data.train]) if self.objective is None else {}
-        groups = parameter_groups(self.model, t.lr, t.backbone_lr_scale)
+        groups = parameter_groups(self.model, t.lr, t.backbone_lr_scale, t.layer_decay)
         optimizer = build_optimizer(groups, t.optimizer, t.lr, t.momentum, t.weight_decay)
         n_train = len(D.shard(list(range(len(self.data.train))), self.dist))
         steps_per_epoch = max(1, -(-n_train // t.accumulate))

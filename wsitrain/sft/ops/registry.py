@@ -23,6 +23,7 @@ from wsitrain.sft.ops.norm_act import (
     sync_batchnorm_refusal,
 )
 from wsitrain.sft.ops.pad import is_pad_module, pad_module_spec
+from wsitrain.sft.ops.patch_grid import is_patch_module, patch_spec
 from wsitrain.sft.ops.resample import is_resample_module, resample_module_spec
 from wsitrain.sft.ops.topk_pool import MaskedTopKMean
 from wsitrain.sft.ops.types import (
@@ -152,6 +153,7 @@ def is_leaf_module(m: nn.Module) -> bool:
         or is_resample_module(m)
         or is_pad_module(m)
         or is_grn_module(m)
+        or is_patch_module(m)
     )
 
 
@@ -173,6 +175,8 @@ def batchnorm_spec(m: nn.Module, name: str, flops: float) -> OpSpec:
 def module_spec(m: nn.Module) -> OpSpec:
     """Describe a leaf module (its current train/eval mode matters for BatchNorm, Dropout, stochastic depth)."""
     name = type(m).__name__
+    if is_patch_module(m):  # a patch encoder on its grid: a window of whole patches (ops/patch_grid.py)
+        return patch_spec(m)
     if isinstance(m, nn.Conv2d):
         if m.padding_mode == "circular":
             return not_tileable(name, OPAQUE, "circular padding wraps around the image; use zeros/reflect padding")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from wsitrain.sft.ops.patch_grid import patch_cost, patches_in
 from wsitrain.sft.ops.registry import WINDOW
 from wsitrain.sft.ops.space import tile_numel
 from wsitrain.sft.planning.session import PlanSession
@@ -28,6 +29,14 @@ def _batch(sess: PlanSession) -> int:
     return max(1, sess.facts.input_shape[0])
 
 
+def _patch_elements(sess: PlanSession, i: int, numel: int) -> int:
+    """A patch encoder's largest tensor for ``numel`` output elements: its patches times the largest tensor one patch
+    makes (an MLP's hidden tokens, a qkv projection; patch/cost.py); a convolution's own output otherwise."""
+    spec = sess.facts.nodes[i].spec
+    cost = patch_cost(spec)
+    return numel if cost is None else int(patches_in(spec, numel)) * cost(sess.facts.act_dtype).largest_tensor
+
+
 def plain_breaks_limit(sess: PlanSession, start: int, end: int) -> bool:
     """Does a convolution of (start, end] run whole hold more elements per sample than the target allows?"""
     limit = sess.target.conv_elements_limit
@@ -36,7 +45,7 @@ def plain_breaks_limit(sess: PlanSession, start: int, end: int) -> bool:
     nodes = sess.facts.nodes
     for i in _convs(sess, start, end):
         ins = [sess.numel(v) for v in nodes[i].inputs[:1]]
-        if max([sess.numel(i), *ins]) // _batch(sess) > limit:
+        if max([_patch_elements(sess, i, sess.numel(i)), *ins]) // _batch(sess) > limit:
             return True
     return False
 
@@ -52,7 +61,7 @@ def tile_breaks_limit(sess: PlanSession, start: int, end: int, edge: int) -> boo
     def elements(i: int) -> int:  # node i's largest tile, per sample
         h = max(t.computed[i][1] - t.computed[i][0] for t, _ in geo.rows)
         w = max(t.computed[i][1] - t.computed[i][0] for t, _ in geo.cols)
-        return tile_numel(f.nodes[i].spec, f.nodes[i].shape, h, w) // _batch(sess)
+        return _patch_elements(sess, i, tile_numel(f.nodes[i].spec, f.nodes[i].shape, h, w)) // _batch(sess)
 
     convs = _convs(sess, start, end)
     return any(max(elements(i), *(elements(v) for v in f.nodes[i].inputs[:1])) > limit for i in convs)

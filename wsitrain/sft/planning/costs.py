@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from wsitrain.errors import PlanError
 from wsitrain.sft.facts import GraphFacts
+from wsitrain.sft.ops.patch_grid import patch_cost, patches_in
 from wsitrain.sft.ops.registry import WINDOW
 from wsitrain.sft.target import TargetDevice
 
@@ -131,6 +132,10 @@ def memory_terms(facts: GraphFacts, target: TargetDevice, optimizer: str | None)
 def node_flops(facts: GraphFacts, i: int, numel_out: float) -> tuple[float, float]:
     """Forward and backward FLOPs of node i producing ``numel_out`` output elements."""
     node = facts.nodes[i]
+    cost = patch_cost(node.spec)
+    if cost is not None:  # a patch encoder: its measured FLOPs per patch, backward only where autograd goes
+        pc, n = cost(facts.act_dtype), patches_in(node.spec, numel_out)
+        return pc.flops_forward * n, pc.flops_backward * n if node.requires_grad else 0.0
     f = node.spec.flops_per_output * numel_out
     if not node.requires_grad:
         return f, 0.0
@@ -159,11 +164,13 @@ class WorkTerms:
     traffic: float
     calls: float
     tiled: bool = False  # calls made by the tile executor (each pays TILE_CALL_FLOPS more)
+    batch: bool = False  # a tile is a batch of whole inputs (a chunk of patches): its FLOPs at a whole map's rate
+    inner_calls: float = 0.0  # operators a call runs beyond itself (a patch encoder's layers), priced as plain calls
 
     def time(self, tm: TimeModel) -> float:
         per_call = tm.call_flops + (tm.tile_call_flops if self.tiled else 0.0)
-        flops = self.flops * (tm.tile_flop_factor if self.tiled else 1.0)
-        return flops + tm.byte_flops * self.traffic + per_call * self.calls
+        flops = self.flops * (tm.tile_flop_factor if self.tiled and not self.batch else 1.0)
+        return flops + tm.byte_flops * self.traffic + per_call * self.calls + tm.call_flops * self.inner_calls
 
 
 def node_terms(
@@ -174,9 +181,16 @@ def node_terms(
     gradient and the saved input and writes the input's gradient: twice the forward's traffic."""
     fw, bw = node_flops(facts, i, numel_out)
     traffic = _elem_bytes(facts, i) * (numel_out + numel_in)
+    # a chunk of patches is a batch of whole encoder inputs, not a crop of a map: its FLOPs run at the batch's rate,
+    # and one call of the encoder launches every operator it runs (measured)
+    cost = patch_cost(facts.nodes[i].spec)
+    batch = cost is not None
+    pc = cost(facts.act_dtype) if cost is not None else None
+    inner_fwd = calls * (pc.ops_forward - 1) if pc is not None else 0
     if backward and facts.nodes[i].requires_grad:
-        return WorkTerms(fw + bw, 3 * traffic, 2 * calls, tiled)
-    return WorkTerms(fw, traffic, calls, tiled)
+        inner = inner_fwd + (calls * (pc.ops_backward - 1) if pc is not None else 0)
+        return WorkTerms(fw + bw, 3 * traffic, 2 * calls, tiled, batch, inner)
+    return WorkTerms(fw, traffic, calls, tiled, batch, inner_fwd)
 
 
 def node_work(

@@ -8,15 +8,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from wsitrain.sft.facts import GraphFacts
 from wsitrain.sft.in_place import segment_in_place
+from wsitrain.sft.ops.patch_grid import patch_cost, patches_in
 from wsitrain.sft.ops.pointwise_conv import switches_to_matmul
 from wsitrain.sft.ops.registry import MERGE, WINDOW
 from wsitrain.sft.ops.types import in_place, out_of_place
 from wsitrain.sft.planning.costs import MemoryTerms, TimeModel, Work, default_time_model, forward_work, node_work
 from wsitrain.sft.planning.memory_model import SimOp, SimResult, simulate
 from wsitrain.sft.target import CPU_TARGET, TargetDevice
+
+if TYPE_CHECKING:
+    from wsitrain.patch.cost import PatchCost
 
 
 @dataclass
@@ -90,6 +95,9 @@ class PlanSession:
             saved.append(i)
         alias = ins[0] if (spec.inplace or spec.alias) and ins else None
         elem = out_bytes // max(1, self.facts.act_size)
+        cost = patch_cost(spec)
+        if cost is not None:  # a patch encoder: what its chunk of patches keeps and holds, measured per patch
+            return self._patch_op(i, out_bytes, cost(self.facts.act_dtype), patches_in(spec, elem), rg, grad)
         return SimOp(
             out=i,
             out_bytes=out_bytes,
@@ -103,12 +111,25 @@ class PlanSession:
             label=node.name,
         )
 
+    def _patch_op(self, i: int, out_bytes: int, cost: PatchCost, n: float, rg: bool, grad: bool) -> SimOp:
+        """A patch trunk's replay step on ``n`` patches: its saved bytes, forward working set (with or without
+        autograd) and backward's gradients in flight, from the encoder's measured per-patch cost (patch/cost.py)."""
+        node = self.facts.nodes[i]
+        return SimOp(
+            out=i, out_bytes=out_bytes, inputs=node.inputs, saved=(),
+            extra_saved=int(n * cost.saved) if rg else 0,
+            fwd_extra=int(n * (cost.forward_grad if rg else cost.forward_nograd)),
+            bwd_extra=int(n * cost.backward) if rg else 0, requires_grad=rg,
+            grad_inputs=tuple(self.facts.nodes[v].requires_grad and grad for v in node.inputs),
+            param_grad_bytes=node.param_bytes if grad else 0, label=node.name,
+        )  # fmt: skip
+
     def with_layout_copy(self, op: SimOp, tile_bytes: int) -> SimOp:
         """A conv copies its strided input crop into a layout its kernels take, in forward and backward: oneDNN
         reorders it into its blocked layout on CPU, and cuDNN needs a dense tensor, so PyTorch makes the crop
         contiguous on CUDA (a tile's input is a view cut out of a larger map)."""
         spec = self.facts.nodes[op.out].spec
-        if spec.kind != WINDOW or not spec.has_params:
+        if spec.kind != WINDOW or not spec.has_params or patch_cost(spec) is not None:  # a patch's copy: measured
             return op
         return replace(op, fwd_extra=op.fwd_extra + tile_bytes, bwd_extra=op.bwd_extra + tile_bytes)
 
