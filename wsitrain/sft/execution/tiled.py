@@ -19,6 +19,7 @@ from torch import nn
 from torch.autograd.profiler import record_function
 
 from wsitrain.sft.execution.autocast import AutocastState, TileContext
+from wsitrain.sft.execution.folds import FoldSlot
 from wsitrain.sft.execution.hooks import ExecHooks, TileObserver
 from wsitrain.sft.execution.reuse import (
     BackwardValue,
@@ -48,6 +49,11 @@ JOIN = "sft.join"  # output tiles stored into the next checkpoint or folded into
 RECOMPUTE = "sft.recompute"  # a tile's forward again, with autograd, in backward
 TILE_BACKWARD = "sft.tile_backward"  # autograd through one recomputed tile
 OVERLAP_ADD = "sft.overlap_add"  # a tile's input gradient added into the segment's, parameter gradients summed
+
+
+def _bn_param(m: nn.Module | None, p: nn.Parameter) -> bool:
+    """Is ``p`` a BatchNorm's own weight or bias (folded into its convolution), not its activation's?"""
+    return isinstance(m, nn.BatchNorm2d) and (p is m.weight or p is m.bias)
 
 
 class TiledSegment(TileIO):
@@ -80,15 +86,26 @@ class TiledSegment(TileIO):
         # activations the plan runs in place: their input is this tile's own fresh map, read by them alone
         self.in_place = frozenset(seg.in_place)
         self.names = {i: facts.nodes[i].name for i in self.nodes}
-        params: dict[int, nn.Parameter] = {}
+        # folded convolutions (ops/fold_bn.py): their folded weight and bias stand for their own and their
+        # BatchNorm's parameters; the step's values are looked up per step (execution/folds.py)
+        pairs = runner.graph.fold_pairs()
+        folded_bns = set(pairs.values())
+        slots: dict[object, nn.Parameter | FoldSlot] = {}
         uses = 0
         for i in self.nodes:
-            for p in runner.graph.trainable_params(i):
-                params.setdefault(id(p), p)
+            if i in pairs:
+                own: list[nn.Parameter | FoldSlot] = list(runner.folds.slots(i, pairs[i]))
+            elif i in folded_bns:  # a BatchNormAct's activation may have parameters (PReLU)
+                own = [p for p in runner.graph.trainable_params(i) if not _bn_param(runner.graph.module(i), p)]
+            else:
+                own = list(runner.graph.trainable_params(i))
+            for p in own:
+                slots.setdefault(p if isinstance(p, FoldSlot) else id(p), p)
                 uses += 1
-        self.params = list(params.values())
+        self.slots = list(slots.values())
+        self._folded = any(isinstance(p, FoldSlot) for p in self.slots)
         # under autocast a sweep casts each weight once (autocast.py), unless two layers share one
-        self.cast_once = uses == len(self.params)
+        self.cast_once = uses == len(self.slots)
         self.last_user = {
             i: max((u for u in facts.nodes[i].users if u <= seg.end), default=i) for i in [seg.start, *self.nodes]
         }
@@ -103,13 +120,32 @@ class TiledSegment(TileIO):
         # the forward sweep's own tiles' keys (tile_io.sweeping), kept apart so neither sweep recomputes the other's
         self._sweep_keys = TileKeys(self.start, self.nodes, self.inputs, self.specs, self.sizes)
 
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """The tensors a tile's backward differentiates against: the parameters, and this step's folded weights as
+        detached leaves (``execution/folds.py``)."""
+        if not self._folded:
+            return list(self.slots)  # type: ignore[arg-type]
+        folds = self.runner.folds
+        return [folds.leaf(p) if isinstance(p, FoldSlot) else p for p in self.slots]
+
+    @property
+    def step_params(self) -> list[torch.Tensor]:
+        """The tensors the segment's autograd node takes as inputs, in ``params``' order: the parameters, and this
+        step's folded weights through autograd (their gradients then flow back through the fold)."""
+        if not self._folded:
+            return list(self.slots)  # type: ignore[arg-type]
+        folds = self.runner.folds
+        return [folds.value(p) if isinstance(p, FoldSlot) else p for p in self.slots]
+
     # ---- one tile ------------------------------------------------------------------------------
     def stand_in(self, u: int, rt: AxisTile, ct: AxisTile) -> Callable[..., torch.Tensor] | None:
         """What this tile runs in node ``u``'s place (``OpSpec.extra[TILE_CALL]``, or a 1x1 layer's matrix product
         where the plan allows it), or None for the layer itself; a stand-in placed on the tile reads where the crop of
         the node's first input lies in the map."""
         if u not in self._stand_ins:
-            return self._pointwise.get(u)
+            folded = self.runner.folds.tile_call(u, u in self._pointwise) if self._folded else None
+            return folded or self._pointwise.get(u)
         key = (u, self.inputs[u][0]) if self.inputs[u] else (u, u)
         return tile_call(self.specs[u], lambda: (rt.req[key], ct.req[key]))
 
