@@ -132,9 +132,16 @@ class ClockReading:
     stager_seconds: float  # the stager's worker thread: the image's tiles packed for upload (not in ``host_seconds``)
     by_kind: dict[str, float]  # GPU seconds per kind of operator
     constants: str
+    norm_kernels: float = 0.0  # BatchNorm kernels priced at its own measured rate (none when folded: ops/fold_bn.py)
+
+    @property
+    def unused_constants(self) -> tuple[str, ...]:
+        """The preset's measured constants that priced nothing in this step: BatchNorm's rates when no BatchNorm
+        kernel ran (shown as unused, not refitted: they stay what the H200 measured)."""
+        return () if self.norm_kernels else ("norm_efficiency", "norm_backward_efficiency")
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {**self.__dict__, "unused_constants": list(self.unused_constants)}
 
     def text(self) -> str:
         kinds = ", ".join(f"{k} {v:.3f} s" for k, v in self.by_kind.items() if v >= 5e-4)
@@ -148,6 +155,8 @@ class ClockReading:
             f"    {self.flops / 1e12:.1f} TFLOP, {self.bytes / 1e9:.0f} GB moved, {self.kernels:.0f} kernel launches, "
             f"{self.operators:.0f} operators, {self.syncs:.0f} synchronizations, {self.windows} windows "
             f"(constants: {self.constants})",
+            *([f"    unused in this step: {', '.join(self.unused_constants)} (no BatchNorm kernel ran; BatchNorm's "
+               "measured rates stay as measured)"] if self.unused_constants else []),
         ])  # fmt: skip
 
 
@@ -281,7 +290,7 @@ class OpClock(TorchDispatchMode):
         """The recorded step priced with ``speed``'s constants."""
         s = speed
         total = gpu_all = host_all = link_all = waits = 0.0
-        flops = moved = kernels = ops = link_bytes = syncs = copy_all = stager_all = 0.0
+        flops = moved = kernels = ops = link_bytes = syncs = copy_all = stager_all = norms = 0.0
         kinds: dict[str, float] = {}
         for w in [*self.windows, self._once]:
             gpu = 0.0
@@ -295,6 +304,7 @@ class OpClock(TorchDispatchMode):
                 else:
                     rate = s.matmul_rate(o.low_precision, o.unaligned)
                 norm = o.op in NORMS or o.op in NORM_BACKWARDS
+                norms += w.weight * o.kernels if norm else 0.0
                 byte_rate = s.norm_bytes_per_second(o.op in NORM_BACKWARDS) if norm else s.bytes_per_second
                 t = max(o.flops / rate, o.bytes / byte_rate) + o.kernels * 1e-6 * s.kernel_floor_us
                 gpu += t
@@ -320,7 +330,7 @@ class OpClock(TorchDispatchMode):
         return ClockReading(
             s.name, precision, total, gpu_all, host_all, link_all, waits, flops, moved, kernels, ops, link_bytes,
             sum(w.weight for w in self.windows) + 1, syncs, copy_all, stager_all,
-            dict(sorted(kinds.items(), key=lambda kv: -kv[1])), s.source,
+            dict(sorted(kinds.items(), key=lambda kv: -kv[1])), s.source, norms,
         )  # fmt: skip
 
 

@@ -121,6 +121,7 @@ def simulate_step(
     host_memory: int | str | None = None,
     plan_optimizer: str | None | Literal["same"] = "same",
     one_pass_falls_back: bool = False,
+    fold_bn: bool = True,
 ) -> SimulatedStep:
     """Run one training step of ``SFT(model)`` on the simulated CUDA device (see the module doc).
 
@@ -141,6 +142,7 @@ def simulate_step(
     ``SFT`` of before 2026-11-27 planned with none and trained with AdamW: its replay plans so).
     ``one_pass_falls_back``: one-pass segments recompute after their pass, as a bf16 step did on a GPU before
     2026-11-27 (``ExecHooks.one_pass_falls_back``); fake tensors have no gradient to find off the direction.
+    ``fold_bn``: as ``SFT``'s (frozen BatchNorm folded into its convolution, ``ops/fold_bn.py``).
     """
     if any(t.device.type != DEVICE_TYPE for t in [*model.parameters(), *model.buffers()]):
         raise PlanError(
@@ -154,7 +156,7 @@ def simulate_step(
         model, memory_budget=memory_budget, tile_size=tile_size, checkpoints=checkpoints,
         optimizer=optimizer if plan_optimizer == "same" else plan_optimizer,
         collect_stats=False, host_checkpoints=host_checkpoints, runtime=rt, target=target, time_model=time_model,
-        host_memory=host_memory,
+        host_memory=host_memory, fold_bn=fold_bn,
     )  # fmt: skip
     memory = LiveMemory(observer=rt.observe, fast=FAST_OPS if fast_ops else None)
     spill = SimSpill(memory)
