@@ -122,6 +122,7 @@ def simulate_step(
     plan_optimizer: str | None | Literal["same"] = "same",
     one_pass_falls_back: bool = False,
     fold_bn: bool = True,
+    copy_free: bool = True,
 ) -> SimulatedStep:
     """Run one training step of ``SFT(model)`` on the simulated CUDA device (see the module doc).
 
@@ -142,7 +143,8 @@ def simulate_step(
     ``SFT`` of before 2026-11-27 planned with none and trained with AdamW: its replay plans so).
     ``one_pass_falls_back``: one-pass segments recompute after their pass, as a bf16 step did on a GPU before
     2026-11-27 (``ExecHooks.one_pass_falls_back``); fake tensors have no gradient to find off the direction.
-    ``fold_bn``: as ``SFT``'s (frozen BatchNorm folded into its convolution, ``ops/fold_bn.py``).
+    ``fold_bn``: as ``SFT``'s (frozen BatchNorm folded into its convolution, ``ops/fold_bn.py``). ``copy_free``:
+    ``ExecHooks.copy_free`` (False: the executor's copies before issue 57, bitwise the same step).
     """
     if any(t.device.type != DEVICE_TYPE for t in [*model.parameters(), *model.buffers()]):
         raise PlanError(
@@ -162,6 +164,7 @@ def simulate_step(
     spill = SimSpill(memory)
     sft._stager = HostStager(copies(rt) if copies is not None else None, runtime=rt, spill=spill)  # before any plan
     sft._hooks.one_pass_falls_back = one_pass_falls_back
+    sft._hooks.copy_free = copy_free
     if clock is not None:  # CUDA packs tiles on the stager's worker thread: the clock prices them on that lane
         sft._stager.pack_scope = clock.staging
     shape = tuple(input_shape)

@@ -49,17 +49,18 @@ def clock_sft_step(
     plan_optimizer: str | None | Literal["same"] = "same",
     one_pass_falls_back: bool = False,
     fold_bn: bool = True,
+    copy_free: bool = True,
 ) -> tuple[ClockReading, SimulatedStep, OpClock]:
     """One ``SFT`` step (the image a uint8 host tensor, as ``fit`` feeds it) on the simulated device, timed for
     ``speed``'s card in ``precision``. The step's memory figures are valid in fp32 only (see simulate_step). The
     clock is returned too: ``clock.reading(other_speed, precision)`` prices the same step with other constants.
     ``time_model``: the planner's constants (None: the device's defaults), as ``SFT(time_model=...)``.
-    ``plan_optimizer``, ``one_pass_falls_back``, ``fold_bn``: as ``simulate_step``'s."""
+    ``plan_optimizer``, ``one_pass_falls_back``, ``fold_bn``, ``copy_free``: as ``simulate_step``'s."""
     clock = OpClock(precision in LOW_PRECISION)
     sim = simulate_step(
         model, shape, memory_budget, optimizer=optimizer, target=target, every_tile=every_tile, clock=clock,
         act_dtype=_act(precision), tile_size=tile_size, time_model=time_model, plan_optimizer=plan_optimizer,
-        one_pass_falls_back=one_pass_falls_back, fold_bn=fold_bn,
+        one_pass_falls_back=one_pass_falls_back, fold_bn=fold_bn, copy_free=copy_free,
     )  # fmt: skip
     return clock.reading(speed, precision), sim, clock
 
