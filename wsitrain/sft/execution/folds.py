@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from wsitrain.sft.graph import ModelGraph
+from wsitrain.sft.ops import pointwise_conv
 from wsitrain.sft.ops.fold_bn import after_fold, folded_conv, folded_weights
-from wsitrain.sft.ops.pointwise_conv import pointwise_matmul, unaligned
 
 WEIGHT, BIAS = 0, 1
 
@@ -139,6 +139,7 @@ class FoldReplay:
             return run
 
         def matmul_where_unaligned(x: torch.Tensor) -> torch.Tensor:
-            return pointwise_matmul(x, w, b) if unaligned(x) else run(x)
+            # through the module, as PointwiseMatmul calls them (one definition of the product and its rule)
+            return pointwise_conv.pointwise_matmul(x, w, b) if pointwise_conv.unaligned(x) else run(x)
 
         return matmul_where_unaligned
