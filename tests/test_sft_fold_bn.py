@@ -251,3 +251,19 @@ def test_model_freeze_folds_without_gradients() -> None:
     var = _step(sft, model, x, target)
     _assert_same(ref, var)
     assert all(var[1][n] is None for n in frozen)
+
+
+def test_engine_fold_bn_key_reaches_the_engine() -> None:
+    """``engine.fold_bn`` (default true) is what fit's and predict's engine runs with; an unknown value is refused."""
+    from pydantic import ValidationError
+
+    from wsitrain.config import EngineConfig
+    from wsitrain.train.engine import wrap_engine
+
+    assert EngineConfig().fold_bn is True
+    model = freeze_batchnorm(small_resnet())
+    for on in (True, False):
+        sft = wrap_engine(model, EngineConfig(fold_bn=on), torch.device("cpu"), 1 << 30, None)
+        assert sft.fold_bn is on and bool(sft._graph.fold_pairs()) is on
+    with pytest.raises(ValidationError):
+        EngineConfig(fold_bn="sometimes")
