@@ -35,7 +35,7 @@ from wsitrain.gpus import gpu_preset
 from wsitrain.models import build
 from wsitrain.sft.planning.costs import TimeModel
 from wsitrain.sft.simulate.clock import OpClock
-from wsitrain.sft.simulate.timing import clock_plain_step, clock_sft_step
+from wsitrain.sft.simulate.timing import clock_plain_step, clock_sft_step, patch_training_model
 from wsitrain.sft.target import TargetDevice
 
 # (case, measured seconds on the H200, what the case is)
@@ -187,6 +187,8 @@ def replay(row: dict[str, Any], preset: str, speed: GpuSpeed) -> KitReplay:
         model = build(row["model"], KIT_CLASSES)
     if "plan" not in row:
         n, edge = (row["patches"], row["patch"]) if row["patches"] else (1, row["size"])
+        if row.get("patch_bn_train"):  # patch training as users run it: BatchNorm in training mode (issue 57)
+            model = patch_training_model(model)
         return KitReplay(row, clock_plain_step(model, (n, 3, edge, edge), speed, KIT_PRECISION)[1], None)
     tm = TimeModel(**row["time_model"]) if row["time_model"] else None
     # the card's own target where the kit recorded it (host link, nominal rate, usable memory), else the preset's
@@ -200,7 +202,10 @@ def replay(row: dict[str, Any], preset: str, speed: GpuSpeed) -> KitReplay:
         _, sim, clock = clock_sft_step(model, (1, 3, row["size"], row["size"]), row["budget_bytes"], speed,
                                        KIT_PRECISION, target=target, time_model=tm,
                                        plan_optimizer=row.get("plan_optimizer"),
-                                       one_pass_falls_back=falls_back)  # fmt: skip
+                                       one_pass_falls_back=falls_back,
+                                       # a kit from before issue 57 ran no fold and the earlier copies
+                                       fold_bn=bool(row.get("fold_bn", False)),
+                                       copy_free=bool(row.get("copy_free", False)))  # fmt: skip
     except PlanError as e:
         return KitReplay(row, None, None, f"not replayed: {str(e).split('. ')[0]}")
     return KitReplay(row, clock, sim.plan.brief)

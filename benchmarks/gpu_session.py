@@ -7,13 +7,18 @@
 Cases per model (``--models``, default resnet50, vgg16, darknet19), each 2 classes, batch 1, bf16 autocast, cross
 entropy, AdamW (foreach), one warm-up step then ``--steps`` timed steps with a device synchronize around each:
 
-- ``plain patches``: plain PyTorch on ``--patches`` patches of 224 px (channels_last), what patch pipelines run;
+- ``plain patches``: plain PyTorch on ``--patches`` patches of 224 px (channels_last), what patch pipelines run: the
+  model as torchvision or timm builds it, BatchNorm in training mode (issue 57's reference; nothing to fold);
 - ``plain NCHW`` / ``plain channels_last``: plain PyTorch on one ``--size`` px image on the device;
 - ``SFT uncapped``: ``SFT(model)`` planning for the card, the image uint8 in pinned host memory (as fit feeds it);
 - ``SFT capped``: ``SFT(model, memory_budget=--budget)`` with the allocator capped there
   (``set_per_process_memory_fraction``), ``cudnn.benchmark`` off (as fit runs) and, for the first model, on. SFT
   plans with the constants fit uses on the card (``run_time_model``); for the first model once more with the
   planner's default constants, whose plan may differ (ResNet-50 at 8192 px: one tiled segment in one pass).
+- with ``--fold-compare``, for every model with BatchNorm: ``SFT capped`` once more with ``fold_bn=False`` (and the
+  earlier copies, ``ExecHooks.copy_free`` off: the executor before issue 57), and for the first model ``SFT
+  uncapped`` too; the tables then hold a section with and without the fold: step, Mpx/s, share of patch training's
+  Mpx/s, peak.
 
 Then one capped SFT step of the first model runs under ``torch.profiler`` and its time is broken down (``breakdown``):
 convolution forward and backward, recompute, copies, crops, pads, joins and overlap-adds, host staging, optimizer,
@@ -81,17 +86,39 @@ class Case:
     # the constants SFT plans with: "run", as fit does on this card (run_time_model: a calibration, else the clock's
     # constants of its speed preset, bf16), or "default" (the planner's defaults)
     time_model: str = "run"
+    # frozen BatchNorm folded into its convolution and tiles without copies (issue 57); False: the executor before it
+    fold_bn: bool = True
 
 
-def cases(models: list[str], budget: str, patches: int, patch: int = 224) -> list[Case]:
+FOLD_OFF = "fold_bn off, earlier copies"
+
+
+def _has_batchnorm(model: str) -> bool:
+    """Whether the model holds a BatchNorm (built on the meta device: free); an unknown name is left to its case."""
+    try:
+        with torch.device("meta"):
+            return any(isinstance(m, nn.BatchNorm2d) for m in build(model, NUM_CLASSES).modules())
+    except Exception:  # noqa: BLE001 - the case itself reports what is wrong with the model
+        return False
+
+
+def cases(models: list[str], budget: str, patches: int, patch: int = 224, fold_compare: bool = False) -> list[Case]:
     out: list[Case] = []
     for k, m in enumerate(models):
+        if fold_compare and _has_batchnorm(m):
+            off = [Case(m, f"SFT, capped at {budget}, cudnn.benchmark off, {FOLD_OFF}", True, budget=budget,
+                        fold_bn=False)]  # fmt: skip
+            if k == 0:
+                off.insert(0, Case(m, f"SFT, no budget (plans for the card), {FOLD_OFF}", True, fold_bn=False))
+        else:
+            off = []
         out += [
             Case(m, f"plain, {patches} patches of {patch} px, channels_last", False, True, patches=patches),
             Case(m, "plain, one image, NCHW", False),
             Case(m, "plain, one image, channels_last", False, True),
             Case(m, "SFT, no budget (plans for the card)", True),
             Case(m, f"SFT, capped at {budget}, cudnn.benchmark off", True, budget=budget),
+            *off,
         ]
         if k == 0:  # the first step with benchmark on searches algorithms for every tile shape (a minute on an H200)
             out.append(Case(m, f"SFT, capped at {budget}, cudnn.benchmark on", True, budget=budget, benchmark=True))
@@ -125,7 +152,7 @@ def session_order(all_cases: list[Case], profile_all: bool = False) -> list[Case
     bench = [c for c in all_cases if c.benchmark]
     head = [c for c in all_cases if c.model == first and not c.benchmark]
     rest = [c for c in all_cases if c.model != first and not c.benchmark]
-    capped = next(c for c in head if c.sft and c.budget and c.time_model == "run")
+    capped = next(c for c in head if c.sft and c.budget and c.time_model == "run" and c.fold_bn)
     # the plain step and the default constants' plan profiled too: the same convolutions on whole images and on
     # other tiles, kernel by kernel (what a tile's convolution costs against the whole image's)
     others = [c for c in head if (not c.sft and not c.patches and not c.channels_last)
@@ -136,7 +163,7 @@ def session_order(all_cases: list[Case], profile_all: bool = False) -> list[Case
         order += mine
         if profile_all:
             order += [Profile(c) for c in mine if not c.patches and not c.channels_last and c.time_model == "run"
-                      and (not c.sft or c.budget)]  # fmt: skip
+                      and (not c.sft or c.budget) and c.fold_bn]  # fmt: skip
     return [*order, *bench]
 
 
@@ -164,7 +191,8 @@ class Runner:
     def __init__(self, case: Case, device: torch.device, size: int, patch: int) -> None:
         self.case, self.device = case, device
         torch.manual_seed(0)
-        model = build(case.model, NUM_CLASSES).to(device)
+        # patch training as users run it: BatchNorm as torchvision or timm builds it, in training mode (issue 57)
+        model = build(case.model, NUM_CLASSES, freeze_bn=not case.patches).train().to(device)
         if case.channels_last:
             model = model.to(memory_format=torch.channels_last)
         self.model = model
@@ -173,7 +201,9 @@ class Runner:
             tm = run_time_model(device.type, device_name(device), True)[0] if case.time_model == "run" else None
             # planned for the AdamW it trains with, as fit plans (without it, the H200's plan of 2026-11-27 left out
             # the optimizer's state and differed from every replay)
-            self.sft: SFT | None = SFT(model, memory_budget=case.budget, time_model=tm, optimizer="adamw")
+            self.sft: SFT | None = SFT(model, memory_budget=case.budget, time_model=tm, optimizer="adamw",
+                                       fold_bn=case.fold_bn)  # fmt: skip
+            self.sft._hooks.copy_free = case.fold_bn  # the executor before issue 57 with the fold off
             x = torch.randint(0, 256, (1, 3, size, size), dtype=torch.uint8)  # (B, C, H, W) on the host, as fit
             self.x = x.pin_memory() if device.type == "cuda" else x
             self.forward: Callable[[torch.Tensor], torch.Tensor] = self.sft
@@ -207,7 +237,8 @@ def run_case(case: Case, device: torch.device, size: int, patch: int, steps: int
     row: dict[str, Any] = {"model": case.model, "run": case.name, "size": size, "device": _device_name(device),
                            "patches": case.patches, "patch": patch, "channels_last": case.channels_last,
                            "cudnn_benchmark": case.benchmark, "constants": case.time_model,
-                           "budget": case.budget, "torch": torch.__version__}  # fmt: skip
+                           "budget": case.budget, "torch": torch.__version__, "fold_bn": case.fold_bn,
+                           "copy_free": case.fold_bn, "patch_bn_train": bool(case.patches)}  # fmt: skip
     budget = parse_bytes(case.budget, "--budget") if case.budget else None
     if device.type == "cuda":
         cap_cuda_allocator(device, budget)
@@ -465,20 +496,21 @@ def write_tables(out: Path, rows: list[dict[str, Any]], profs: list[dict[str, An
         "simulated clock's figures for the same cases: `PYTHONPATH=. python benchmarks/fit_clock.py --kit "
         "gpu_session.jsonl`.",
         "",
-        "| model | run | step | throughput | peak allocated | first step | plan | planned overhead | allocator retries "
-        "/ device allocs / frees per step |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| model | run | step | throughput | share of patch training | peak allocated | first step | plan | planned "
+        "overhead | allocator retries / device allocs / frees per step |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['model']} | {r['run']} | {r['status']} | | | | | {r.get('note', '')[:80]} | |")
+            lines.append(f"| {r['model']} | {r['run']} | {r['status']} | | | | | | {r.get('note', '')[:80]} | |")
             continue
-        peak = format_bytes(r["peak_allocated_bytes"]) if "peak_allocated_bytes" in r else "-"
         over = f"{r['planned_overhead']:+.1%}" if "planned_overhead" in r else ""
         lines.append(
-            f"| {r['model']} | {r['run']} | {r['step_s']:.3f} s | {r['mpx_per_s']:.3g} Mpx/s | {peak} | "
-            f"{r['first_step_s']:.1f} s | {r.get('plan', '')} | {over} | {_per_step(r.get('allocator_per_step'))} |"
+            f"| {r['model']} | {r['run']} | {r['step_s']:.3f} s | {r['mpx_per_s']:.3g} Mpx/s | {_share(r, rows)} | "
+            f"{_peak(r)} | {r['first_step_s']:.1f} s | {r.get('plan', '')} | {over} | "
+            f"{_per_step(r.get('allocator_per_step'))} |"
         )
+    lines += fold_table(rows)
     for prof in profs:
         total = sum(prof["seconds"].values()) or 1.0
         lines += [
@@ -501,6 +533,34 @@ def write_tables(out: Path, rows: list[dict[str, Any]], profs: list[dict[str, An
     (out / "gpu_session.md").write_text("\n".join(lines) + "\n")
 
 
+def _peak(r: dict[str, Any]) -> str:
+    return format_bytes(r["peak_allocated_bytes"]) if "peak_allocated_bytes" in r else "-"
+
+
+def _share(r: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """A case's Mpx/s as a share of its model's patch training (issue 57's reference), when that case ran."""
+    ref = next((x for x in rows if x["model"] == r["model"] and x.get("patches") and x.get("status") == "ok"), None)
+    return f"{r['mpx_per_s'] / ref['mpx_per_s']:.2f}" if ref is not None and ref["mpx_per_s"] else "-"
+
+
+def fold_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The SFT cases with the fold and without it (``--fold-compare``), side by side per model and run."""
+    off = {(r["model"], r["run"].replace(f", {FOLD_OFF}", "")): r for r in rows
+           if r.get("status") == "ok" and r.get("fold_bn") is False}  # fmt: skip
+    if not off:
+        return []
+    lines = ["", "## With and without the BatchNorm fold (and the copy-free tiles)", "",
+             "| model | run | fold | step | Mpx/s | share of patch training | peak allocated | plan |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for (model, run), r_off in off.items():
+        r_on = next((x for x in rows if x["model"] == model and x["run"] == run and x.get("status") == "ok"), None)
+        for label, r in (("off", r_off), ("on", r_on)):
+            if r is not None:
+                lines.append(f"| {model} | {run} | {label} | {r['step_s']:.3f} s | {r['mpx_per_s']:.3g} | "
+                             f"{_share(r, rows)} | {_peak(r)} | {r.get('plan', '')} |")  # fmt: skip
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(
@@ -520,6 +580,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", action="store_true", help="also write each profiled step's Chrome trace (gzipped)")
     ap.add_argument("--profile-all", action="store_true",
                     help="also profile every other model's capped and plain NCHW steps")  # fmt: skip
+    ap.add_argument("--fold-compare", action="store_true",
+                    help="also run the capped SFT steps (and the first model's uncapped one) without the BatchNorm "
+                    "fold and the copy-free tiles: the tables with and without them (issue 57)")  # fmt: skip
     a = ap.parse_args(argv)
     device = torch.device(a.device)
     if device.type == "cuda":
@@ -532,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     profs: list[dict[str, Any]] = []
     t0 = time.perf_counter()
-    for item in session_order(cases(models, a.budget, patches, patch), a.profile_all):
+    for item in session_order(cases(models, a.budget, patches, patch, a.fold_compare), a.profile_all):
         if time.perf_counter() - t0 > a.deadline:  # what ran is kept; what did not is a row that says so
             if isinstance(item, Case):
                 rows.append({"model": item.model, "run": item.name, "size": a.size, "status": "skipped",

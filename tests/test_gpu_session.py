@@ -145,3 +145,29 @@ def test_profile_all_profiles_every_models_capped_and_plain_steps() -> None:
     assert order[-1].benchmark
     plain = k.session_order(k.cases(["a", "b"], "1GiB", 4))
     assert not any(isinstance(x, k.Profile) and x.case.model == "b" for x in plain)
+
+
+def test_fold_compare_runs_the_steps_without_the_fold_and_tables_them(tmp_path: Path) -> None:
+    """``--fold-compare`` (issue 57): the capped step once more without the BatchNorm fold and the copy-free tiles,
+    the first model's uncapped step too; patch training with BatchNorm in training mode; the tables hold the share of
+    patch training and a section with and without the fold."""
+    k = _kit()
+    code = k.main(["--device", "cpu", "--size", "128", "--quick", "--models", "tiny_bn", "--budget", "13MiB",
+                   "--out", str(tmp_path), "--fold-compare"])  # fmt: skip
+    assert code == 0
+    rows = [json.loads(x) for x in (tmp_path / "gpu_session.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "breakdown" not in r]
+    assert all(r["status"] == "ok" for r in rows), rows
+    off = [r for r in rows if r.get("fold_bn") is False]
+    assert sorted(r["run"] for r in off) == sorted([
+        f"SFT, capped at 13MiB, cudnn.benchmark off, {k.FOLD_OFF}", f"SFT, no budget (plans for the card), {k.FOLD_OFF}"
+    ])  # fmt: skip
+    assert all(not r["copy_free"] for r in off)
+    assert all(r["copy_free"] for r in rows if r.get("fold_bn") and "plan" in r)
+    patch = next(r for r in rows if r["patches"])
+    assert patch["patch_bn_train"] and not any(r["patch_bn_train"] for r in rows if not r["patches"])
+    md = (tmp_path / "gpu_session.md").read_text()
+    assert "## With and without the BatchNorm fold" in md and "| share of patch training |" in md
+    fold_lines = [x for x in md.split("## With and without")[1].splitlines() if x.startswith("| tiny_bn |")]
+    assert len(fold_lines) == 4  # capped and uncapped, each without and with the fold
+    assert k.cases(["vgg16"], "1GiB", 4, fold_compare=True) == k.cases(["vgg16"], "1GiB", 4)  # no BatchNorm: no rows

@@ -233,8 +233,24 @@ def test_simulate_bf16_times_the_bf16_plan_on_a_preset() -> None:
     assert clock["sft"]["precision"] == "bf16" and clock["sft"]["seconds"] > 0 and clock["plain"]["seconds"] > 0
     assert clock["slowdown"] == pytest.approx(clock["sft"]["seconds"] / clock["plain"]["seconds"])
     assert clock["plan_slowdown"] == d["plan"]["slowdown"]
+    # patch training as users run it (issue 57): 256 patches of 224 px, and the whole slide's share of its Mpx/s
+    patches = clock["patch_training"]
+    assert (patches["patches"], patches["patch"]) == (256, 224) and patches["seconds"] > 0
+    assert patches["mpx_s"] == pytest.approx(256 * 224 * 224 / patches["seconds"] / 1e6)
+    assert clock["whole_slide_mpx_s"] == pytest.approx(1024 * 1024 / clock["sft"]["seconds"] / 1e6)
+    assert clock["share_of_patch_training"] == pytest.approx(clock["whole_slide_mpx_s"] / patches["mpx_s"])
+    # tiny_bn's BatchNorm folds: the step prices no BatchNorm kernel, patch training (batch statistics) does
+    _, out = _run(True, model="tiny_bn", size="1024", gpu="h100", memory="170MiB", precision="bf16", simulate=True)
+    bn = json.loads(out)["clock"]
+    assert bn["sft"]["norm_kernels"] == 0 and bn["sft"]["unused_constants"] == ["norm_efficiency",
+                                                                              "norm_backward_efficiency"]
+    assert bn["patch_training"]["norm_kernels"] > 0 and bn["patch_training"]["unused_constants"] == []
+    _, off = _run(True, model="tiny_bn", size="1024", gpu="h100", memory="170MiB", precision="bf16", simulate=True,
+                  fold_bn=False)  # fmt: skip
+    assert json.loads(off)["clock"]["sft"]["norm_kernels"] > 0
     _, text = _run(False, model="tiny", size="1024", gpu="h100", memory="170MiB", precision="bf16", simulate=True)
     assert "memory: not simulated in bf16" in text and "simulated step time on the h100 preset (bf16)" in text
+    assert "of patch training's" in text
 
 
 @pytest.mark.parametrize(

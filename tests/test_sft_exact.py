@@ -97,7 +97,9 @@ def test_budget_driven_plans_exact(name: str) -> None:
     plain = SFT(model, memory_budget="4GiB").plan_for(tuple(x.shape))
     fixed = plain.breakdown["parameters"] + plain.breakdown["runtime"]
     seen_modes = set()
-    for frac in (2.0, 0.75, 0.6):  # 0.5 left resnet_basic only 16 px tiles (+562%) once CPU headroom became 12%
+    # 0.5 left resnet_basic only 16 px tiles (+562%) once CPU headroom became 12%; 0.6 left it only 20 px tiles once
+    # its frozen BatchNorm folded into the convolutions (plain's activations 17% smaller, the least plan's the same)
+    for frac in (2.0, 0.75, 0.65):
         budget = int(fixed + frac * (plain.baseline_peak_bytes - fixed))
         var = variant(model, x, t, memory_budget=budget)
         assert_same(ref, var)

@@ -232,10 +232,12 @@ def test_squeeze_excitation_nets_eval_at_45_percent(make, min_squeezed: int) -> 
     squeeze-excitation blocks inside tiled segments; MobileNetV3's plan cuts around them (its time model
     prefers running them plain at this budget: measured 1.5-1.7x plain's step against 3.0x with them tiled)."""
     shape = (1, 3, 240, 272)
-    probe = SFT(make().double(), memory_budget="8GiB").plan_for(shape)
+    # BatchNorm unfolded: 45% of plain's activations with BatchNorm as it is (folded, the step also holds a copy of
+    # every folded convolution's weight, which does not shrink with tiling: ops/fold_bn.py)
+    probe = SFT(make().double(), memory_budget="8GiB", fold_bn=False).plan_for(shape)
     fixed = sum(probe.breakdown[k] for k in ("parameters", "runtime", "gradients"))
     budget = int(fixed + 0.45 * (probe.baseline_peak_bytes - fixed))
-    sft = check(make, shape, seed=5, train=False, memory_budget=budget)
+    sft = check(make, shape, seed=5, train=False, memory_budget=budget, fold_bn=False)
     plan = next(iter(sft._cache.values())).plan
     assert plan.fits and plan.estimated_peak_bytes <= budget
     squeezed = [b for s in multipass_segments(sft) for b in s.barriers if b.kind == "squeeze"]

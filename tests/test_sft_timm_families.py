@@ -79,7 +79,9 @@ def run_exact(
 
 
 def budget_45(name: str, shape: tuple[int, ...]) -> int:
-    probe = SFT(_model(name), memory_budget="64GiB").plan_for(shape)
+    # BatchNorm unfolded (here and in the plans below): 45% of the activations plain PyTorch keeps with BatchNorm as
+    # it is; folded, the step holds a copy of every folded convolution's weight (ops/fold_bn.py) that does not shrink
+    probe = SFT(_model(name), memory_budget="64GiB", fold_bn=False).plan_for(shape)
     fixed = sum(probe.breakdown[k] for k in ("parameters", "runtime", "gradients"))
     return int(fixed + 0.45 * (probe.baseline_peak_bytes - fixed))
 
@@ -101,7 +103,7 @@ def test_family_tiles_exact(name: str, shape: tuple[int, ...], tile: int) -> Non
 )
 def test_family_plans_at_45_percent(name: str, shape: tuple[int, ...]) -> None:
     budget = budget_45(name, shape)
-    p = SFT(_model(name), memory_budget=budget).plan_for(shape)
+    p = SFT(_model(name), memory_budget=budget, fold_bn=False).plan_for(shape)
     assert p.fits and p.estimated_peak_bytes <= budget
     assert any(s.mode == "tiled" for s in p.segments), f"the budget must force tiling:\n{p}"
 
@@ -124,7 +126,7 @@ def test_whole_map_statistics_at_45_percent_exact(name: str, train_bn: bool, sha
     hold the barriers, and the step is exact (train-mode BatchNorm: buffers too)."""
     budget = budget_45(name, shape)
     zero = ("conv2.fc1.bias",) if train_bn and "resnest" in name else ()
-    engine = run_exact(name, shape, train_bn=train_bn, zero=zero, memory_budget=budget)
+    engine = run_exact(name, shape, train_bn=train_bn, zero=zero, memory_budget=budget, fold_bn=False)
     compiled = next(iter(engine._cache.values()))
     p = compiled.plan
     assert p.fits and p.estimated_peak_bytes <= budget

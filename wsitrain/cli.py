@@ -312,6 +312,10 @@ def plan(
         True, "--max-size/--no-max-size", help="Also search the largest square image that fits (plans about 16 "
         "sizes: a minute more for EfficientNet-class models).",
     ),
+    fold_bn: bool | None = typer.Option(
+        None, "--fold-bn/--no-fold-bn", help="engine.fold_bn: fold frozen BatchNorm into the convolution before it "
+        "(default: on, or the config's); --no-fold-bn plans and simulates every BatchNorm as itself, for comparison.",
+    ),
 ) -> None:
     """Show how the SFT engine would tile a model for an image size and memory budget (allocates nothing).
 
@@ -355,6 +359,7 @@ def plan(
         host_memory=host_memory,
         with_max_size=max_size,
         config=config,
+        fold_bn=fold_bn,
     )
     if code:
         raise typer.Exit(int(code))

@@ -434,6 +434,10 @@ class EngineConfig(Section):
     # the last tiled segment back-propagates in forward where the head and loss allow it (wsitrain/sft/ops/
     # linear_head.py); false: every tiled segment recomputes in backward
     one_pass: bool = True
+    # a frozen (eval-mode) BatchNorm after a convolution folds into the convolution's weight and bias, recomputed from
+    # the original parameters every step (wsitrain/sft/ops/fold_bn.py: no BatchNorm kernel runs; the same outputs and
+    # gradients up to rounding); false: every BatchNorm runs as itself
+    fold_bn: bool = True
 
     @field_validator("host_memory")
     @classmethod

@@ -430,7 +430,7 @@ def _plan_bucket(cfg: WsiTrainConfig, model: nn.Module, bucket: tuple[int, int],
         p = plan(
             model, (1, 3, *bucket), budget, activation_dtype(cfg.train.precision), tile_size=e.tile_size,
             checkpoints=e.checkpoints, optimizer=cfg.train.optimizer, input_dtype=torch.uint8,
-            input_on_host=on_host, device=dev,
+            input_on_host=on_host, device=dev, fold_bn=e.fold_bn,
         )  # fmt: skip
         return place_host(p, host_memory_per_rank(e))  # host checkpoints past engine.host_memory go to disk
 

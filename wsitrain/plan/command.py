@@ -40,7 +40,7 @@ from wsitrain.sft.simulate import SimulatedStep, simulate_step, simulation_dict,
 from wsitrain.sft.simulate.clock import ClockReading, OpClock
 from wsitrain.sft.simulate.host_time import HostTime, host_image_refusal, measure_host_time
 from wsitrain.sft.simulate.step import Progress
-from wsitrain.sft.simulate.timing import LOW_PRECISION, clock_plain_step
+from wsitrain.sft.simulate.timing import LOW_PRECISION, PATCH, PATCHES, clock_patch_reference, clock_plain_step
 from wsitrain.slides.read_rate import StreamRead, stream_read_bytes
 from wsitrain.slides.tile_source import READ_AHEAD
 from wsitrain.spill_dir import default_host_memory
@@ -61,6 +61,9 @@ class PlanReport:
     simulated: SimulatedStep | None = None  # one step run on the simulated device (``--simulate``, fp32)
     clock: ClockReading | None = None  # that step's simulated time on the preset (``--simulate``)
     clock_plain: ClockReading | None = None  # plain PyTorch's step on the same card, simulated
+    # patch training as users run it (timing.clock_patch_reference: 256 patches of 224 px, BatchNorm in training
+    # mode, nothing folded), simulated on the same card: the throughput a whole-slide step is compared with
+    clock_patches: ClockReading | None = None
     flop_rate: float | None = None  # FLOP/s of the time model when it is the clock's (its time in seconds)
     host: HostTime | None = None  # the host's share of that step: time and launches (``--simulate``)
     host_skipped: str | None = None  # why ``host`` was not measured (the image would not fit this machine's RAM)
@@ -118,6 +121,27 @@ class PlanReport:
             return None
         return self.clock.seconds / self.clock_plain.seconds
 
+    @property
+    def whole_slide_mpx_s(self) -> float | None:
+        """The simulated whole-slide step's throughput in Mpx/s (the image's pixels, every image of the batch)."""
+        if self.clock is None or not self.clock.seconds:
+            return None
+        b, _, h, w = self.plan.input_shape
+        return b * h * w / self.clock.seconds / 1e6
+
+    @property
+    def patch_mpx_s(self) -> float | None:
+        """Patch training's simulated throughput in Mpx/s (``clock_patches``)."""
+        if self.clock_patches is None or not self.clock_patches.seconds:
+            return None
+        return PATCHES * PATCH * PATCH / self.clock_patches.seconds / 1e6
+
+    @property
+    def patch_share(self) -> float | None:
+        """The whole-slide step's Mpx/s as a share of patch training's, both simulated."""
+        whole, patches = self.whole_slide_mpx_s, self.patch_mpx_s
+        return None if whole is None or not patches else whole / patches
+
     def to_dict(self) -> dict[str, Any]:
         d = {
             "budget_source": self.budget.source,
@@ -140,7 +164,12 @@ class PlanReport:
                 "plain": self.clock_plain.to_dict() if self.clock_plain is not None else None,
                 "slowdown": self.clock_slowdown,
                 "plan_slowdown": self.plan.slowdown,
-            }
+                "whole_slide_mpx_s": self.whole_slide_mpx_s,
+                "patch_training": None if self.clock_patches is None else {
+                    **self.clock_patches.to_dict(), "patches": PATCHES, "patch": PATCH, "mpx_s": self.patch_mpx_s,
+                },
+                "share_of_patch_training": self.patch_share,
+            }  # fmt: skip
         if self.host is not None:
             d["host"] = self.host.to_dict()
         if self.host_skipped is not None:
@@ -168,6 +197,13 @@ class PlanReport:
                 f"  plain PyTorch on the same card, simulated: {self.clock_plain.seconds:.3f} s; SFT over plain "
                 f"{self.clock_slowdown:.2f}x simulated, {self.plan.slowdown:.2f}x by the plan's time model "
                 f"({self.plan.slowdown / self.clock_slowdown - 1:+.0%})"
+            )
+        if self.clock_patches is not None and self.patch_share is not None:
+            lines.append(
+                f"  patch training as users run it ({PATCHES} patches of {PATCH} px, BatchNorm in training mode, "
+                f"nothing folded; channels_last priced as NCHW: the clock has no memory-format term), simulated: "
+                f"{self.clock_patches.seconds:.3f} s, {self.patch_mpx_s:.0f} Mpx/s; the whole-slide step "
+                f"{self.whole_slide_mpx_s:.0f} Mpx/s, {self.patch_share:.2f} of patch training's"
             )
         if self.host is not None:
             lines.append(self.host.text())
@@ -276,6 +312,7 @@ def make_plan(
     host_memory: str | int | None = None,
     map_norm: str | None = None,
     config: str | Path | None = None,
+    fold_bn: bool | None = None,
 ) -> PlanReport:
     """Validate the inputs, plan on the meta device, and return the plan with the command's envelope.
 
@@ -291,6 +328,7 @@ def make_plan(
     checkpoints it does not hold are placed on disk (``wsitrain.sft.planning.placement``).
     ``config``: a run's config (``wsitrain.plan.from_config``): its model section is planned as fit builds it, and
     it fills the precision, optimizer, budget, tile and size the call leaves at None.
+    ``fold_bn``: ``engine.fold_bn`` (None: the config's, else on).
     """
     memory_source = None  # the config's engine.memory_budget, when it gave the budget
     precision_key = "--precision"  # what an error about the precision names
@@ -303,6 +341,7 @@ def make_plan(
                          host_memory=host_memory)  # fmt: skip
         model, make, spec, memory_source, host_memory = cp.model, cp.make, cp.freeze, cp.memory_source, cp.host_memory
         precision, optimizer, memory, tile, size = cp.precision, optimizer or cp.optimizer, cp.memory, cp.tile, cp.size
+        fold_bn = cp.fold_bn if fold_bn is None else fold_bn
     else:
         if model is None:
             raise WsiTrainError("--model: which model to plan?", hint="give --model (e.g. --model resnet50), or "
@@ -341,7 +380,7 @@ def make_plan(
     shape = (batch, 3, h, w)
     plan_it = functools.partial(_plan_net, shape=shape, budget=budget, prec=prec, optimizer=optimizer, tile=tile,
                                 simulate=simulate, progress=progress, every_tile=every_tile,
-                                host_budget=host_budget)  # fmt: skip
+                                host_budget=host_budget, fold_bn=fold_bn is not False)  # fmt: skip
     report = plan_it(net, with_max_size=with_max_size)
     if spec is None:
         return report
@@ -380,6 +419,7 @@ def _plan_net(
     every_tile: bool,
     with_max_size: bool,
     host_budget: int | None = None,
+    fold_bn: bool = True,
 ) -> PlanReport:
     """Plan (or simulate) ``net`` built on the meta device for ``shape`` within ``budget``."""
     batch = shape[0]
@@ -389,10 +429,11 @@ def _plan_net(
     # `plan` printed another plan than the one an H200 ran for the same budget: 2026-11-27)
     optimizer = optimizer or DEFAULT_OPTIMIZER
     if simulate:
-        return _simulated(net, shape, budget, prec, optimizer, tile, progress, every_tile, speed, tm, host_budget)
+        return _simulated(net, shape, budget, prec, optimizer, tile, progress, every_tile, speed, tm, host_budget,
+                          fold_bn)  # fmt: skip
     p = plan_model(
         net, input_shape=shape, memory_budget=budget.bytes, dtype=dtype, tile_size=tile,
-        optimizer=optimizer, device=budget.device, target=budget.target, time_model=tm,
+        optimizer=optimizer, device=budget.device, target=budget.target, time_model=tm, fold_bn=fold_bn,
     )  # fmt: skip
     p = place_host(p, host_budget)  # host checkpoints in RAM or on disk, as SFT places them
     max_size = None
@@ -451,6 +492,7 @@ def _simulated(
     speed: GpuSpeed | None,
     tm: TimeModel,
     host_budget: int | None = None,
+    fold_bn: bool = True,
 ) -> PlanReport:
     if budget.device != "cuda":
         raise WsiTrainError(
@@ -469,22 +511,23 @@ def _simulated(
         sim = simulate_step(
             net, shape, budget.bytes, optimizer=optimizer, tile_size=tile, progress=progress, target=budget.target,
             every_tile=every_tile, clock=clock, act_dtype=LOW_PRECISION.get(prec), time_model=tm,
-            host_memory=host_budget,
+            host_memory=host_budget, fold_bn=fold_bn,
         )  # fmt: skip
         skipped = host_image_refusal(shape)
         host = None if skipped else measure_host_time(
             net, shape, budget.bytes, dtype=LOW_PRECISION.get(prec, torch.float32), optimizer=optimizer,
-            target=budget.target, tile_size=tile, time_model=tm,
+            target=budget.target, tile_size=tile, time_model=tm, fold_bn=fold_bn,
         )  # fmt: skip
     except PlanError as e:  # does not fit: show the plan as the plain command would
         raise WsiTrainError(str(e), hint=e.hint) from e
-    reading = plain = None
+    reading = plain = patches = None
     if clock is not None and speed is not None:
         reading = clock.reading(speed, prec)
         plain = clock_plain_step(net, shape, speed, prec, optimizer=optimizer)[1].reading(speed, prec)
+        patches = clock_patch_reference(net, speed, prec, optimizer=optimizer)[0]
     rate = _flop_rate(tm, speed, prec)
     return PlanReport(
-        sim.plan, budget, prec, None, tm.source, None if low else sim, reading, plain, rate, host=host,
+        sim.plan, budget, prec, None, tm.source, None if low else sim, reading, plain, patches, rate, host=host,
         host_skipped=skipped, patch=summarize(net, sim.plan, activation_dtype(prec), OPTIMIZER_STATE[optimizer]),
     )
 
@@ -510,6 +553,7 @@ def run_plan(
     with_max_size: bool = True,
     map_norm: str | None = None,
     config: str | Path | None = None,
+    fold_bn: bool | None = None,
 ) -> int:
     """``wsitrain plan``: print the plan (readable, or one JSON object); exit code 0 when it fits, 1 when not.
 
@@ -519,7 +563,7 @@ def run_plan(
         model=model, size=size, gpu=gpu, memory=memory, batch=batch, precision=precision, tile=tile,
         optimizer=optimizer, simulate=simulate, progress=_progress_bar(console) if simulate and not as_json else None,
         every_tile=every_tile, pool=pool, freeze=freeze, host_memory=host_memory, with_max_size=with_max_size,
-        map_norm=map_norm, config=config,
+        map_norm=map_norm, config=config, fold_bn=fold_bn,
     )  # fmt: skip
     if as_json:
         d = report.to_dict()

@@ -41,6 +41,7 @@ class ConfigPlan:
     tile: int | None
     size: str | None  # data.size as --size writes it (HxW), when the config fixes it
     host_memory: str | int | None  # engine.host_memory when --host-memory is not given
+    fold_bn: bool = True  # engine.fold_bn
 
 
 def _size_text(cfg: WsiTrainConfig) -> str | None:
@@ -92,5 +93,5 @@ def from_config(
         optimizer=cfg.train.optimizer, memory=None if budget is None else str(budget),
         memory_source=f"engine.memory_budget {e.memory_budget} ({path})" if from_cfg else None,
         tile=tile if tile is not None else e.tile_size, size=size or _size_text(cfg),
-        host_memory=host_memory if host_memory is not None else e.host_memory,
+        host_memory=host_memory if host_memory is not None else e.host_memory, fold_bn=e.fold_bn,
     )  # fmt: skip

@@ -37,7 +37,8 @@ def validation_heatmaps(run_dir: Path, out_dir: Path, console: Any = None) -> st
     model.load_state_dict(ckpt["model"])
     device = "cuda" if cfg.engine.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
     e = cfg.engine
-    engine = SFT(model.to(device), memory_budget=e.memory_budget, tile_size=e.tile_size, checkpoints=e.checkpoints)
+    engine = SFT(model.to(device), memory_budget=e.memory_budget, tile_size=e.tile_size, checkpoints=e.checkpoints,
+                 fold_bn=e.fold_bn)
     rk = read_kwargs(cfg, int(getattr(model, "stride", 1)))
     writer = HeatmapWriter(out_dir, classes, viewer=False)  # the page shows PNGs; viewer files are predict's
     for r in val["slides"]:

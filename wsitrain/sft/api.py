@@ -73,7 +73,10 @@ class SFT(nn.Module):
     (``planning/placement.py``, ``execution/spill.py``). None: every host checkpoint stays in RAM. ``one_pass``: where
     the last tiled segment ends in a global mean and a linear head of one or two outputs, back-propagate its tiles in
     forward along the head's gradient direction (``execution/one_pass.py``; no forward sweep, no recompute, the same
-    gradients up to rounding); False: always recompute.
+    gradients up to rounding); False: always recompute. ``fold_bn``: a frozen (eval-mode) BatchNorm after a convolution
+    folds into the convolution's weight and bias, recomputed from the original parameters every step
+    (``ops/fold_bn.py``: no BatchNorm kernel runs, the same outputs and gradients up to rounding); False: every
+    BatchNorm runs as itself.
     """
 
     def __init__(
@@ -94,6 +97,7 @@ class SFT(nn.Module):
         host_memory: int | str | None = None,
         spill_dir: str | None = None,
         one_pass: bool = True,
+        fold_bn: bool = True,
     ) -> None:
         super().__init__()
         self.model = model
@@ -112,7 +116,8 @@ class SFT(nn.Module):
         self.one_pass = one_pass
         self.target = target  # the device's planning facts; None: detected (the simulated device: a preset's)
         self._budget_bytes: int | None = None if memory_budget is None else parse_bytes(memory_budget, "memory_budget")
-        self._graph = model_graph(model)
+        self.fold_bn = fold_bn
+        self._graph = model_graph(model, fold_bn)
         with guarded(f"compiling {_model_name(model)}", node_namer(self._graph)):
             self._runner = NodeRunner(self._graph)
         self._cache: OrderedDict[tuple[Any, ...], _Compiled] = OrderedDict()
@@ -264,6 +269,7 @@ class SFT(nn.Module):
         on_host = _on_host(x, device)
         c = self._compiled(tuple(x.shape), self._act_dtype(device), x.dtype, on_host, x.requires_grad)
         self._runner.masks.new_step()  # per-sample drop masks: drawn once this step, replayed by every tile
+        self._runner.folds.new_step(self._graph.fold_pairs())  # folded weights from this step's parameters
         stats = StepStats()
         self.last_stats = stats
         meter = PeakMeter(device) if self.tile_peaks else None

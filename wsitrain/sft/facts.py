@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import fx
+from torch import fx, nn
 
 from wsitrain.errors import PlanError
 from wsitrain.sft.graph import ModelGraph
@@ -151,12 +151,26 @@ def annotate(
         candidates=tuple(_candidate_cuts(graph, specs, cuts, trunk_end)),
         trunk_end=trunk_end,
         model_bytes=sum(p.numel() * p.element_size() for p in params)
-        + sum(b.numel() * b.element_size() for b in graph.model.buffers()),
+        + sum(b.numel() * b.element_size() for b in graph.model.buffers())
+        + _folded_bytes(graph),
         trainable_bytes=sum(p.numel() * p.element_size() for p in params if p.requires_grad),
         largest_param_bytes=max((p.numel() * p.element_size() for p in params), default=0),
         fusion=fusion,
         one_pass_head=linear_head(graph, fusion.node, input_shape[0]) if fusion and fusion.kind == AVG else None,
     )
+
+
+def _folded_bytes(graph: ModelGraph) -> int:
+    """What the BatchNorm fold holds beside the parameters (execution/folds.py): every folded convolution's weight
+    and bias for the whole step, and while the fold back-propagates, their gradients beside the parameters' own."""
+    total = 0
+    for c in graph.fold_pairs():
+        conv = graph.module(c)
+        assert isinstance(conv, nn.Conv2d)
+        w = conv.weight
+        size = (w.numel() + w.shape[0]) * w.element_size()
+        total += size * (2 if w.requires_grad else 1)
+    return total
 
 
 def _in_place_in_tile(graph: ModelGraph, specs: list[OpSpec], i: int) -> bool:

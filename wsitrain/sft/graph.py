@@ -16,6 +16,7 @@ import torch
 from torch import fx, nn
 
 from wsitrain.errors import PlanError
+from wsitrain.sft.ops.fold_bn import fold_pairs, folded_bn_spec
 from wsitrain.sft.ops.registry import INPUT, OpSpec, function_spec, is_leaf_module, module_spec, node_parameters
 from wsitrain.sft.ops.space import prune_unused_shape_reads
 from wsitrain.sft.trail import WHERE
@@ -121,10 +122,16 @@ def _meta_copy(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 class ModelGraph:
-    """The operator DAG of a model. Shape-dependent facts live in ``GraphFacts``."""
+    """The operator DAG of a model. Shape-dependent facts live in ``GraphFacts``.
 
-    def __init__(self, model: nn.Module) -> None:
+    ``fold_bn``: frozen BatchNorm layers after a convolution fold into it (``ops/fold_bn.py``; their nodes stay, as
+    aliases of the convolution's output or their activation).
+    """
+
+    def __init__(self, model: nn.Module, fold_bn: bool = True) -> None:
         self.model = model
+        self.fold_bn = fold_bn
+        self._folds: dict[tuple[bool, ...], dict[int, int]] = {}
         self.gm = trace(model)
         fx_nodes = [n for n in self.gm.graph.nodes if n.op not in ("output", "get_attr")]
         placeholders = [n for n in fx_nodes if n.op == "placeholder"]
@@ -168,17 +175,31 @@ class ModelGraph:
     def specs(self) -> list[OpSpec]:
         """Spec of every node under the modules' current train/eval modes."""
         out: list[OpSpec] = []
+        folded = set(self.fold_pairs().values())
         for g in self.nodes:
             WHERE.node = g.index
             n = g.fx_node
             if n.op == "placeholder":
                 out.append(OpSpec(INPUT, "input"))
+            elif g.index in folded:
+                bn = self.gm.get_submodule(str(n.target))
+                assert isinstance(bn, nn.BatchNorm2d)
+                out.append(folded_bn_spec(bn, type(bn).__name__))
             elif n.op == "call_module":
                 out.append(module_spec(self.gm.get_submodule(str(n.target))))
             else:
                 out.append(function_spec(n))
         WHERE.node = None
         return out
+
+    def fold_pairs(self) -> dict[int, int]:
+        """Convolution node -> BatchNorm node of the pairs that fold under the modules' current modes."""
+        if not self.fold_bn:
+            return {}
+        key = self.mode_key()
+        if key not in self._folds:
+            self._folds[key] = fold_pairs(self.gm, [g.fx_node for g in self.nodes])
+        return self._folds[key]
 
     def mode_key(self) -> tuple[bool, ...]:
         """Train/eval flags of every module: plans are cached per mode (BatchNorm and Dropout change tileability)."""

@@ -39,6 +39,7 @@ def plan(
     time_model: TimeModel | None = None,
     input_requires_grad: bool = False,
     one_pass: bool = True,
+    fold_bn: bool = True,
 ) -> Plan:
     """Plan ``model`` on ``input_shape`` (B, C, H, W) within ``memory_budget``, on shapes only.
 
@@ -47,14 +48,14 @@ def plan(
     Returns a plan with ``fits=False`` when nothing fits; raises PlanError for layers that cannot
     be tiled where tiling is needed. ``target``: the device's planning facts (default: detected, ``target_for``).
     ``input_requires_grad``: plan for an image that wants its gradient (saliency; SFT plans so for such an x).
-    ``one_pass``: as ``SFT``'s (planning/one_pass.py).
+    ``one_pass``: as ``SFT``'s (planning/one_pass.py). ``fold_bn``: as ``SFT``'s (ops/fold_bn.py).
     """
     dev = _device_str(device)
     dtype = dtype or _param_dtype(model)
     on_host = dev == "cuda" if input_on_host is None else input_on_host
     in_dtype = input_dtype or (torch.uint8 if on_host else dtype)
     budget = resolve_budget_bytes(memory_budget, dev)
-    graph = model_graph(model)
+    graph = model_graph(model, fold_bn)
     with guarded(f"planning {_model_name(model)} on input {tuple(input_shape)}", node_namer(graph)):
         p, _ = build_plan(
             graph,
@@ -77,10 +78,11 @@ def plan(
     return p
 
 
-def model_graph(model: nn.Module) -> ModelGraph:
-    """The model's graph; an internal error while building it names the model (``trail.guarded``)."""
+def model_graph(model: nn.Module, fold_bn: bool = True) -> ModelGraph:
+    """The model's graph; an internal error while building it names the model (``trail.guarded``). ``fold_bn``:
+    frozen BatchNorm after a convolution folds into it (``ops/fold_bn.py``)."""
     with guarded(f"tracing {_model_name(model)}", lambda i: f"node {i}"):
-        return ModelGraph(model)
+        return ModelGraph(model, fold_bn)
 
 
 def node_namer(graph: ModelGraph) -> Any:

@@ -125,6 +125,7 @@ def wrap_engine(
         host_memory=host_memory_per_rank(engine),
         spill_dir=str(spill_folder(engine.spill_dir)),
         one_pass=one_pass and engine.one_pass,
+        fold_bn=engine.fold_bn,
     )
 
 

@@ -32,3 +32,7 @@ class ExecHooks:
     # the simulated device replays a step whose one pass fell back (a GPU kit's bf16 steps before 2026-11-27: the
     # head's rounding was taken as off the direction): its held sums are dropped and the segment recomputes
     one_pass_falls_back: bool = False
+    # tiles without copies where a view serves (issue 57): a crop's or a trimmed layer output's gradient goes back as
+    # one zero pad, and a forward sweep whose one tile is the whole map returns that tile as the checkpoint (no join
+    # copy). False: the executor's earlier path, bitwise the same step (kept for the tests that compare the two)
+    copy_free: bool = True

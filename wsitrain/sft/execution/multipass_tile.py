@@ -117,6 +117,7 @@ class MultiPassTiles(TiledSegment):
     ) -> dict[int, torch.Tensor]:
         """Run ``nodes`` (in order) on one tile, barriers applied with their fixed statistics."""
         env: dict[int, torch.Tensor] = {self.start: region}
+        one_pad = self.hooks.copy_free
         exits = self._exit_values(stats, leaves)
         last: dict[int, int] = {}
         for u in nodes:
@@ -129,7 +130,7 @@ class MultiPassTiles(TiledSegment):
                     return exits[v]
                 (rl, rh), (cl, ch) = rt.req[(u, v)], ct.req[(u, v)]
                 nr, nc = rt.need[v][0], ct.need[v][0]
-                return crop(env[v], self.specs[v].spatial_dims, (rl - nr, rh - nr), (cl - nc, ch - nc))
+                return crop(env[v], self.specs[v].spatial_dims, (rl - nr, rh - nr), (cl - nc, ch - nc), one_pad)
 
             if u in self.bn:
                 st = stats[u]
@@ -156,7 +157,10 @@ class MultiPassTiles(TiledSegment):
                 g0r = spec.windows[0].first_output(rt.req[(u, v)][0])
                 g0c = spec.windows[1].first_output(ct.req[(u, v)][0])
                 (a, b), (c, d) = rt.need[u], ct.need[u]
-                out = out[:, :, a - g0r : b - g0r, c - g0c : d - g0c]
+                if one_pad:  # a crop: its gradient goes back as one pad, not two slice_backward buffers
+                    out = crop(out, (2, 3), (a - g0r, b - g0r), (c - g0c, d - g0c))
+                else:
+                    out = out[:, :, a - g0r : b - g0r, c - g0c : d - g0c]
             env[u] = out
             for v in self.inputs[u]:
                 if last.get(v) == u and v not in keep:

@@ -8,6 +8,7 @@ from typing import Any
 from torch import fx
 from torch.fx.node import map_arg
 
+from wsitrain.sft.execution.folds import FoldReplay
 from wsitrain.sft.graph import ModelGraph
 from wsitrain.sft.ops.drop import MaskReplay, replay_callable
 from wsitrain.sft.ops.registry import in_place_callable, out_of_place_callable
@@ -32,6 +33,7 @@ class NodeRunner:
         # made on first use
         self.overwriting: dict[int, tuple[Any, dict[str, Any]]] = {}
         self.masks = MaskReplay()  # per-sample drop masks of the current step, replayed by tiles and recomputes
+        self.folds = FoldReplay(graph)  # the current step's folded convolution weights (ops/fold_bn.py)
         for g in graph.nodes[1:]:
             WHERE.node = g.index
             n = g.fx_node
@@ -60,8 +62,11 @@ class NodeRunner:
         in_place: bool = False,
     ) -> Any:
         """Node i's value. ``call``: what a tile runs in its place, with its arguments (``OpSpec.extra[TILE_CALL]``).
-        ``in_place``: overwrite the input (only where a plan says so: ``SegmentPlan.in_place``)."""
+        ``in_place``: overwrite the input (only where a plan says so: ``SegmentPlan.in_place``). A folded convolution
+        or BatchNorm (``execution/folds.py``) runs its step's stand-in when ``call`` gives none."""
         n = self.graph.nodes[i].fx_node
+        if call is None and not in_place and self.folds.current is not None:
+            call = self.folds.plain_call(i)
         if in_place:
             if i not in self.overwriting:
                 self.overwriting[i] = in_place_callable(n, self.graph.module(i))

@@ -54,6 +54,7 @@ class TiledFunction(torch.autograd.Function):
         ctx.autocast = AutocastState.capture(seg.device.type)
         _save_input(ctx, x)
         ctx.masks = seg.runner.masks.current  # the recompute replays this step's drop masks
+        ctx.folds = seg.runner.folds.current  # and this step's folded weights (execution/folds.py)
         ctx.held = None
         if seg.head is not None:  # one pass: every tile's backward along the head's direction, now (one_pass.py)
             need_x = isinstance(x, torch.Tensor) and x.requires_grad
@@ -75,7 +76,8 @@ class TiledFunction(torch.autograd.Function):
             del held  # off the head's direction: the sums go before the recompute's own are built
             ctx.seg.count("one_pass_fallbacks")
         x = _saved_input(ctx)
-        with ctx.seg.runner.masks.replaying(ctx.masks), abandon_on_error(ctx.seg):
+        runner = ctx.seg.runner
+        with runner.masks.replaying(ctx.masks), runner.folds.replaying(ctx.folds), abandon_on_error(ctx.seg):
             grad_x, grads = ctx.seg.backward_all(x, grad_out, ctx.needs_input_grad[1], ctx.autocast, ctx.pool)
         return (None, grad_x, *grads)
 
@@ -83,7 +85,7 @@ class TiledFunction(torch.autograd.Function):
 def run_segment(seg: TiledSegment, x: torch.Tensor) -> torch.Tensor:
     """Forward one tiled segment, through autograd when gradients are wanted."""
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in seg.params)):
-        return TiledFunction.apply(seg, x, *seg.params)
+        return TiledFunction.apply(seg, x, *seg.step_params)
     with torch.no_grad(), AutocastState.capture(seg.device.type).forward_sweep(seg.cast_once), abandon_on_error(seg):
         return seg.forward_all(x)[0]
 
@@ -96,6 +98,7 @@ class MultiPassFunction(torch.autograd.Function):
     def forward(ctx: Any, seg: MultiPassSegment, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.seg = seg
         ctx.autocast = AutocastState.capture(seg.device.type)
+        ctx.folds = seg.runner.folds.current  # the backward sweeps run with this step's folded weights
         _save_input(ctx, x)
         with torch.no_grad(), ctx.autocast.context(), abandon_on_error(seg):
             out, ctx.stats, ctx.pool = seg.forward_sweeps(x, keep_graph=True)
@@ -104,7 +107,7 @@ class MultiPassFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         x = _saved_input(ctx)
-        with abandon_on_error(ctx.seg):
+        with ctx.seg.runner.folds.replaying(ctx.folds), abandon_on_error(ctx.seg):
             grad_x, grads = ctx.seg.backward_sweeps(
                 x, grad_out, ctx.stats, ctx.needs_input_grad[1], ctx.autocast, ctx.pool
             )
@@ -116,7 +119,7 @@ def run_tiled(seg: TiledSegment, x: torch.Tensor) -> torch.Tensor:
     if not isinstance(seg, MultiPassSegment):
         return run_segment(seg, x)
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in seg.params)):
-        return MultiPassFunction.apply(seg, x, *seg.params)
+        return MultiPassFunction.apply(seg, x, *seg.step_params)
     with torch.no_grad(), AutocastState.capture(seg.device.type).context(), abandon_on_error(seg):
         return seg.forward_sweeps(x, keep_graph=False)[0]
 

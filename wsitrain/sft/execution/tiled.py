@@ -19,6 +19,7 @@ from torch import nn
 from torch.autograd.profiler import record_function
 
 from wsitrain.sft.execution.autocast import AutocastState, TileContext
+from wsitrain.sft.execution.folds import FoldSlot
 from wsitrain.sft.execution.hooks import ExecHooks, TileObserver
 from wsitrain.sft.execution.reuse import (
     BackwardValue,
@@ -50,6 +51,11 @@ TILE_BACKWARD = "sft.tile_backward"  # autograd through one recomputed tile
 OVERLAP_ADD = "sft.overlap_add"  # a tile's input gradient added into the segment's, parameter gradients summed
 
 
+def _bn_param(m: nn.Module | None, p: nn.Parameter) -> bool:
+    """Is ``p`` a BatchNorm's own weight or bias (folded into its convolution), not its activation's?"""
+    return isinstance(m, nn.BatchNorm2d) and (p is m.weight or p is m.bias)
+
+
 class TiledSegment(TileIO):
     """Executes one tiled segment of a plan; holds its regions and layer list (no tensors)."""
 
@@ -79,16 +85,30 @@ class TiledSegment(TileIO):
         self._pointwise = {u: PointwiseMatmul(runner.graph.module(u)) for u in seg.pointwise_matmul}
         # activations the plan runs in place: their input is this tile's own fresh map, read by them alone
         self.in_place = frozenset(seg.in_place)
+        # parameter sums still holding the gradient autograd returned for their first tile (add_tile_grads)
+        self._borrowed_for = 0
+        self._borrowed: set[int] = set()
         self.names = {i: facts.nodes[i].name for i in self.nodes}
-        params: dict[int, nn.Parameter] = {}
+        # folded convolutions (ops/fold_bn.py): their folded weight and bias stand for their own and their
+        # BatchNorm's parameters; the step's values are looked up per step (execution/folds.py)
+        pairs = runner.graph.fold_pairs()
+        folded_bns = set(pairs.values())
+        slots: dict[object, nn.Parameter | FoldSlot] = {}
         uses = 0
         for i in self.nodes:
-            for p in runner.graph.trainable_params(i):
-                params.setdefault(id(p), p)
+            if i in pairs:
+                own: list[nn.Parameter | FoldSlot] = list(runner.folds.slots(i, pairs[i]))
+            elif i in folded_bns:  # a BatchNormAct's activation may have parameters (PReLU)
+                own = [p for p in runner.graph.trainable_params(i) if not _bn_param(runner.graph.module(i), p)]
+            else:
+                own = list(runner.graph.trainable_params(i))
+            for p in own:
+                slots.setdefault(p if isinstance(p, FoldSlot) else id(p), p)
                 uses += 1
-        self.params = list(params.values())
+        self.slots = list(slots.values())
+        self._folded = any(isinstance(p, FoldSlot) for p in self.slots)
         # under autocast a sweep casts each weight once (autocast.py), unless two layers share one
-        self.cast_once = uses == len(self.params)
+        self.cast_once = uses == len(self.slots)
         self.last_user = {
             i: max((u for u in facts.nodes[i].users if u <= seg.end), default=i) for i in [seg.start, *self.nodes]
         }
@@ -103,13 +123,32 @@ class TiledSegment(TileIO):
         # the forward sweep's own tiles' keys (tile_io.sweeping), kept apart so neither sweep recomputes the other's
         self._sweep_keys = TileKeys(self.start, self.nodes, self.inputs, self.specs, self.sizes)
 
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """The tensors a tile's backward differentiates against: the parameters, and this step's folded weights as
+        detached leaves (``execution/folds.py``)."""
+        if not self._folded:
+            return list(self.slots)  # type: ignore[arg-type]
+        folds = self.runner.folds
+        return [folds.leaf(p) if isinstance(p, FoldSlot) else p for p in self.slots]
+
+    @property
+    def step_params(self) -> list[torch.Tensor]:
+        """The tensors the segment's autograd node takes as inputs, in ``params``' order: the parameters, and this
+        step's folded weights through autograd (their gradients then flow back through the fold)."""
+        if not self._folded:
+            return list(self.slots)  # type: ignore[arg-type]
+        folds = self.runner.folds
+        return [folds.value(p) if isinstance(p, FoldSlot) else p for p in self.slots]
+
     # ---- one tile ------------------------------------------------------------------------------
     def stand_in(self, u: int, rt: AxisTile, ct: AxisTile) -> Callable[..., torch.Tensor] | None:
         """What this tile runs in node ``u``'s place (``OpSpec.extra[TILE_CALL]``, or a 1x1 layer's matrix product
         where the plan allows it), or None for the layer itself; a stand-in placed on the tile reads where the crop of
         the node's first input lies in the map."""
         if u not in self._stand_ins:
-            return self._pointwise.get(u)
+            folded = self.runner.folds.tile_call(u, u in self._pointwise) if self._folded else None
+            return folded or self._pointwise.get(u)
         key = (u, self.inputs[u][0]) if self.inputs[u] else (u, u)
         return tile_call(self.specs[u], lambda: (rt.req[key], ct.req[key]))
 
@@ -138,12 +177,13 @@ class TiledSegment(TileIO):
     def run_tile(self, region: torch.Tensor, rt: AxisTile, ct: AxisTile) -> torch.Tensor:
         """Run the segment's layers on one tile; returns the tile's exact output. (B, C, th, tw)."""
         env: dict[int, torch.Tensor] = {self.start: region}
+        one_pad = self.hooks.copy_free
         for u in self.nodes:
 
             def fetch(v: int, u: int = u) -> torch.Tensor:
                 (rl, rh), (cl, ch) = rt.req[(u, v)], ct.req[(u, v)]
                 nr, nc = rt.need[v][0], ct.need[v][0]
-                return crop(env[v], self.specs[v].spatial_dims, (rl - nr, rh - nr), (cl - nc, ch - nc))
+                return crop(env[v], self.specs[v].spatial_dims, (rl - nr, rh - nr), (cl - nc, ch - nc), one_pad)
 
             if u in self.in_place:
                 out = self.runner.run(u, env, out_of_place=True, fetch=self.whole(env, u, fetch), in_place=True)
@@ -156,7 +196,10 @@ class TiledSegment(TileIO):
                 g0r = spec.windows[0].first_output(rt.req[(u, v)][0])
                 g0c = spec.windows[1].first_output(ct.req[(u, v)][0])
                 (a, b), (c, d) = rt.need[u], ct.need[u]
-                out = out[:, :, a - g0r : b - g0r, c - g0c : d - g0c]
+                if one_pad:  # a crop: its gradient goes back as one pad, not two slice_backward buffers
+                    out = crop(out, (2, 3), (a - g0r, b - g0r), (c - g0c, d - g0c))
+                else:
+                    out = out[:, :, a - g0r : b - g0r, c - g0c : d - g0c]
             (a, b), (c, d) = rt.need[u], ct.need[u]
             check_tile_extent(out, spec, b - a, d - c, self.names[u])
             env[u] = out
@@ -222,6 +265,8 @@ class TiledSegment(TileIO):
                 if acc is not None:
                     dtype = y.dtype
                     acc.add(y, reg.rows_out[r], reg.cols_out[c])
+                elif out is None and self._whole(y):
+                    out = y  # the one tile is the whole output: it is the checkpoint, no join copy
                 else:
                     if out is None:
                         out = self.new_output(y)  # in host memory when the next checkpoint lives there
@@ -236,6 +281,20 @@ class TiledSegment(TileIO):
             return acc.result(dtype), acc
         assert out is not None
         return out, None
+
+    def _whole(self, y: torch.Tensor) -> bool:
+        """Is the tile ``y`` the whole joined output, a tensor of its own on the device (``ExecHooks.copy_free``)?
+        Then it stands for the output as it is. (A view, of the segment's input for one, is still copied.)"""
+        reg = self.regions
+        return (
+            self.hooks.copy_free
+            and reg.grid == (1, 1)
+            and not self.out_on_host
+            and y.device == self.device
+            and y._base is None
+            and y.is_contiguous()
+            and (y.shape[2], y.shape[3]) == (reg.rows_out[-1][1], reg.cols_out[-1][1])
+        )
 
     def backward_all(
         self,
@@ -374,17 +433,32 @@ class TiledSegment(TileIO):
             res = res[1:]
         sums: list[torch.Tensor] = []
         parts: list[torch.Tensor] = []
+        if self._borrowed_for != id(grads):  # a new sweep's sums (a stale set only makes a sum out of place)
+            self._borrowed_for, self._borrowed = id(grads), set()
+        firsts: list[int] = []
         for k, gp in enumerate(res):
             if gp is None:
                 continue
             acc_k = grads[k]
             if acc_k is None:
-                # own the sum: a returned gradient may share memory autograd reuses for the next
-                # tile (seen as NaNs in bf16 weight gradients); summing into it in place corrupted it
-                grads[k] = gp.clone()
+                # never sum into a returned gradient in place: it may share memory with what autograd or the next
+                # tile still reads (seen as NaNs in bf16 weight gradients). Copy-free (issue 57): hold it as it is
+                # and make the second tile's sum out of place; else own a copy at once (a clone per parameter)
+                if self.hooks.copy_free:
+                    grads[k] = gp
+                    self._borrowed.add(k)
+                else:
+                    grads[k] = gp.clone()
+            elif k in self._borrowed:
+                firsts.append(k)
             else:
                 sums.append(acc_k)
                 parts.append(gp)
+        if firsts:  # the same a + b as in place, into new tensors the sums then own
+            owned = torch._foreach_add([grads[k] for k in firsts], [res[k] for k in firsts])  # type: ignore[misc]
+            for k, t in zip(firsts, owned, strict=True):
+                grads[k] = t
+                self._borrowed.discard(k)
         if sums:
             # one multi-tensor launch per tile instead of one add per parameter (ResNet-50 at 8192 px capped: 606
             # adds per step, measured by sft/simulate/host_time.py); each element is the same a + b either way

@@ -69,9 +69,14 @@ NORM_BACKWARDS = {"native_batch_norm_backward", "cudnn_batch_norm_backward", "ba
 # Tensors a multi-tensor (foreach) kernel takes per launch (PyTorch's multi_tensor_apply: up to 110 tensors of
 # its depth-1 lists, fewer for deeper ones); a round figure for the optimizer's lists.
 FOREACH_TENSORS = 64
-# Categories the breakdown reports, by operator name.
+# Categories the breakdown reports, by operator name: the copy counter counts the first.
+COPY_KIND = "copies, crops, pads, joins"
 JOINS = {"copy_", "cat", "constant_pad_nd", "slice_scatter", "clone", "_to_copy", "narrow_copy", "index_put_", "fill_",
-         "zero_", "zeros_like", "new_zeros", "pad", "reflection_pad2d", "replication_pad2d"}  # fmt: skip
+         "zero_", "zeros_like", "new_zeros", "pad", "reflection_pad2d", "replication_pad2d", "slice_backward",
+         "select_backward"}  # fmt: skip
+# Operators the clock sees once that run two copy kernels on a GPU: a zeroed buffer, then the gradient copied into it
+# (slicing's backward, per axis); the copy counter counts both (their time is priced from their bytes either way)
+TWO_COPIES = {"slice_backward", "select_backward"}
 
 
 @dataclass(frozen=True)
@@ -132,9 +137,20 @@ class ClockReading:
     stager_seconds: float  # the stager's worker thread: the image's tiles packed for upload (not in ``host_seconds``)
     by_kind: dict[str, float]  # GPU seconds per kind of operator
     constants: str
+    norm_kernels: float = 0.0  # BatchNorm kernels priced at its own measured rate (none when folded: ops/fold_bn.py)
+    # the copy counter: kernels that only move device memory (``COPY_KIND``: copies, crops, pads, joins) per step,
+    # and per operator; the CPU-side evidence for a step's copies (issue 57: 61 of 683 ms measured on an H200)
+    copies: float = 0.0
+    copies_by_op: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def unused_constants(self) -> tuple[str, ...]:
+        """The preset's measured constants that priced nothing in this step: BatchNorm's rates when no BatchNorm
+        kernel ran (shown as unused, not refitted: they stay what the H200 measured)."""
+        return () if self.norm_kernels else ("norm_efficiency", "norm_backward_efficiency")
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {**self.__dict__, "unused_constants": list(self.unused_constants)}
 
     def text(self) -> str:
         kinds = ", ".join(f"{k} {v:.3f} s" for k, v in self.by_kind.items() if v >= 5e-4)
@@ -146,8 +162,11 @@ class ClockReading:
             f"{self.stager_seconds:.3f} s (tiles packed for upload), of which the GPU waits "
             f"{self.host_bound_seconds:.3f} s; host link {self.link_seconds:.3f} s ({self.link_bytes / 1e9:.2f} GB)",
             f"    {self.flops / 1e12:.1f} TFLOP, {self.bytes / 1e9:.0f} GB moved, {self.kernels:.0f} kernel launches, "
-            f"{self.operators:.0f} operators, {self.syncs:.0f} synchronizations, {self.windows} windows "
+            f"{self.operators:.0f} operators ({self.copies:.0f} copy kernels), {self.syncs:.0f} synchronizations, "
+            f"{self.windows} windows "
             f"(constants: {self.constants})",
+            *([f"    unused in this step: {', '.join(self.unused_constants)} (no BatchNorm kernel ran; BatchNorm's "
+               "measured rates stay as measured)"] if self.unused_constants else []),
         ])  # fmt: skip
 
 
@@ -258,12 +277,13 @@ class OpClock(TorchDispatchMode):
                 elif packet is aten.convolution or wgrad:  # each gradient goes back through its own cast per tile
                     w.ops.append(cast)
                     w.host_ops += 1
+            w.ops += _bias_pass(packet, args, kwargs, out, self._nbytes, low)
         else:
             # a product whose operands' rows are not 16 bytes aligned (gpu_speed.UNALIGNED_MATMUL_EFFICIENCY)
             unaligned = low and packet in MATMULS and any(_unaligned_rows(t) for t in ins)
             kind = ("optimizer" if self.optimizer_phase else
                     "batch norm" if name in NORMS or name in NORM_BACKWARDS else
-                    "copies, crops, pads, joins" if name.rstrip("_") in JOINS or name in JOINS else
+                    COPY_KIND if name.rstrip("_") in JOINS or name in JOINS else
                     "matrix products" if flops else "element-wise and reductions")  # fmt: skip
         w.ops.append(OpRecord(kind, flops, moved, kernels, px, low, name, unaligned, channels, large))
 
@@ -281,8 +301,9 @@ class OpClock(TorchDispatchMode):
         """The recorded step priced with ``speed``'s constants."""
         s = speed
         total = gpu_all = host_all = link_all = waits = 0.0
-        flops = moved = kernels = ops = link_bytes = syncs = copy_all = stager_all = 0.0
+        flops = moved = kernels = ops = link_bytes = syncs = copy_all = stager_all = norms = 0.0
         kinds: dict[str, float] = {}
+        copies: dict[str, float] = {}
         for w in [*self.windows, self._once]:
             gpu = 0.0
             for o in w.ops:
@@ -295,6 +316,9 @@ class OpClock(TorchDispatchMode):
                 else:
                     rate = s.matmul_rate(o.low_precision, o.unaligned)
                 norm = o.op in NORMS or o.op in NORM_BACKWARDS
+                norms += w.weight * o.kernels if norm else 0.0
+                if o.kind == COPY_KIND:
+                    copies[o.op] = copies.get(o.op, 0.0) + w.weight * (2 if o.op in TWO_COPIES else o.kernels)
                 byte_rate = s.norm_bytes_per_second(o.op in NORM_BACKWARDS) if norm else s.bytes_per_second
                 t = max(o.flops / rate, o.bytes / byte_rate) + o.kernels * 1e-6 * s.kernel_floor_us
                 gpu += t
@@ -320,8 +344,24 @@ class OpClock(TorchDispatchMode):
         return ClockReading(
             s.name, precision, total, gpu_all, host_all, link_all, waits, flops, moved, kernels, ops, link_bytes,
             sum(w.weight for w in self.windows) + 1, syncs, copy_all, stager_all,
-            dict(sorted(kinds.items(), key=lambda kv: -kv[1])), s.source,
+            dict(sorted(kinds.items(), key=lambda kv: -kv[1])), s.source, norms, sum(copies.values()),
+            dict(sorted(copies.items(), key=lambda kv: -kv[1])),
         )  # fmt: skip
+
+
+def _bias_pass(
+    packet: Any, args: Any, kwargs: dict[str, Any], out: Any, nbytes: Any, low: bool
+) -> list[OpRecord]:
+    """A convolution's bias on CUDA is a pass of its own: PyTorch adds it to cuDNN's output in place (forward) and
+    sums the output's gradient for it (backward), one element-wise kernel each that the fake convolution does not
+    issue. Every convolution a BatchNorm folds into has one (ops/fold_bn.py)."""
+    if packet is aten.convolution and len(args) > 2 and args[2] is not None:
+        return [OpRecord("element-wise and reductions", 0.0, 2.0 * nbytes(out), 1, 0.0, low, "add_")]
+    if packet is aten.convolution_backward:
+        mask = _output_mask(args, kwargs)
+        if len(mask) > 2 and mask[2]:
+            return [OpRecord("element-wise and reductions", 0.0, nbytes(args[0]), 1, 0.0, low, "sum")]
+    return []
 
 
 def _unaligned_rows(t: torch.Tensor) -> bool:

@@ -243,11 +243,12 @@ def measure_host_time(
     target: TargetDevice | None = None,
     tile_size: int | None = None,
     time_model: TimeModel | None = None,
+    fold_bn: bool = True,
 ) -> HostTime:
     """The host's work in one training step of ``SFT(model)`` planned for CUDA within ``memory_budget``.
 
     ``time_model``: the constants the plan is chosen by; give the ones the simulated step was planned with, so that
-    both measure the same plan (default: the device's).
+    both measure the same plan (default: the device's). ``fold_bn``: as ``SFT``'s.
 
     ``model`` lives on the meta device. ``dtype``: the activations' dtype the plan is made for (bf16: the plan
     ``fit`` runs under autocast); the step itself runs in the model's own dtype (the meta device has no
@@ -263,7 +264,7 @@ def measure_host_time(
         raise PlanError(f"optimizer {optimizer!r} is not simulated", hint=f"use one of: {', '.join(OPTIMIZERS)}")
     sft = _PlannedAs(
         dtype, model, memory_budget=memory_budget, tile_size=tile_size, optimizer=optimizer, collect_stats=False,
-        runtime=SimRuntime(), target=target, time_model=time_model,
+        runtime=SimRuntime(), target=target, time_model=time_model, fold_bn=fold_bn,
     )  # fmt: skip
     shape = tuple(input_shape)
     plan = sft.plan_for(shape, dtype=dtype, input_dtype=input_dtype, input_on_host=True)  # raises when too big

@@ -122,6 +122,8 @@ def simulate_step(
     host_memory: int | str | None = None,
     plan_optimizer: str | None | Literal["same"] = "same",
     one_pass_falls_back: bool = False,
+    fold_bn: bool = True,
+    copy_free: bool = True,
 ) -> SimulatedStep:
     """Run one training step of ``SFT(model)`` on the simulated CUDA device (see the module doc).
 
@@ -142,6 +144,8 @@ def simulate_step(
     ``SFT`` of before 2026-11-27 planned with none and trained with AdamW: its replay plans so).
     ``one_pass_falls_back``: one-pass segments recompute after their pass, as a bf16 step did on a GPU before
     2026-11-27 (``ExecHooks.one_pass_falls_back``); fake tensors have no gradient to find off the direction.
+    ``fold_bn``: as ``SFT``'s (frozen BatchNorm folded into its convolution, ``ops/fold_bn.py``). ``copy_free``:
+    ``ExecHooks.copy_free`` (False: the executor's copies before issue 57, bitwise the same step).
     """
     if any(t.device.type != DEVICE_TYPE for t in [*model.parameters(), *model.buffers()]):
         raise PlanError(
@@ -155,12 +159,13 @@ def simulate_step(
         model, memory_budget=memory_budget, tile_size=tile_size, checkpoints=checkpoints,
         optimizer=optimizer if plan_optimizer == "same" else plan_optimizer,
         collect_stats=False, host_checkpoints=host_checkpoints, runtime=rt, target=target, time_model=time_model,
-        host_memory=host_memory,
+        host_memory=host_memory, fold_bn=fold_bn,
     )  # fmt: skip
     memory = LiveMemory(observer=rt.observe, fast=FAST_OPS if fast_ops else None)
     spill = SimSpill(memory)
     sft._stager = HostStager(copies(rt) if copies is not None else None, runtime=rt, spill=spill)  # before any plan
     sft._hooks.one_pass_falls_back = one_pass_falls_back
+    sft._hooks.copy_free = copy_free
     if clock is not None:  # CUDA packs tiles on the stager's worker thread: the clock prices them on that lane
         sft._stager.pack_scope = clock.staging
     shape = tuple(input_shape)
