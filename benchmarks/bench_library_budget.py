@@ -13,6 +13,13 @@ the image (the budget covers them); heap the first step left resident is not in 
 
     python benchmarks/bench_library_budget.py                    # VGG-16, 1024 px, 35% of plain
     python benchmarks/bench_library_budget.py --model tiny --size 2048 --share 0.35
+    python benchmarks/bench_library_budget.py --snippet --before /tmp/old-checkout   # issue 55's table, before/after
+
+``--snippet`` runs issue 55's snippet (tiny, a uint8 image, 512 MiB, one step in a fresh process, planning inside it)
+at 4096, 8192 and 12288 px and prints a markdown table: the issue's measure (VmHWM minus VmRSS just before the
+step), that plus the image and the parameters (what the budget covers on CPU), the plan, or the refusal. ``--before``
+runs the same snippet on an older source tree as well (its folder first on PYTHONPATH), for the before/after table
+of docs/benchmarks/library-budget-cpu.md.
 """
 
 from __future__ import annotations
@@ -73,6 +80,66 @@ def run(model: str, size: int, mode: str, budget: int, allocator: str | None) ->
     return result
 
 
+SNIPPET = r"""
+import json, sys, torch
+import torch.nn.functional as F
+from wsitrain.errors import PlanError
+from wsitrain.models import build
+from wsitrain.sft import SFT
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+size, budget = int(sys.argv[1]), int(sys.argv[2])
+x = torch.randint(0, 256, (1, 3, size, size), dtype=torch.uint8)
+model = build("tiny", num_classes=2)
+net = SFT(model, memory_budget=budget)
+static = x.numel() * x.element_size() + sum(p.numel() * p.element_size() for p in model.parameters())
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+before = status("VmRSS")
+try:
+    F.cross_entropy(net(x), torch.tensor([1])).backward()
+except PlanError as e:
+    print(json.dumps({"refused": e.message}))
+    sys.exit(0)
+p = net.plan_of(x)
+print(json.dumps({"issue": status("VmHWM") - before, "static": static, "planned": p.estimated_peak_bytes,
+                  "brief": p.brief, "image_inside": p.segments[0].checkpoint_location == "device"}))
+"""
+SNIPPET_SIZES = (4096, 8192, 12288)
+
+
+def snippet(size: int, budget: int, source: str | None) -> dict[str, object]:
+    """Issue 55's snippet at ``size`` in a fresh process, on ``source`` (a source tree) or this checkout."""
+    env = dict(os.environ)
+    env.pop("WSITRAIN_CPU_ALLOCATOR", None)
+    if source is not None:  # run from its folder too: ``python -c`` puts the working folder first on sys.path
+        env["PYTHONPATH"] = os.pathsep.join([source, env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-c", SNIPPET, str(size), str(budget)], capture_output=True, text=True,
+                         env=env, check=True, cwd=source)  # fmt: skip
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def snippet_table(before: str | None) -> None:
+    import torch  # only for the version in the caption
+
+    mib, budget = 2**20, 512 * 2**20
+    runs = [("before", before), ("after", None)] if before else [("this checkout", None)]
+    print(f"measured on this {os.cpu_count()}-core CPU, torch {torch.__version__}, tiny, uint8 image, 512 MiB budget\n")
+    print("| code | size | issue's measure (MiB) | + image and weights (MiB) | planned (MiB) | plan |")
+    print("|---|---|---|---|---|---|")
+    for label, source in runs:
+        for size in SNIPPET_SIZES:
+            r = snippet(size, budget, source)
+            if "refused" in r:
+                print(f"| {label} | {size} | - | - | - | refused: {r['refused']} |")
+                continue
+            issue, static, planned = (float(r[k]) / mib for k in ("issue", "static", "planned"))  # type: ignore[arg-type]
+            where = "inside" if r["image_inside"] else "outside (host)"
+            print(f"| {label} | {size} | {issue:.0f} | {issue + static:.0f} | {planned:.1f} (image {where}) | "
+                  f"{r['brief']} |")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=f"{__doc__}\nDocs page: {PAGE}", formatter_class=argparse.RawDescriptionHelpFormatter
@@ -80,7 +147,12 @@ def main() -> None:
     ap.add_argument("--model", default="vgg16")
     ap.add_argument("--size", type=int, default=1024)
     ap.add_argument("--share", type=float, default=0.35, help="budget as a share of plain PyTorch's measured peak")
+    ap.add_argument("--snippet", action="store_true", help="issue 55's snippet at 4096, 8192 and 12288 px instead")
+    ap.add_argument("--before", default=None, help="with --snippet: an older source tree to measure as well")
     args = ap.parse_args()
+    if args.snippet:
+        snippet_table(args.before)
+        return
     mib = 2**20
     plain = run(args.model, args.size, "plain", 0, "default")
     budget = int(args.share * plain["peak"])

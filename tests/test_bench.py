@@ -151,10 +151,10 @@ def test_bench_reports_the_plan_the_worker_ran() -> None:
     # ran (its CPU peak may exceed the emulated 14 MiB card: then marked oom, with the plan still reported)
     assert result["status"] in ("ok", "oom") and result["times_ms"], result.get("note")
     ran = result["plan"]
-    assert ran["input_dtype"] == "uint8" and ran["input_on_host"] is True  # CPU: uint8 streams per tile
+    assert ran["input_dtype"] == "uint8" and ran["input_on_host"] is False  # CPU: the image is in the budget
     assert result["planned_peak_bytes"] == ran["estimated_peak_bytes"]
     # the same plan an SFT gets for the worker's input, and not the one for a float32 image of that shape
-    engine = SFT(build("tiny", 2), memory_budget=14 * 2**20)
+    engine = SFT(build("tiny", 2), memory_budget=14 * 2**20, one_pass=False)  # as the worker builds it
     x = torch.zeros(1, 3, 256, 256, dtype=torch.uint8)
     assert engine.plan_of(x).to_dict() == ran
     as_float = engine.plan_for((1, 3, 256, 256), torch.float32)

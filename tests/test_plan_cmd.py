@@ -284,7 +284,7 @@ def test_plan_holds_the_optimizer_fit_trains_with() -> None:
         net = build("tiny", 2)
     budget = resolve_budget(None, "64MiB")
     kw = {"input_shape": (1, 3, 512, 512), "memory_budget": budget.bytes, "device": budget.device,
-          "target": budget.target}  # fmt: skip
+          "target": budget.target, "input_dtype": torch.uint8}  # fmt: skip
     with_adamw = plan_model(net, optimizer="adamw", **kw)
     assert report.plan.breakdown == with_adamw.breakdown
     assert plan_model(net, **kw).breakdown["optimizer"] == 0  # the library's own default stays "no optimizer"

@@ -275,6 +275,10 @@ def plan(
     gpu: str | None = typer.Option(None, "--gpu", help="Plan for a known card, e.g. 2080ti, v100, a100, h100."),
     memory: str | None = typer.Option(None, "--memory", help="Plan for this memory budget instead, e.g. 24GiB."),
     batch: int = typer.Option(1, "--batch", min=1, help="Images per step."),
+    input_dtype: str = typer.Option(
+        "uint8", "--input-dtype", help="The image as the engine gets it: uint8 (slides, as fit reads them) or float32 "
+        "(a float tensor, as a library user may pass). On CPU the image is inside the budget; on a GPU in host memory."
+    ),
     precision: str | None = typer.Option(
         None, "--precision", help="Activation precision: fp32 (the default), bf16 or fp16; with --config, "
         "train.precision by default."
@@ -360,6 +364,7 @@ def plan(
         with_max_size=max_size,
         config=config,
         fold_bn=fold_bn,
+        input_dtype=input_dtype,
     )
     if code:
         raise typer.Exit(int(code))

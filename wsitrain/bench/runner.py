@@ -58,12 +58,11 @@ class Predictor:
 
                 with torch.device("meta"):
                     net = build(self.model, 2)
-                # The worker's input: uint8 created on the device. On CPU the engine treats a uint8 image as
-                # host memory (streamed per tile; SFT.forward), on CUDA it is device memory.
+                # The worker's input: uint8 created on the device, inside the budget (on CPU as on CUDA: SFT.forward)
                 self._cache[key] = plan(
                     net, input_shape=(1, 3, size, size), memory_budget=self.budget_bytes,
                     dtype=activation_dtype(self.precision), tile_size=tile, device=self.device,
-                    input_dtype=INPUT_DTYPE, input_on_host=self.device == "cpu",
+                    input_dtype=INPUT_DTYPE, input_on_host=False, one_pass=False,  # as the worker's SFT
                 )  # fmt: skip
             except Exception:  # no engine or no plan for this shape: no prediction, the run decides
                 self._cache[key] = None

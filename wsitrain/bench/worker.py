@@ -68,7 +68,7 @@ def _forward_fn(model: nn.Module, cfg: dict[str, Any]) -> tuple[Callable[[torch.
 
 
 def _plan_that_ran(sft: SFT, x: torch.Tensor, dtype: torch.dtype) -> dict[str, Any] | None:
-    """The plan the engine ran on ``x`` (a uint8 image on the device; on CPU the engine streams it from the host)."""
+    """The plan the engine ran on ``x`` (a uint8 image on the device, inside the budget)."""
     try:
         return sft.plan_of(x, dtype).to_dict()
     except Exception:  # the plan is extra information; a failure here must not hide the measurement

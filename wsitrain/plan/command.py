@@ -47,6 +47,9 @@ from wsitrain.spill_dir import default_host_memory
 from wsitrain.units import format_bytes, parse_bytes
 
 DEFAULT_OPTIMIZER = "adamw"  # what ``wsitrain fit`` trains with unless train.optimizer says otherwise
+# ``--input-dtype``: the image as the engine gets it. uint8 is what fit reads slides as (on CPU inside the budget, on
+# CUDA in host memory); float32 is a library user's float tensor. The library plans each the same (SFT.plan_of).
+INPUT_DTYPES = {"uint8": torch.uint8, "float32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -313,6 +316,7 @@ def make_plan(
     map_norm: str | None = None,
     config: str | Path | None = None,
     fold_bn: bool | None = None,
+    input_dtype: str = "uint8",
 ) -> PlanReport:
     """Validate the inputs, plan on the meta device, and return the plan with the command's envelope.
 
@@ -329,7 +333,11 @@ def make_plan(
     ``config``: a run's config (``wsitrain.plan.from_config``): its model section is planned as fit builds it, and
     it fills the precision, optimizer, budget, tile and size the call leaves at None.
     ``fold_bn``: ``engine.fold_bn`` (None: the config's, else on).
+    ``input_dtype``: ``--input-dtype`` (``INPUT_DTYPES``).
     """
+    if input_dtype not in INPUT_DTYPES:
+        raise WsiTrainError(f"--input-dtype: unknown dtype {input_dtype!r}",
+                            hint=f"choose one of: {', '.join(INPUT_DTYPES)}")  # fmt: skip
     memory_source = None  # the config's engine.memory_budget, when it gave the budget
     precision_key = "--precision"  # what an error about the precision names
     if config is not None:
@@ -380,7 +388,8 @@ def make_plan(
     shape = (batch, 3, h, w)
     plan_it = functools.partial(_plan_net, shape=shape, budget=budget, prec=prec, optimizer=optimizer, tile=tile,
                                 simulate=simulate, progress=progress, every_tile=every_tile,
-                                host_budget=host_budget, fold_bn=fold_bn is not False)  # fmt: skip
+                                host_budget=host_budget, fold_bn=fold_bn is not False,
+                                input_dtype=INPUT_DTYPES[input_dtype])  # fmt: skip
     report = plan_it(net, with_max_size=with_max_size)
     if spec is None:
         return report
@@ -420,8 +429,10 @@ def _plan_net(
     with_max_size: bool,
     host_budget: int | None = None,
     fold_bn: bool = True,
+    input_dtype: torch.dtype = torch.uint8,
 ) -> PlanReport:
-    """Plan (or simulate) ``net`` built on the meta device for ``shape`` within ``budget``."""
+    """Plan (or simulate) ``net`` built on the meta device for ``shape`` within ``budget``, the image in
+    ``input_dtype`` (on a GPU in host memory, on CPU inside the budget: as ``SFT`` plans such an image)."""
     batch = shape[0]
     dtype = activation_dtype(prec)
     tm, speed = _time_model(budget, prec)
@@ -430,10 +441,11 @@ def _plan_net(
     optimizer = optimizer or DEFAULT_OPTIMIZER
     if simulate:
         return _simulated(net, shape, budget, prec, optimizer, tile, progress, every_tile, speed, tm, host_budget,
-                          fold_bn)  # fmt: skip
+                          fold_bn, input_dtype)  # fmt: skip
     p = plan_model(
         net, input_shape=shape, memory_budget=budget.bytes, dtype=dtype, tile_size=tile,
         optimizer=optimizer, device=budget.device, target=budget.target, time_model=tm, fold_bn=fold_bn,
+        input_dtype=input_dtype,
     )  # fmt: skip
     p = place_host(p, host_budget)  # host checkpoints in RAM or on disk, as SFT places them
     max_size = None
@@ -448,6 +460,7 @@ def _plan_net(
                 device=budget.device,
                 target=budget.target,
                 time_model=tm,
+                input_dtype=input_dtype,
             )  # fmt: skip
         )
     patch = summarize(net, p, dtype, OPTIMIZER_STATE[optimizer])
@@ -493,6 +506,7 @@ def _simulated(
     tm: TimeModel,
     host_budget: int | None = None,
     fold_bn: bool = True,
+    input_dtype: torch.dtype = torch.uint8,
 ) -> PlanReport:
     if budget.device != "cuda":
         raise WsiTrainError(
@@ -511,12 +525,12 @@ def _simulated(
         sim = simulate_step(
             net, shape, budget.bytes, optimizer=optimizer, tile_size=tile, progress=progress, target=budget.target,
             every_tile=every_tile, clock=clock, act_dtype=LOW_PRECISION.get(prec), time_model=tm,
-            host_memory=host_budget, fold_bn=fold_bn,
+            host_memory=host_budget, fold_bn=fold_bn, input_dtype=input_dtype,
         )  # fmt: skip
-        skipped = host_image_refusal(shape)
+        skipped = host_image_refusal(shape, input_dtype)
         host = None if skipped else measure_host_time(
             net, shape, budget.bytes, dtype=LOW_PRECISION.get(prec, torch.float32), optimizer=optimizer,
-            target=budget.target, tile_size=tile, time_model=tm, fold_bn=fold_bn,
+            target=budget.target, tile_size=tile, time_model=tm, fold_bn=fold_bn, input_dtype=input_dtype,
         )  # fmt: skip
     except PlanError as e:  # does not fit: show the plan as the plain command would
         raise WsiTrainError(str(e), hint=e.hint) from e
@@ -554,6 +568,7 @@ def run_plan(
     map_norm: str | None = None,
     config: str | Path | None = None,
     fold_bn: bool | None = None,
+    input_dtype: str = "uint8",
 ) -> int:
     """``wsitrain plan``: print the plan (readable, or one JSON object); exit code 0 when it fits, 1 when not.
 
@@ -563,7 +578,7 @@ def run_plan(
         model=model, size=size, gpu=gpu, memory=memory, batch=batch, precision=precision, tile=tile,
         optimizer=optimizer, simulate=simulate, progress=_progress_bar(console) if simulate and not as_json else None,
         every_tile=every_tile, pool=pool, freeze=freeze, host_memory=host_memory, with_max_size=with_max_size,
-        map_norm=map_norm, config=config, fold_bn=fold_bn,
+        map_norm=map_norm, config=config, fold_bn=fold_bn, input_dtype=input_dtype,
     )  # fmt: skip
     if as_json:
         d = report.to_dict()

@@ -23,7 +23,7 @@ from wsitrain.sft.execution.spill import SpillFiles
 from wsitrain.sft.execution.staging import HostStager
 from wsitrain.sft.execution.stats import StatsRecorder, StepStats
 from wsitrain.sft.execution.tiled import TiledSegment
-from wsitrain.sft.facts import GraphFacts
+from wsitrain.sft.facts import GraphFacts, load_meta_kernels
 from wsitrain.sft.plan_api import model_graph, node_namer
 from wsitrain.sft.plan_types import Plan
 from wsitrain.sft.planning.costs import TimeModel
@@ -40,9 +40,10 @@ PLAN_CACHE_SIZE = 4
 
 
 def _on_host(x: torch.Tensor, device: torch.device) -> bool:
-    """Is ``x`` host memory to the engine? A uint8 slide is the loader's memory, not the engine's (on CPU as on CUDA):
-    converted per tile, reported as host memory, and checked against host RAM by preflight."""
-    return x.device != device or (device.type == "cpu" and not x.dtype.is_floating_point)
+    """Is ``x`` host memory outside the budget? On CUDA an image in host memory is. On CPU host and device are the same
+    RAM: an image in it (uint8 or float) is inside the budget, as segment 0's checkpoint, and only a slide read tile by
+    tile (a region source, sft/source.py) is planned outside it, as wsitrain fit's preflight plans it."""
+    return x.device != device or (device.type == "cpu" and is_source(x))
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,7 @@ class SFT(nn.Module):
         self._budget_bytes: int | None = None if memory_budget is None else parse_bytes(memory_budget, "memory_budget")
         self.fold_bn = fold_bn
         self._graph = model_graph(model, fold_bn)
+        load_meta_kernels()  # the first plan's lazy imports happen here, not inside the first step (facts.py)
         with guarded(f"compiling {_model_name(model)}", node_namer(self._graph)):
             self._runner = NodeRunner(self._graph)
         self._cache: OrderedDict[tuple[Any, ...], _Compiled] = OrderedDict()

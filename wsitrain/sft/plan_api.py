@@ -100,13 +100,15 @@ def max_square_size(
     limit: int = MAX_SQUARE_LIMIT,
     target: TargetDevice | None = None,
     time_model: TimeModel | None = None,
+    input_dtype: torch.dtype | None = None,
 ) -> int:
-    """Largest square edge (a multiple of the model's stride) whose plan fits; 0 if none."""
+    """Largest square edge (a multiple of the model's stride) whose plan fits; 0 if none. The image as ``plan``
+    takes it: on a CUDA device in host memory (uint8 unless ``input_dtype``), elsewhere inside the budget."""
     graph = model_graph(model)
     dev = _device_str(device)
     budget = resolve_budget_bytes(memory_budget, dev)
     on_host = dev == "cuda"
-    in_dtype = torch.uint8 if on_host else dtype
+    in_dtype = input_dtype or (torch.uint8 if on_host else dtype)
     stride = int(getattr(model, "stride", 32))
 
     def fits(edge: int) -> bool:

@@ -211,7 +211,7 @@ def floor_parts(sess: PlanSession, state: State) -> dict[str, int]:
     return {
         "weights, gradients, optimizer state and workspaces": sess.terms.fixed + sess.facts.trainable_bytes,
         "head": sess.head_sim(fused)[0].peak,
-        "checkpoints": sum(o.retained_add for o in state.path if o.mode == TILED),
+        "checkpoints": sum(o.retained_add for o in state.path if o.mode == TILED and o.start),  # the image: below
         "plain activations": sum(o.retained_add for o in state.path if o.mode == PLAIN),
         "image": sess.device_bytes(0),
         "one tile": max(tiles, default=0),

@@ -16,6 +16,7 @@ from wsitrain.sft.ops.patch_grid import patch_cost, patches_in
 from wsitrain.sft.ops.pointwise_conv import switches_to_matmul
 from wsitrain.sft.ops.registry import MERGE, WINDOW
 from wsitrain.sft.ops.types import in_place, out_of_place
+from wsitrain.sft.planning import onednn
 from wsitrain.sft.planning.costs import MemoryTerms, TimeModel, Work, default_time_model, forward_work, node_work
 from wsitrain.sft.planning.memory_model import SimOp, SimResult, simulate
 from wsitrain.sft.target import CPU_TARGET, TargetDevice
@@ -125,13 +126,20 @@ class PlanSession:
         )  # fmt: skip
 
     def with_layout_copy(self, op: SimOp, tile_bytes: int) -> SimOp:
-        """A conv copies its strided input crop into a layout its kernels take, in forward and backward: oneDNN
-        reorders it into its blocked layout on CPU, and cuDNN needs a dense tensor, so PyTorch makes the crop
-        contiguous on CUDA (a tile's input is a view cut out of a larger map)."""
-        spec = self.facts.nodes[op.out].spec
-        if spec.kind != WINDOW or not spec.has_params or patch_cost(spec) is not None:  # a patch's copy: measured
+        """A conv copies its strided input crop into a layout its kernels take, in forward and backward: cuDNN needs
+        a dense tensor, so PyTorch makes the crop contiguous (a tile's input is a view cut out of a larger map). On
+        CPU oneDNN also computes in padded channel blocks (``onednn.py``): copies of the input, output and their
+        gradients. A patch trunk's copies are in its measured per-patch cost (patch/cost.py)."""
+        node = self.facts.nodes[op.out]
+        if node.spec.kind != WINDOW or not node.spec.has_params or patch_cost(node.spec) is not None:
             return op
-        return replace(op, fwd_extra=op.fwd_extra + tile_bytes, bwd_extra=op.bwd_extra + tile_bytes)
+        fwd = bwd = tile_bytes
+        if self.device == "cpu" and self.facts.act_dtype in onednn.DTYPES and node.spec.spatial_dims == (2, 3):
+            # oneDNN's blocked copies of the tile's maps (onednn.py): on CPU only, CUDA plans are unchanged
+            in_ch = self.facts.nodes[node.inputs[0]].shape[1]
+            f, b = onednn.conv_copies(tile_bytes, in_ch, op.out_bytes, node.shape[1], any(op.grad_inputs))
+            fwd, bwd = fwd + f, bwd + b
+        return replace(op, fwd_extra=op.fwd_extra + fwd, bwd_extra=op.bwd_extra + bwd)
 
     def pointwise_matmul(self, start: int, end: int) -> tuple[int, ...]:
         """Segment (start, end]'s 1x1 convolutions its tiles may run as matrix products (ops/pointwise_conv.py)."""
