@@ -87,6 +87,19 @@ def test_too_big_slide_names_the_budget_that_fits(cohort: Path) -> None:
     assert sorted(subjects(info.value)) == ["broken.svs", "nompp.tif"]
 
 
+def test_too_big_slide_on_cpu_names_stream_tiles_when_it_fits(cohort: Path) -> None:
+    """On CPU the whole image counts inside the budget: the hint names data.stream_tiles with the streamed plan's
+    peak, and that setting does make the slide plan within the same budget."""
+    with pytest.raises(PreflightError) as info:
+        run_preflight(make_cfg(cohort), 15 * MiB, "cpu")
+    big = next(p for p in info.value.problems if p.subject == "big.svs")
+    assert big.hint.startswith("set data.stream_tiles: true"), big.hint
+    assert re.search(r"planned peak of ([0-9.]+) MiB", big.hint)
+    with pytest.raises(PreflightError) as info:  # the broken slides remain; the big one fits when streamed
+        run_preflight(make_cfg(cohort, stream_tiles=True), 15 * MiB, "cpu")
+    assert sorted(subjects(info.value)) == ["broken.svs", "nompp.tif"]
+
+
 def test_fit_fails_in_preflight_and_creates_no_run_folder(cohort: Path, tmp_path: Path) -> None:
     config = tmp_path / "run.yaml"
     logs = tmp_path / "logs"

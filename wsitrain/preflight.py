@@ -497,10 +497,30 @@ def _plan_buckets(cfg: WsiTrainConfig, model: nn.Module, report: PreflightReport
                 f"{'whole-slide ' if report.shapes_only else ''}region padded to {b.bucket[0]} x {b.bucket[1]} px "
                 f"does not fit engine.memory_budget {format_bytes(budget)}"
                 + (f": it needs at least {format_bytes(least)}" if least else ""),
-                f"raise engine.memory_budget{at_least}, {rest}",
+                _stream_hint(cfg, model, b.bucket, budget, dev) + f"raise engine.memory_budget{at_least}, {rest}",
             )
         )
     return problems
+
+
+def _stream_hint(cfg: WsiTrainConfig, model: nn.Module, bucket: tuple[int, int], budget: int, dev: str) -> str:
+    """On CPU the whole uint8 image counts inside the budget; read tile by tile (data.stream_tiles) it does not. When
+    that plan fits, the hint's first fix names it with its planned peak ("" otherwise: on CUDA the image is on the host
+    already, and a plan that still does not fit, or whose first segment is not tiled, would read it whole anyway).
+    A hint, not a silent switch: streaming decodes each tile again in the backward recompute (docs/host_memory.md
+    measured it faster and leaner on CPU, but the read rate is the slide's own) and it excludes train.head_warmup."""
+    if dev == "cuda" or cfg.data.stream_tiles:
+        return ""
+    with_stream = cfg.model_copy(update={"data": cfg.data.model_copy(update={"stream_tiles": True})})
+    try:
+        p = _plan_bucket(with_stream, model, bucket, budget, dev)
+    except PlanError:
+        return ""
+    if not (p.fits and p.segments and p.segments[0].mode == "tiled" and p.input_on_host):
+        return ""
+    also = " (and remove train.head_warmup, which reads slides whole)" if cfg.train.head_warmup is not None else ""
+    return (f"set data.stream_tiles: true{also}: the slide is then read tile by tile and the image leaves the budget; "
+            f"this region plans within it at a planned peak of {format_bytes(p.estimated_peak_bytes)}; or ")
 
 
 def _fixed_bytes(p: Plan | None) -> int:
