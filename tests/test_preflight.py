@@ -243,8 +243,14 @@ def test_rot90_plans_the_transposed_bucket_too(cohort: Path) -> None:
     cfg = make_cfg(cohort, "good-labels.csv", region="fixed", size=[128, 256], mpp=0.5)
     report = run_preflight(cfg, 15 * MiB, "cpu")
     assert {b.bucket for b in report.buckets} == {(128, 256), (256, 128)}
+    # the summary says what a bucket is, and why a slide is in two
+    assert report.summary().startswith("preflight: 2 slides in 2 shape buckets (a bucket is an input shape slides are "
+                                       "padded up to, planned once for all of them: 1 as the slides are read and 1 "
+                                       "turned a quarter by data.augment.rot90), each planned within")
     cfg.data.augment.rot90 = False
-    assert {b.bucket for b in run_preflight(cfg, 15 * MiB, "cpu").buckets} == {(128, 256)}
+    report = run_preflight(cfg, 15 * MiB, "cpu")
+    assert {b.bucket for b in report.buckets} == {(128, 256)}
+    assert report.summary().startswith("preflight: 2 slides in 1 shape bucket, each planned within")
 
 
 def test_progress_bar_appears_when_slow(cohort: Path, monkeypatch: pytest.MonkeyPatch) -> None:
