@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all test-heavy test-oldest old-venv lint constraints clean distclean
+.PHONY: demo test test-all test-heavy test-oldest old-venv wheel-check lint constraints clean distclean
 
 # Folders ruff checks; $(wildcard) skips one that a fresh clone does not have (git keeps no empty folders).
 LINT_PATHS := $(wildcard wsitrain tests scripts)
@@ -72,10 +72,17 @@ test-oldest: $(OLD_STAMP)
 	$(OLD_VENV)/bin/python -m pip list 2>/dev/null | grep -iE '^(torch|torchvision|openslide-python|pydantic|typer|rich|numpy) '
 	$(OLD_VENV)/bin/python -m pytest -q $(PYTEST_WORKERS) $(OLDEST_TESTS)
 
-# Rewrites constraints.txt from .venv after a green `make test` (wsitrain itself left out).
+# The sdist and the wheel built (python -m build), the wheel installed into a clean venv and its CLI run from outside
+# the checkout: --help, --version, plan --model tiny --size 2048 (.ci/wheel-check says how; WHEEL_CHECK_DEPS=pypi
+# installs the dependencies from PyPI instead of reading .venv's).
+wheel-check: $(STAMP)
+	WHEEL_CHECK_PYTHON=$(BIN)/python .ci/wheel-check
+
+# Rewrites constraints.txt from .venv after a green `make test` (wsitrain and pip left out; setuptools kept: the
+# wheel build of `make wheel-check` and tests/test_packaging.py runs on it).
 constraints: $(STAMP)
 	{ echo "# The versions \`make test\` was last green with: \`make constraints\` rewrote this from .venv ($$(date -u +%F))."; \
-	  $(BIN)/python -m pip freeze --exclude-editable | grep -v '^wsitrain'; } > constraints.txt
+	  $(BIN)/python -m pip freeze --all --exclude-editable | grep -vE '^(wsitrain|pip)=='; } > constraints.txt
 
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINT_PATHS)
