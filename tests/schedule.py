@@ -5,9 +5,10 @@ few-case slow files (a private Slurm cluster, two-process fits, the heavy float6
 last, and one worker ran such a file alone at the end while the other had finished. Dealt longest first (the LPT
 rule), the last files to start are short ones and both workers end close together.
 
-``SLOW_FILES`` is the seconds each file took on one worker of 2 cores, heavy cases included (*measured*: the cases'
-`--durations` in the closing notes of 2026-11-24 to 2026-11-27 and this round's; only the order matters, so a rough
-figure does). A file not listed keeps xdist's order after them: more tests first.
+``SLOW_FILES`` is about the seconds each file takes on one worker of 2 cores, heavy cases included: the default
+cases from the `--durations=60` of a full run on 2026-12-01 (*measured* at a load of 10, divided by 3.5, the slowdown
+test_model_zoo.py showed at that load), the heavy ones from their closing notes (2026-11-24 to 2026-11-27). Only the
+order matters, so a rough figure does. A file not listed keeps xdist's order after them: more tests first.
 """
 
 from __future__ import annotations
@@ -18,14 +19,21 @@ from pathlib import Path
 import pytest
 
 SLOW_FILES = {
-    "test_model_zoo.py": 330,  # 59 default families 668 s wall at a load of 10 (about 200 s of CPU), 3 heavy 40-55 s
-    "test_sft_multipass_regressions.py": 180,  # heavy: 118 s and 64 s cases under load (2026-11-27)
+    "test_model_zoo.py": 330,  # 59 default families (about 200 s of CPU) and 3 heavy ones of 40-55 s
+    "test_sft_simulate.py": 260,  # simulated whole-slide models and representative tiles; 2 heavy cases
+    "test_sft_multipass_regressions.py": 180,  # heavy: the 45% FBNetV3 and EfficientNetV2 cases (planning)
     "test_slurm_real.py": 140,  # a private two-node cluster: 100 s, and the heavy requeue case 30-50 s
-    "test_fit_distributed.py": 120,  # the heavy signal case alone 90 s under load; a two-process fit
-    "test_sft_simulate.py": 90,  # simulated whole-slide models: EfficientNet-B0 23 s, ConvNeXt-T, DarkNet
+    "test_fit_distributed.py": 120,  # a two-process fit; the heavy signal case alone 90 s under load
+    "test_plan_cmd.py": 80,
+    "test_tasks_learn.py": 80,  # three task fits to their targets
     "test_tasks_cv.py": 80,  # a k-fold cv, and the heavy two-process cv (30-50 s)
-    "test_sft_memory.py": 60,  # VGG-16's RSS 22 s (heavy), DarkNet-19's
+    "test_sft_timm_families.py": 70,
+    "test_sft_clock.py": 60,
+    "test_sft_memory.py": 60,  # DarkNet-19's RSS, and VGG-16's (heavy)
+    "test_sft_multipass.py": 55,
     "test_bench_throughput.py": 50,  # the heavy quick run 18-50 s
+    "test_sft_multipass_pool.py": 45,  # ResNet-50 planned at 100,000 px with train-mode BatchNorm
+    "test_synth_lesions.py": 45,
 }
 
 
