@@ -47,8 +47,18 @@ def write_yaml(tmp_path: Path):
     return _write
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """pytest-xdist deals files in the order collected (xdist_order.slowest_first), not by their number of tests."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``gpu`` are skipped, with the reason shown, where CUDA is not available."""
+    """The slowest files first (``xdist_order.py``: xdist's workers then end together); tests marked ``gpu`` are
+    skipped, with the reason shown, where CUDA is not available."""
+    from xdist_order import slowest_first
+
+    slowest_first(items)
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items:
         return

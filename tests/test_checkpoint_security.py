@@ -183,12 +183,28 @@ def test_the_message_names_what_the_file_asked_for(tmp_path: Path) -> None:
     assert "system" in err.value.message and "add_safe_globals" not in str(err.value)
 
 
-def test_a_file_that_is_no_checkpoint_at_all(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("content", "said"), [(b"not a checkpoint\n", "it starts with the text 'not a checkpoint'"),
+                                              (b"", "it is empty"), (b"\xff\xd8\xff\xe0JFIF", "the bytes ff d8 ff e0")])
+def test_a_file_that_is_no_checkpoint_at_all(tmp_path: Path, content: bytes, said: str) -> None:
+    """Text, an empty file or an image: the message says the file is no torch save file and what it is instead,
+    not torch's unpickler error (a text file gave `KeyError: 101`, the byte 'e')."""
     path = tmp_path / "notes.pt"
-    path.write_text("not a checkpoint\n")
+    path.write_bytes(content)
     with pytest.raises(WsiTrainError) as err:
         load_checkpoint(path)
-    assert str(path) in err.value.message and err.value.exit_code == 2
+    msg = err.value.message
+    assert f"checkpoint {path} is not a wsitrain checkpoint (a torch save file" in msg and said in msg, msg
+    assert "KeyError" not in msg and err.value.exit_code == 2
+
+
+def test_resume_from_a_text_file_says_what_it_is_not(tmp_path: Path, synth_dir: Path) -> None:
+    path = tmp_path / "notes.txt"
+    path.write_text("epoch 3 looked good\n")
+    result = invoke("fit", str(config_file(tmp_path, synth_dir, epochs=2)), "--resume", str(path))
+    out = " ".join(result.output.split())
+    assert result.exit_code == 2, result.output
+    assert f"{path} is not a wsitrain checkpoint (a torch save file" in out and "KeyError" not in out, out
+    assert not (tmp_path / "runs").exists()
 
 
 # ---- checkpoints written before the change still load

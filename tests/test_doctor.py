@@ -111,15 +111,15 @@ def test_doctor_names_the_time_model_plan_and_fit_use_on_a_card(cal_dir: Path) -
 
 
 def test_plan_uses_the_calibration_of_the_card_it_plans_for(cal_dir: Path) -> None:
-    default = make_plan(model="vgg16", size="4096", gpu="2080ti", memory=None, with_max_size=False)
+    default = make_plan(model="vgg16", size="2048", gpu="2080ti", memory=None, with_max_size=False)
     # an uncalibrated preset plans with its simulated clock's constants (wsitrain/gpu_speed.py), which doctor refines
     assert default.time_model.startswith(CLOCK_SOURCE) and "doctor --calibrate" in default.time_model
     assert "2080ti preset" in default.time_model
     # a calibration for another card changes nothing
     write_calibration(cal_for(H100, byte_flops=500.0))
-    assert make_plan(model="vgg16", size="4096", gpu="2080ti", memory=None, with_max_size=False).plan == default.plan
+    assert make_plan(model="vgg16", size="2048", gpu="2080ti", memory=None, with_max_size=False).plan == default.plan
     write_calibration(cal_for("NVIDIA GeForce RTX 2080 Ti", byte_flops=500.0, call_flops=1e9))
-    calibrated = make_plan(model="vgg16", size="4096", gpu="2080ti", memory=None, with_max_size=False)
+    calibrated = make_plan(model="vgg16", size="2048", gpu="2080ti", memory=None, with_max_size=False)
     assert calibrated.time_model == "calibrated on NVIDIA GeForce RTX 2080 Ti on 2026-11-23"
     assert "time model: calibrated on NVIDIA GeForce RTX 2080 Ti on 2026-11-23" in str(calibrated)
     assert calibrated.to_dict()["time_model"] == calibrated.time_model

@@ -87,6 +87,19 @@ def test_too_big_slide_names_the_budget_that_fits(cohort: Path) -> None:
     assert sorted(subjects(info.value)) == ["broken.svs", "nompp.tif"]
 
 
+def test_too_big_slide_on_cpu_names_stream_tiles_when_it_fits(cohort: Path) -> None:
+    """On CPU the whole image counts inside the budget: the hint names data.stream_tiles with the streamed plan's
+    peak, and that setting does make the slide plan within the same budget."""
+    with pytest.raises(PreflightError) as info:
+        run_preflight(make_cfg(cohort), 15 * MiB, "cpu")
+    big = next(p for p in info.value.problems if p.subject == "big.svs")
+    assert big.hint.startswith("set data.stream_tiles: true"), big.hint
+    assert re.search(r"planned peak of ([0-9.]+) MiB", big.hint)
+    with pytest.raises(PreflightError) as info:  # the broken slides remain; the big one fits when streamed
+        run_preflight(make_cfg(cohort, stream_tiles=True), 15 * MiB, "cpu")
+    assert sorted(subjects(info.value)) == ["broken.svs", "nompp.tif"]
+
+
 def test_fit_fails_in_preflight_and_creates_no_run_folder(cohort: Path, tmp_path: Path) -> None:
     config = tmp_path / "run.yaml"
     logs = tmp_path / "logs"
@@ -230,8 +243,14 @@ def test_rot90_plans_the_transposed_bucket_too(cohort: Path) -> None:
     cfg = make_cfg(cohort, "good-labels.csv", region="fixed", size=[128, 256], mpp=0.5)
     report = run_preflight(cfg, 15 * MiB, "cpu")
     assert {b.bucket for b in report.buckets} == {(128, 256), (256, 128)}
+    # the summary says what a bucket is, and why a slide is in two
+    assert report.summary().startswith("preflight: 2 slides in 2 shape buckets (a bucket is an input shape slides are "
+                                       "padded up to, planned once for all of them: 1 as the slides are read and 1 "
+                                       "turned a quarter by data.augment.rot90), each planned within")
     cfg.data.augment.rot90 = False
-    assert {b.bucket for b in run_preflight(cfg, 15 * MiB, "cpu").buckets} == {(128, 256)}
+    report = run_preflight(cfg, 15 * MiB, "cpu")
+    assert {b.bucket for b in report.buckets} == {(128, 256)}
+    assert report.summary().startswith("preflight: 2 slides in 1 shape bucket, each planned within")
 
 
 def test_progress_bar_appears_when_slow(cohort: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -96,8 +96,8 @@ def test_a_tiled_sweep_casts_each_weight_once() -> None:
     """bf16: a tiled segment's forward and recompute cast each weight once per sweep (execution/autocast.py), so the
     casts do not grow with the tiles, and representative tiles count them as every tile does."""
     net = _tiny_recomputed()
-    every, sim, clock = clock_sft_step(net, (1, 3, 160, 160), "1GiB", H100, "bf16", tile_size=32, every_tile=True)
-    some, _, _ = clock_sft_step(net, (1, 3, 160, 160), "1GiB", H100, "bf16", tile_size=32, every_tile=False)
+    every, sim, clock = clock_sft_step(net, (1, 3, 128, 128), "1GiB", H100, "bf16", tile_size=32, every_tile=True)
+    some, _, _ = clock_sft_step(net, (1, 3, 128, 128), "1GiB", H100, "bf16", tile_size=32, every_tile=False)
     assert any(s.n_tiles > 9 for s in sim.plan.segments)  # representative tiles skip some
     once = [o for o in clock._once.ops if o.kind == "weight casts (autocast)"]
     assert once and some.kernels == every.kernels
@@ -129,7 +129,7 @@ def test_time_grows_with_the_image_and_the_slower_card() -> None:
 def test_host_bound_steps_wait_on_the_host() -> None:
     """Tiny tiles: the host's dispatch outlasts the kernels, and the step is the host's time."""
     net = _tiny()
-    reading, _, _ = clock_sft_step(net, (1, 3, 256, 256), "1GiB", H100, tile_size=32, every_tile=True)
+    reading, _, _ = clock_sft_step(net, (1, 3, 128, 128), "1GiB", H100, tile_size=32, every_tile=True)
     assert reading.host_seconds > reading.gpu_seconds
     assert reading.host_bound_seconds > 0
     assert reading.seconds == pytest.approx(max(reading.host_seconds, reading.gpu_seconds), rel=0.2)

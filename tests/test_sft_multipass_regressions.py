@@ -182,7 +182,12 @@ CUTS = [("timm/efficientnetv2_rw_t", 5, (1, 3, 160, 192)), ("timm/fbnetv3_b", 6,
 @pytest.mark.heavy  # 19-34 s each on 2 cores (measured 2026-11-24); CI runs them (.ci/run)
 @pytest.mark.parametrize(("name", "stages", "shape"), CUTS)
 def test_se_families_exact_at_45_percent(name: str, stages: int, shape: tuple[int, ...]) -> None:
+    """Exact at 45% with scaled statistics; and, for EfficientNetV2, why issue 19 saw errors: with unit frozen
+    statistics plain autograd is not reproducible at 1e-12 (a 1e-16 input change moves it by more), and scaled
+    statistics make it so (``floor`` below: the same model and input)."""
     x = torch.rand(shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    if (name, stages, shape) == CUTS[0]:
+        assert spread(timm_cut(name, stages), x) > 10 * TOL
     model = scale_statistics(timm_cut(name, stages), x)
     budget = budget_45(model, shape)
     err, engine = sft_error(model, x, memory_budget=budget)
@@ -192,13 +197,3 @@ def test_se_families_exact_at_45_percent(name: str, stages: int, shape: tuple[in
     assert err < TOL, f"{name}: worst relative error {err:.3g} (plain's own spread {floor:.3g})\n{p}"
     assert p.fits and p.estimated_peak_bytes <= budget
     assert squeeze_segments(engine) >= 1, f"a squeeze-excitation barrier must run in tiles:\n{p}"
-
-
-@pytest.mark.heavy
-def test_unit_statistics_make_the_model_irreproducible() -> None:
-    """Why issue 19 saw errors: with unit frozen statistics plain autograd is not reproducible at 1e-12 (a 1e-16
-    input change moves it by more); scaled statistics make it so."""
-    name, stages, shape = CUTS[0]
-    x = torch.rand(shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    assert spread(timm_cut(name, stages), x) > 10 * TOL
-    assert spread(scale_statistics(timm_cut(name, stages), x), x) < TOL / 3

@@ -564,6 +564,10 @@ class LogConfig(Section):
     tiles: Literal["all", "summary", "off"] = "summary"
     tensorboard: bool = False
     every: int = Field(1, ge=1)
+    # Each new exact slide shape gets its own engine plan: "line" prints one line per new plan (a cohort has hundreds
+    # of shapes; a 40-slide fit printed the 12-line plan 24 times), "full" prints the whole plan. plan.txt and
+    # plans.jsonl in the run folder hold every full plan either way.
+    plans: Literal["line", "full"] = "line"
 
     @field_validator("tiles", mode="before")
     @classmethod

@@ -123,11 +123,22 @@ class PreflightReport:
         """One line for the log: slides, buckets, the budget, host memory, time."""
         n, k = len(self.slides), len(self.buckets)
         return (
-            f"preflight: {n} slide{'s' if n != 1 else ''} in {k} shape bucket{'s' if k != 1 else ''}, each planned "
+            f"preflight: {n} slide{'s' if n != 1 else ''} in {k} shape bucket{'s' if k != 1 else ''}"
+            f"{self._buckets_said()}, each planned "
             f"within {format_bytes(self.budget_bytes)} ({self.device}); host memory for the largest "
             f"{format_bytes(self.host_needed_bytes)} of {format_bytes(self.host_available_bytes)} available "
             f"({self.seconds:.1f} s{', whole slides' if self.shapes_only else ''})"
         )
+
+    def _buckets_said(self) -> str:
+        """What a bucket is, when data.augment.rot90 planned turned buckets too (one slide is then in two, and
+        "8 slides in 13 shape buckets" needs saying); empty otherwise."""
+        own = len({s.bucket for s in self.slides})
+        turned = len(self.buckets) - own
+        if turned <= 0:
+            return ""
+        return (f" (a bucket is an input shape slides are padded up to, planned once for all of them: {own} as the "
+                f"slides are read and {turned} turned a quarter by data.augment.rot90)")
 
     def table(self) -> Table:
         """Buckets, their slide counts and planned peaks, for ``wsitrain validate``."""
@@ -151,14 +162,18 @@ class PreflightReport:
         return {s.slide: {**s.tissue, "path": str(s.path)} for s in self.slides if s.tissue is not None}
 
     def tissue_table(self) -> Table | None:
-        """Per slide: kept and dropped pieces (count, mm²) and the largest dropped one, slides with doubts first, at
-        most TISSUE_ROWS of them; None without detection."""
+        """Per slide: kept and dropped pieces (count, mm²), the largest dropped one and the doubts (marked "unusual"
+        where the warning names them), slides with doubts first, at most TISSUE_ROWS of them; None without
+        detection."""
+        from wsitrain.slides.tissue.cohort import unusual_doubts
         from wsitrain.slides.tissue.summary import describe_dropped
 
         records = self.tissue_records()
         if not records:
             return None
-        order = sorted(records, key=lambda n: not records[n]["doubts"])  # stable: CSV order within each group
+        unusual = unusual_doubts(records)
+        # unusual doubts first, then typical ones, then none; stable: CSV order within each group
+        order = sorted(records, key=lambda n: (n not in unusual, not records[n]["doubts"]))
         more = len(order) - TISSUE_ROWS
         t = Table(title="tissue pieces (data.tissue.min_fragment_mm2)", title_justify="left",
                   caption=f"and {more} more slides (data.json's tissue lists every slide)" if more > 0 else None)
@@ -171,21 +186,35 @@ class PreflightReport:
             t.add_row(
                 name + scale, str(r["kept"]["count"]), f"{r['kept']['area_mm2']:.4g}", describe_dropped(r),
                 f"{big['area_mm2']:.4g} mm² {big['kind']}" if big else "-",
-                f"[yellow]{len(r['doubts'])}[/]" if r["doubts"] else "0",
+                f"[yellow]{len(r['doubts'])} unusual[/]" if name in unusual else str(len(r["doubts"])),
             )  # fmt: skip
         return t
 
 
 def tissue_warnings(slides: Sequence[SlideShape]) -> list[str]:
-    """One line for the slides where a dropped piece may be tissue (``summary.doubts``), naming them, and one for the
-    slides measured at an assumed mpp."""
-    doubtful = [s.slide for s in slides if s.tissue is not None and s.tissue["doubts"]]
+    """One line for the slides where a dropped piece may be tissue (``summary.doubts``) and that is unusual for the
+    cohort (``slides.tissue.cohort``: specks are on nearly every slide, so a warning for every doubt is read by
+    nobody), naming them and why; and one for the slides measured at an assumed mpp."""
+    from wsitrain.slides.tissue.cohort import unusual_doubts
+
+    records = {s.slide: s.tissue for s in slides if s.tissue is not None}
+    unusual = unusual_doubts(records)
+    typical = sum(bool(r["doubts"]) for n, r in records.items() if n not in unusual)
     assumed = [s.slide for s in slides if s.tissue is not None and s.tissue["mpp_assumed"]]
     out = []
-    if doubtful:
-        out.append(f"tissue: on {_names(doubtful)}, a dropped piece may be tissue (larger than a tenth of "
-                   "data.tissue.min_fragment_mm2, or darker than the kept tissue); data.json's tissue lists them "
-                   "and the report marks them; lower data.tissue.min_fragment_mm2 to keep them")  # fmt: skip
+    if unusual:
+        named = list(unusual)
+        if len(set(unusual.values())) == 1:  # one reason for all (few doubts, or a small cohort): said once
+            which = f"{_names(named)} ({unusual[named[0]]})"
+        else:
+            which = "; ".join(f"{n} ({unusual[n]})" for n in named[:NAMES_SHOWN])
+            which += f"; and {len(named) - NAMES_SHOWN} more" if len(named) > NAMES_SHOWN else ""
+        rest = (f"; {typical} other slide{'s' if typical != 1 else ''} have doubts typical of this cohort, listed in "
+                "the tissue table (validate) and the report") if typical else ""  # fmt: skip
+        out.append(f"tissue: on {len(named)} slide{'s' if len(named) != 1 else ''}, a dropped piece may be tissue "
+                   f"(larger than a tenth of data.tissue.min_fragment_mm2, or darker than the kept tissue) and is "
+                   f"unusual for this cohort: {which}; data.json's tissue lists them and the report marks them; lower "
+                   f"data.tissue.min_fragment_mm2 to keep them{rest}")  # fmt: skip
     if assumed:
         mpp = next(s.tissue["mpp"] for s in slides if s.tissue is not None and s.tissue["mpp_assumed"])
         out.append(f"tissue: {_names(assumed)} state no mpp; piece areas were measured at {mpp:g} um/px "
@@ -497,10 +526,30 @@ def _plan_buckets(cfg: WsiTrainConfig, model: nn.Module, report: PreflightReport
                 f"{'whole-slide ' if report.shapes_only else ''}region padded to {b.bucket[0]} x {b.bucket[1]} px "
                 f"does not fit engine.memory_budget {format_bytes(budget)}"
                 + (f": it needs at least {format_bytes(least)}" if least else ""),
-                f"raise engine.memory_budget{at_least}, {rest}",
+                _stream_hint(cfg, model, b.bucket, budget, dev) + f"raise engine.memory_budget{at_least}, {rest}",
             )
         )
     return problems
+
+
+def _stream_hint(cfg: WsiTrainConfig, model: nn.Module, bucket: tuple[int, int], budget: int, dev: str) -> str:
+    """On CPU the whole uint8 image counts inside the budget; read tile by tile (data.stream_tiles) it does not. When
+    that plan fits, the hint's first fix names it with its planned peak ("" otherwise: on CUDA the image is on the host
+    already, and a plan that still does not fit, or whose first segment is not tiled, would read it whole anyway).
+    A hint, not a silent switch: streaming decodes each tile again in the backward recompute (docs/host_memory.md
+    measured it faster and leaner on CPU, but the read rate is the slide's own) and it excludes train.head_warmup."""
+    if dev == "cuda" or cfg.data.stream_tiles:
+        return ""
+    with_stream = cfg.model_copy(update={"data": cfg.data.model_copy(update={"stream_tiles": True})})
+    try:
+        p = _plan_bucket(with_stream, model, bucket, budget, dev)
+    except PlanError:
+        return ""
+    if not (p.fits and p.segments and p.segments[0].mode == "tiled" and p.input_on_host):
+        return ""
+    also = " (and remove train.head_warmup, which reads slides whole)" if cfg.train.head_warmup is not None else ""
+    return (f"set data.stream_tiles: true{also}: the slide is then read tile by tile and the image leaves the budget; "
+            f"this region plans within it at a planned peak of {format_bytes(p.estimated_peak_bytes)}; or ")
 
 
 def _fixed_bytes(p: Plan | None) -> int:

@@ -55,6 +55,14 @@ def safe_torch_load(path: Path, what: str) -> Any:
     allowlist raises WsiTrainError (exit 2) naming the file; so does a file that is no torch file at all.
     """
     path = Path(path)
+    foreign = not_a_torch_file(path)
+    if foreign:  # text, an image, an empty file: torch's own error would be an opcode or a KeyError of a byte
+        raise WsiTrainError(
+            f"{what} {path} is not a wsitrain {what} (a torch save file, which is a zip archive or a pickle): "
+            f"{foreign}",
+            hint="use best.pt or last.pt of a wsitrain run, or a state dict saved with "
+            "torch.save(model.state_dict(), path)",
+        )
     try:
         with torch.serialization.safe_globals(allowed_globals()):
             return torch.load(path, map_location="cpu", weights_only=True)
@@ -69,6 +77,36 @@ def safe_torch_load(path: Path, what: str) -> Any:
             f"{what} {path} cannot be read: {first_line(exc)}",
             hint="use best.pt or last.pt of a wsitrain run (a torn file from a killed copy: copy it again)",
         ) from exc
+
+
+# What torch.save writes starts with one of these: a zip archive (torch >= 1.6), or a pickle of protocol 2 or more
+# (the legacy format, whose first record is a pickled magic number).
+TORCH_FILE_STARTS = (b"PK\x03\x04", b"\x80")
+# Bytes of a foreign file shown in the message.
+SHOWN_BYTES = 24
+
+
+def not_a_torch_file(path: Path) -> str:
+    """What ``path`` is instead of a torch save file, for a message ("it is empty", "it starts with the text
+    'hello'"); an empty string when it starts as one does, or cannot be opened (torch.load's own error says why)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(SHOWN_BYTES)
+    except OSError:
+        return ""
+    if not head:
+        return "it is empty"
+    if head.startswith(TORCH_FILE_STARTS):
+        return ""
+    for cut in range(4):  # the read may end inside a multi-byte character
+        try:
+            text = head[: len(head) - cut].decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        if all(c.isprintable() or c.isspace() for c in text):
+            return f"it starts with the text {' '.join(text.split())!r}"
+        break
+    return f"it starts with the bytes {head[:8].hex(' ')}"
 
 
 # torch.load reads weights_only whatever its caller passed while this is set (torch >= 2.4).

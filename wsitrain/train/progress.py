@@ -109,12 +109,13 @@ class FitProgress:
             self._progress.update(self._task, advance=1, loss=f"{loss:.4f}", peak=format_bytes(peak_bytes))
 
     def step_line(self, epoch: int, index: int, n: int, step: int, loss: float, lr: float, peak: int | None) -> None:
-        """Without the live display, one plain line per ``log.every`` optimizer steps for batch logs."""
+        """Without the live display, one plain line per ``log.every`` optimizer steps for batch logs: the step's own
+        loss and peak, then the tiles and seconds of the epoch so far, labelled so (they grow through the epoch)."""
         if not self.live and not self.brief:
             secs = time.perf_counter() - self._epoch_start
             self.print(
                 f"epoch {epoch + 1}/{self.epochs} slide {index + 1}/{n} step {step}: loss {loss:.4f}, lr {lr:.3g}, "
-                f"{self.peak_label} {format_bytes(peak)}, {self._tiles} tiles, {secs:.1f} s",
+                f"{self.peak_label} {format_bytes(peak)} (this step); epoch so far: {self._tiles} tiles, {secs:.1f} s",
                 markup=False, highlight=False,
             )
 

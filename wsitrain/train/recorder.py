@@ -20,6 +20,7 @@ from wsitrain.slides.stream import ReadResult
 from wsitrain.train.loop import OptimizerStep, SlideStep
 from wsitrain.train.runfolder import JsonlWriter
 from wsitrain.train.state import FitState
+from wsitrain.units import format_bytes
 from wsitrain.write_errors import named_write_errors
 
 
@@ -31,6 +32,7 @@ class RunRecorder:
         self.engine = engine
         self.console = console
         self.tiles_mode = log.tiles
+        self.full_plans = log.plans == "full"
         self.dtype = activation_dtype(precision)
         self.metrics = JsonlWriter(run_dir / "metrics.jsonl" if run_dir else None)
         self.tiles = JsonlWriter(run_dir / "tiles.jsonl" if run_dir and self.tiles_mode != "off" else None)
@@ -64,8 +66,9 @@ class RunRecorder:
             return
         plan = self.plan_for(image)
         # markup=False: the plan's "[conv1 .. pool4]" layer ranges are not rich markup tags.
-        self.console.print(f"engine plan for {tuple(shape)} (first seen on slide {slide}):\n{plan}", markup=False,
-                           highlight=False)
+        self.console.print(f"engine plan for {tuple(shape)} (first seen on slide {slide}):"
+                           + (f"\n{plan}" if self.full_plans else f" {plan_line(plan, self.run_dir)}"),
+                           markup=False, highlight=False)  # fmt: skip
         self.plans.write({"slide": slide, "shape": list(shape), "plan": plan.to_dict()})
         if self.run_dir is not None:
             with named_write_errors(self.run_dir / "plan.txt"), open(self.run_dir / "plan.txt", "a") as f:
@@ -188,6 +191,17 @@ class RunRecorder:
             w.close()
         if self.tb is not None:
             self.tb.close()
+
+
+def plan_line(plan: Plan, run_dir: Path | None) -> str:
+    """A plan in one line, for the log of a fit (log.plans: line): its segments, its peak against the budget, its
+    predicted slowdown and its notes' count, and where the full plan is."""
+    fits = "fits" if plan.fits else "DOES NOT FIT"
+    notes = f", {len(plan.notes)} note{'s' if len(plan.notes) != 1 else ''}" if plan.notes else ""
+    where = f"; full plan in {run_dir / 'plan.txt'}" if run_dir is not None else ""
+    return (f"{plan.brief}; {fits}, estimated peak {format_bytes(plan.estimated_peak_bytes)} of "
+            f"{format_bytes(plan.budget_bytes)}, step {plan.slowdown:.2f}x plain (planned){notes}{where} "
+            "(log.plans: full prints it here)")
 
 
 def _tensorboard(run_dir: Path | None, log: LogConfig, console: Console) -> Any:

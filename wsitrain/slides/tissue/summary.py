@@ -19,6 +19,8 @@ from wsitrain.slides.tissue.result import TissueResult
 # more than the spread of pale tissue pieces on one slide (the synthetic fragments' means: 177-181), far less than a
 # nuclei-packed fragment against eosin (the synthetic lesion fragment: 91 against 178, *measured* on its thumbnail).
 DARKER_BY = 10.0
+# The reason a doubt gives for a dark piece, as data.json records it (slides.tissue.cohort reads it back).
+DARKER_WHY = "darker than the kept tissue"
 # Pieces listed by name in a record: the largest dropped ones, so a slide with a thousand specks stays readable.
 LISTED = 5
 
@@ -44,7 +46,7 @@ def doubts(result: TissueResult) -> list[tuple[Piece, str]]:
         if p.kind in ("small", "dust") and p.area_mm2 > tenth:
             why.append(f"{p.area_mm2:.4f} mm² is more than a tenth of the threshold")
         if p.kind == "small" and _darker(p, grey):
-            why.append("darker than the kept tissue")
+            why.append(DARKER_WHY)
         if why:
             out.append((p, " and ".join(why)))
     return out
