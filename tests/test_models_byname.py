@@ -235,9 +235,14 @@ def test_googlenet_input_transform_becomes_the_normalization(monkeypatch: pytest
         torch.testing.assert_close(model(rgb), lib((rgb - mean) / std), rtol=0, atol=1e-12)
 
 
-def test_not_a_cnn_is_refused() -> None:
+def test_a_vit_is_a_patch_encoder_and_no_spatial_trunk() -> None:
+    """A ViT has no spatial trunk to split (the split refuses it), so the name builds a patch-encoder model."""
+    from wsitrain.models.split import split_classifier
+
     with pytest.raises(WsiTrainError, match="no pooling over height and width"):
-        build("timm/vit_tiny_patch16_224", 2)
+        split_classifier(timm.create_model("vit_tiny_patch16_224"), "timm/vit_tiny_patch16_224", 2)
+    model = build("timm/vit_tiny_patch16_224", 2)
+    assert model.stride == 224 and model.features.patch == 224
 
 
 # ---- built models -------------------------------------------------------------------------------------------
