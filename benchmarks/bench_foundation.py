@@ -263,6 +263,10 @@ def markdown(setup: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         "proj]}`. *Chance loss*: always answering the training set's class shares. *Pointing game*: the share of "
         "held-out positive slides whose highest attention patch lies in a lesion box.",
     ]
+    if len(setup["seeds"]) < 3 or setup["n"] < 48 or setup["epochs"] < 12:
+        lines += ["", f"**A reduced run** ({len(setup['seeds'])} seed(s), {setup['n']} slides, {setup['epochs']} "
+                  "epochs): the protocol's full run is `python benchmarks/bench_foundation.py --out docs/benchmarks "
+                  "--jobs 2` (48 slides, seeds 67-69, 12 epochs)."]  # fmt: skip
     cnn = [r for r in rows if r["row"].startswith("CNN")]
     if cnn:
         lines += ["", "The CNN rows are the learning benchmark's (scripts/bench_learning.py, measured 2026-11-29 "
