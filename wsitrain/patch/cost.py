@@ -43,6 +43,10 @@ class PatchCost:
     flops_forward: float
     flops_backward: float  # what autograd differentiates: frozen leading blocks are not (zero when nothing trains)
     largest_tensor: int  # elements of the largest tensor per patch (the 2^31-element limit of some kernels)
+    # operators one call of the encoder runs, forward and backward (whatever the patches): each is a kernel launch on
+    # a GPU, which the time model prices per call (costs.CALL_FLOPS)
+    ops_forward: int = 1
+    ops_backward: int = 1
 
 
 def _fake_copy(module: nn.Module) -> nn.Module:
@@ -85,6 +89,8 @@ class _Run:
     flops_forward: float
     flops_backward: float
     largest: int
+    ops_forward: int
+    ops_backward: int
 
 
 def _run(encoder: nn.Module, n: int, patch: int, act_dtype: torch.dtype) -> _Run:
@@ -116,19 +122,23 @@ def _run(encoder: nn.Module, n: int, patch: int, act_dtype: torch.dtype) -> _Run
             nograd = meter.top - base
             meter.reset()
             flops = FlopCounterMode(display=False)
+            ops0 = meter.ops
             with flops:
                 with cast(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     y = enc(x)
                 fwd_flops = flops.get_total_flops()
+                ops1 = meter.ops
                 grad_fwd = meter.top - base
                 kept = sum(saved.values())
                 meter.reset()
                 if y.requires_grad:
                     y.float().sum().backward()
                 bwd_flops = flops.get_total_flops() - fwd_flops
+            ops2 = meter.ops
             bwd = max(0, meter.top - base - kept)
             del y
-    return _Run(kept, grad_fwd, nograd, bwd, float(fwd_flops), float(bwd_flops), meter.largest)
+    return _Run(kept, grad_fwd, nograd, bwd, float(fwd_flops), float(bwd_flops), meter.largest, ops1 - ops0,
+                ops2 - ops1)
 
 
 def measure_patch_cost(encoder: nn.Module, patch: int, act_dtype: torch.dtype) -> PatchCost:
@@ -144,4 +154,5 @@ def measure_patch_cost(encoder: nn.Module, patch: int, act_dtype: torch.dtype) -
         saved=per("saved"), forward_grad=per("forward_grad"), forward_nograd=per("forward_nograd"),
         backward=per("backward"), flops_forward=(b.flops_forward - a.flops_forward) / k,
         flops_backward=(b.flops_backward - a.flops_backward) / k, largest_tensor=max(1, b.largest // LARGE),
+        ops_forward=max(1, b.ops_forward), ops_backward=b.ops_backward,
     )  # fmt: skip

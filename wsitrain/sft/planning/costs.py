@@ -165,11 +165,12 @@ class WorkTerms:
     calls: float
     tiled: bool = False  # calls made by the tile executor (each pays TILE_CALL_FLOPS more)
     batch: bool = False  # a tile is a batch of whole inputs (a chunk of patches): its FLOPs at a whole map's rate
+    inner_calls: float = 0.0  # operators a call runs beyond itself (a patch encoder's layers), priced as plain calls
 
     def time(self, tm: TimeModel) -> float:
         per_call = tm.call_flops + (tm.tile_call_flops if self.tiled else 0.0)
         flops = self.flops * (tm.tile_flop_factor if self.tiled and not self.batch else 1.0)
-        return flops + tm.byte_flops * self.traffic + per_call * self.calls
+        return flops + tm.byte_flops * self.traffic + per_call * self.calls + tm.call_flops * self.inner_calls
 
 
 def node_terms(
@@ -180,11 +181,16 @@ def node_terms(
     gradient and the saved input and writes the input's gradient: twice the forward's traffic."""
     fw, bw = node_flops(facts, i, numel_out)
     traffic = _elem_bytes(facts, i) * (numel_out + numel_in)
-    # a chunk of patches is a batch of whole encoder inputs, not a crop of a map: its FLOPs run at the batch's rate
-    batch = patch_cost(facts.nodes[i].spec) is not None
+    # a chunk of patches is a batch of whole encoder inputs, not a crop of a map: its FLOPs run at the batch's rate,
+    # and one call of the encoder launches every operator it runs (measured)
+    cost = patch_cost(facts.nodes[i].spec)
+    batch = cost is not None
+    pc = cost(facts.act_dtype) if cost is not None else None
+    inner_fwd = calls * (pc.ops_forward - 1) if pc is not None else 0
     if backward and facts.nodes[i].requires_grad:
-        return WorkTerms(fw + bw, 3 * traffic, 2 * calls, tiled, batch)
-    return WorkTerms(fw, traffic, calls, tiled, batch)
+        inner = inner_fwd + (calls * (pc.ops_backward - 1) if pc is not None else 0)
+        return WorkTerms(fw + bw, 3 * traffic, 2 * calls, tiled, batch, inner)
+    return WorkTerms(fw, traffic, calls, tiled, batch, inner_fwd)
 
 
 def node_work(

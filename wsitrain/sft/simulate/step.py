@@ -31,6 +31,7 @@ from wsitrain.sft.planning.costs import TimeModel
 from wsitrain.sft.regions import SegmentRegions
 from wsitrain.sft.simulate.clock import OpClock
 from wsitrain.sft.simulate.fast_ops import FAST_OPS
+from wsitrain.sft.simulate.fused_attention import fused_attention
 from wsitrain.sft.simulate.representative import representative_tiles, tile_weight
 from wsitrain.sft.simulate.runtime import DEVICE_TYPE, SimRuntime
 from wsitrain.sft.simulate.tracker import LiveMemory, Peak, SimSpill
@@ -190,7 +191,7 @@ def simulate_step(
     params = [p for p in model.parameters() if p.requires_grad]
     t0 = time.perf_counter()
     timed = clock if clock is not None else contextlib.nullcontext()
-    with FakeTensorMode(allow_non_fake_inputs=True), memory:
+    with FakeTensorMode(allow_non_fake_inputs=True), memory, fused_attention():
         memory.adopt([*model.parameters(), *model.buffers()], "the model")
         # A step of a run holds the optimizer's state from the steps before it through forward and backward
         # (measured on an H100: every step after the first peaked 0.1-0.2 GiB higher, AdamW's two moments of
