@@ -275,7 +275,9 @@ def markdown(setup: dict[str, Any], rows: list[dict[str, Any]]) -> str:
                   "cohort by `scripts/pretrain_patches.py`: on patch labels (docs/bench_learning/pretrained_fresh, "
                   "seeds 67-69) and without labels, SimCLR as the ViT here (docs/bench_learning/contrastive, seeds "
                   "61-63). Their *frozen features* row embeds 64 px patches without the cache's augmentations."]
-    return "\n".join(lines) + "\n"
+    if setup.get("notes"):  # what the figures show, added to the recorded setup row by whoever read them
+        lines += ["", "## What it shows", "", *[f"{n}\n" for n in setup["notes"]]]
+    return "\n".join(lines).rstrip() + "\n"
 
 
 def write(setup: dict[str, Any], rows: list[dict[str, Any]], out: Path) -> None:
