@@ -18,7 +18,7 @@ pytest.importorskip("timm", reason="the encoder is a timm ViT")
 def test_fit_then_predict_heatmaps_one_value_per_patch(tmp_path: Path) -> None:
     cfg = config_file(tmp_path, synthetic_slides(tmp_path / "synth"))
     # tile_size 64 px: the 4 x 4 patch grid of a 128 px slide is trained in chunks of 2 x 2 patches, not whole
-    text = cfg.read_text().replace("model: {name: tiny}", "model: {name: 'python:tiny_encoders:tiny_vit', "
+    text = cfg.read_text().replace("model: {name: tiny}", "model: {name: 'python:tiny_encoders:tiny_vit', patch: 32, "
                                    "pool: gated_attention}").replace("memory_budget: 1GiB", "memory_budget: 1GiB, "
                                    "tile_size: 64")  # fmt: skip
     cfg.write_text(text)

@@ -43,8 +43,8 @@ class PatchCost:
     flops_forward: float
     flops_backward: float  # what autograd differentiates: frozen leading blocks are not (zero when nothing trains)
     largest_tensor: int  # elements of the largest tensor per patch (the 2^31-element limit of some kernels)
-    # operators one call of the encoder runs, forward and backward (whatever the patches): each is a kernel launch on
-    # a GPU, which the time model prices per call (costs.CALL_FLOPS)
+    # operators one call of the encoder runs that make a new tensor, forward and backward (whatever the patches): each
+    # a kernel launch on a GPU, which the time model prices per call (costs.CALL_FLOPS); views launch none
     ops_forward: int = 1
     ops_backward: int = 1
 
@@ -65,11 +65,15 @@ class _Meter(LiveMemory):
     def __init__(self) -> None:
         super().__init__(devices=("cpu",))
         self.grads = 0
+        self.kernels = 0
         self.top = 0
         self.largest = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        before = len(self._info)
         out = super().__torch_dispatch__(func, types, args, kwargs)
+        # an operator that makes a new storage launches a kernel; views, reshapes and transposes launch none
+        self.kernels += len(self._info) > before
         self.top = max(self.top, self.live["cpu"] - self.grads)
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor):
@@ -122,19 +126,19 @@ def _run(encoder: nn.Module, n: int, patch: int, act_dtype: torch.dtype) -> _Run
             nograd = meter.top - base
             meter.reset()
             flops = FlopCounterMode(display=False)
-            ops0 = meter.ops
+            ops0 = meter.kernels
             with flops:
                 with cast(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     y = enc(x)
                 fwd_flops = flops.get_total_flops()
-                ops1 = meter.ops
+                ops1 = meter.kernels
                 grad_fwd = meter.top - base
                 kept = sum(saved.values())
                 meter.reset()
                 if y.requires_grad:
                     y.float().sum().backward()
                 bwd_flops = flops.get_total_flops() - fwd_flops
-            ops2 = meter.ops
+            ops2 = meter.kernels
             bwd = max(0, meter.top - base - kept)
             del y
     return _Run(kept, grad_fwd, nograd, bwd, float(fwd_flops), float(bwd_flops), meter.largest, ops1 - ops0,
