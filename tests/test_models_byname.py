@@ -463,6 +463,8 @@ def test_models_command_lists_builtins_and_naming() -> None:
     assert "torchvision/<name>" in result.output and "timm/<name>" in result.output
     assert "efficientnet_b0" in result.output and "timm is installed" in result.output
     assert "14,714,688" in result.output  # VGG-16's trunk, without its 120M-parameter classifier
+    assert "Patch encoders" in result.output and "vit_b_16" in result.output and "timm/hf-hub:<org>/<name>" in (
+        result.output) and "python:<module>:<function>" in result.output  # fmt: skip
 
 
 def test_models_command_describes_one(torch_home: Path) -> None:
