@@ -263,6 +263,10 @@ def markdown(setup: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         "proj]}`. *Chance loss*: always answering the training set's class shares. *Pointing game*: the share of "
         "held-out positive slides whose highest attention patch lies in a lesion box.",
     ]
+    if len(setup["seeds"]) < 3 or setup["n"] < 48 or setup["epochs"] < 12:
+        lines += ["", f"**A reduced run** ({len(setup['seeds'])} seed(s), {setup['n']} slides, {setup['epochs']} "
+                  "epochs): the protocol's full run is `python benchmarks/bench_foundation.py --out docs/benchmarks "
+                  "--jobs 2` (48 slides, seeds 67-69, 12 epochs)."]  # fmt: skip
     cnn = [r for r in rows if r["row"].startswith("CNN")]
     if cnn:
         lines += ["", "The CNN rows are the learning benchmark's (scripts/bench_learning.py, measured 2026-11-29 "
@@ -271,7 +275,9 @@ def markdown(setup: dict[str, Any], rows: list[dict[str, Any]]) -> str:
                   "cohort by `scripts/pretrain_patches.py`: on patch labels (docs/bench_learning/pretrained_fresh, "
                   "seeds 67-69) and without labels, SimCLR as the ViT here (docs/bench_learning/contrastive, seeds "
                   "61-63). Their *frozen features* row embeds 64 px patches without the cache's augmentations."]
-    return "\n".join(lines) + "\n"
+    if setup.get("notes"):  # what the figures show, added to the recorded setup row by whoever read them
+        lines += ["", "## What it shows", "", *[f"{n}\n" for n in setup["notes"]]]
+    return "\n".join(lines).rstrip() + "\n"
 
 
 def write(setup: dict[str, Any], rows: list[dict[str, Any]], out: Path) -> None:

@@ -235,9 +235,14 @@ def test_googlenet_input_transform_becomes_the_normalization(monkeypatch: pytest
         torch.testing.assert_close(model(rgb), lib((rgb - mean) / std), rtol=0, atol=1e-12)
 
 
-def test_not_a_cnn_is_refused() -> None:
+def test_a_vit_is_a_patch_encoder_and_no_spatial_trunk() -> None:
+    """A ViT has no spatial trunk to split (the split refuses it), so the name builds a patch-encoder model."""
+    from wsitrain.models.split import split_classifier
+
     with pytest.raises(WsiTrainError, match="no pooling over height and width"):
-        build("timm/vit_tiny_patch16_224", 2)
+        split_classifier(timm.create_model("vit_tiny_patch16_224"), "timm/vit_tiny_patch16_224", 2)
+    model = build("timm/vit_tiny_patch16_224", 2)
+    assert model.stride == 224 and model.features.patch == 224
 
 
 # ---- built models -------------------------------------------------------------------------------------------
@@ -458,6 +463,8 @@ def test_models_command_lists_builtins_and_naming() -> None:
     assert "torchvision/<name>" in result.output and "timm/<name>" in result.output
     assert "efficientnet_b0" in result.output and "timm is installed" in result.output
     assert "14,714,688" in result.output  # VGG-16's trunk, without its 120M-parameter classifier
+    assert "Patch encoders" in result.output and "vit_b_16" in result.output and "timm/hf-hub:<org>/<name>" in (
+        result.output) and "python:<module>:<function>" in result.output  # fmt: skip
 
 
 def test_models_command_describes_one(torch_home: Path) -> None:

@@ -14,13 +14,16 @@ from rich.table import Table
 
 from wsitrain.models.registry import (
     BUILTIN_MODELS,
+    HF_HUB_PREFIX,
     IMAGENET,
+    PYTHON_PREFIX,
     TIMM_PREFIX,
     TORCHVISION_PREFIX,
     ModelSpec,
     resolve_model_name,
     timm_installed,
     torchvision_cnn_names,
+    torchvision_patch_names,
 )
 
 
@@ -137,6 +140,12 @@ def print_models(console: Console, name: str | None = None) -> None:
     console.print(
         f"\n[bold]{TIMM_PREFIX}<name>[/]: a timm CNN, e.g. timm/resnet18 or timm/convnext_tiny.fb_in22k "
         f"(a pretrained tag after the dot); timm is {timm_note}. timm.list_models('efficientnet*') lists names."
+    )
+    console.print(
+        "\n[bold]Patch encoders[/] (applied to every model.patch px patch; docs/guide/foundation-models-training.md): "
+        f"timm ViTs (timm/vit_small_patch16_224), torchvision/ {', '.join(torchvision_patch_names())}, "
+        f"{TIMM_PREFIX}{HF_HUB_PREFIX}<org>/<name> from your Hugging Face cache (UNI, Virchow2, H-optimus-0), "
+        f"{PYTHON_PREFIX}<module>:<function> for your own module, and any CNN above with model.patch set."
     )
     console.print(
         f"\n[bold]model.weights[/]: `{IMAGENET}` reads the library's own pretrained weights from its cache "

@@ -226,10 +226,20 @@ def _torchvision_transformer(spec: ModelSpec, pretrained: bool, patch: int | Non
 
 
 def _cnn(spec: ModelSpec, pretrained: bool) -> nn.Module:
-    """The CNN's trunk followed by a global average pool: (B, 3, p, p) -> (B, C)."""
-    from wsitrain.models import zoo
+    """The CNN's trunk followed by a global average pool: (B, 3, p, p) -> (B, C). A built-in's trunk as
+    ``zoo.build`` makes it (wsitrain.models.trunks), a torchvision CNN's split at its global pooling."""
+    if spec.is_builtin:
+        from wsitrain.models.trunks import TRUNKS
 
-    trunk = zoo.build(spec.name, 1, weights="imagenet" if pretrained else None, freeze_bn=False).features
+        if pretrained and spec.imagenet_from is None:
+            raise WsiTrainError(f"built-in model {spec.name!r} has no ImageNet weights",
+                                hint="give a local weights file, or use resnet18/34/50 or vgg16/19")  # fmt: skip
+        trunk = TRUNKS[spec.name][0](pretrained)
+    else:
+        from wsitrain.models.pretrained import torchvision_net
+        from wsitrain.models.split import split_classifier
+
+        trunk = split_classifier(torchvision_net(spec.arch, pretrained), spec.name, 1).features
     return nn.Sequential(trunk, nn.AdaptiveAvgPool2d(1), nn.Flatten(1))
 
 
@@ -357,7 +367,7 @@ def build_encoder(name: str, *, weights: Path | None, pretrained: bool, patch: i
         if spec.source == "timm":
             net, size, mean, std = _timm(spec, pretrained, patch)
         else:
-            from wsitrain.models.zoo import input_normalization
+            from wsitrain.models.trunks import input_normalization
 
             net, size = _cnn(spec, pretrained), patch
             m, s = input_normalization(spec)
