@@ -6,11 +6,11 @@
 
 The encoder stands in for UNI / Virchow2 / H-optimus-0 (no weights are downloaded here): ``benchmarks/small_vit.py``
 (a timm VisionTransformer on 32 px patches, 16 px tokens, width 64, 4 blocks), pretrained *without labels* by
-``scripts/pretrain_patches.py --objective contrastive`` (SimCLR: two augmented 32 px views of random 40 px tissue
+``benchmarks/pretrain_patches.py --objective contrastive`` (SimCLR: two augmented 32 px views of random 40 px tissue
 crops, NT-Xent) on a disjoint cohort (``wsitrain synth --lesions small``, cohort seed 1; the benchmark's is seed 0,
 no slide shared). Its file is the trunk's state dict, loaded with ``model.weights``.
 
-On the learning benchmark's cohort and protocol (scripts/bench_learning.py: ``--n`` slides of ``--size`` px at
+On the learning benchmark's cohort and protocol (benchmarks/bench_learning.py: ``--n`` slides of ``--size`` px at
 2.5 um/px, lesions of 200 um on half of them and look-alikes on all; per seed a stratified split into ``--train``
 training slides and the rest held out; the held-out AUC of the last epoch; flips and rot90), four runs per seed with
 the model ``python:benchmarks.small_vit:small_vit`` at ``model.patch: 32`` and an attention-MIL head:
@@ -25,7 +25,7 @@ the model ``python:benchmarks.small_vit:small_vit`` at ``model.patch: 32`` and a
 
 Reported per row: held-out ROC AUC (mean, std, each seed), accuracy, held-out loss against the chance loss, pointing
 game (the share of held-out positive slides whose highest attention patch lies in a lesion), wall time per run; and
-the CNN whole-slide rows of docs/bench_learning/pretrained_fresh (tiny_ln pretrained on the same kind of disjoint
+the CNN whole-slide rows of docs/benchmarks/bench_learning/pretrained_fresh (tiny_ln pretrained on the same kind of disjoint
 cohort, seeds 67-69) beside them. Every figure is *measured* on the machine that runs it. Writes
 ``foundation-models.{jsonl,md}`` into ``--out``.
 """
@@ -64,7 +64,7 @@ KEYS = {"frozen": FROZEN, "all": ALL, "last2": LAST2, "lora": LORA}  # --rows
 
 
 def bench_learning() -> Any:
-    """scripts/bench_learning.py (or benchmarks/, where the docs move it) as a module: its cohort, split, fit run and
+    """benchmarks/bench_learning.py (or benchmarks/, where the docs move it) as a module: its cohort, split, fit run and
     localisation are this benchmark's too."""
     for path in (Path(__file__).with_name("bench_learning.py"), ROOT / "scripts" / "bench_learning.py"):
         if path.is_file():
@@ -78,7 +78,7 @@ def bench_learning() -> Any:
 
 
 def pretrain(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
-    """The encoder's file: pretrained without labels by scripts/pretrain_patches.py (in this process), unless
+    """The encoder's file: pretrained without labels by benchmarks/pretrain_patches.py (in this process), unless
     ``--encoder`` names one."""
     if args.encoder is not None:
         return args.encoder, {"encoder": str(args.encoder), "pretrained_here": False}
@@ -248,7 +248,7 @@ def markdown(setup: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         "and rot90; held-out AUC of the last epoch.",
         "",
         "Encoder: " + (f"pretrained here without labels, {setup.get('pretrain_s', '?')} s: `python "
-                       f"scripts/pretrain_patches.py {setup.get('pretrain_argv', '')}` (SimCLR on random tissue "
+                       f"benchmarks/pretrain_patches.py {setup.get('pretrain_argv', '')}` (SimCLR on random tissue "
                        "crops of a disjoint cohort, cohort seed 1; no label read for training). Its held-out linear "
                        f"probe before: {setup.get('probe_before')}; after: {setup.get('probe_after')}."
                        if setup.get("pretrained_here") else f"the file {setup['encoder']}."),
@@ -269,11 +269,11 @@ def markdown(setup: dict[str, Any], rows: list[dict[str, Any]]) -> str:
                   "--jobs 2` (48 slides, seeds 67-69, 12 epochs)."]  # fmt: skip
     cnn = [r for r in rows if r["row"].startswith("CNN")]
     if cnn:
-        lines += ["", "The CNN rows are the learning benchmark's (scripts/bench_learning.py, measured 2026-11-29 "
+        lines += ["", "The CNN rows are the learning benchmark's (benchmarks/bench_learning.py, measured 2026-11-29 "
                   "on this kind of machine, the same cohort and protocol: 48 slides of 1024 px, 12 epochs, lr 3e-4) "
                   "with the tiny_ln trunk (4 convolutions with a LayerNorm, 32 channels) pretrained on a disjoint "
-                  "cohort by `scripts/pretrain_patches.py`: on patch labels (docs/bench_learning/pretrained_fresh, "
-                  "seeds 67-69) and without labels, SimCLR as the ViT here (docs/bench_learning/contrastive, seeds "
+                  "cohort by `benchmarks/pretrain_patches.py`: on patch labels (docs/benchmarks/bench_learning/pretrained_fresh, "
+                  "seeds 67-69) and without labels, SimCLR as the ViT here (docs/benchmarks/bench_learning/contrastive, seeds "
                   "61-63). Their *frozen features* row embeds 64 px patches without the cache's augmentations."]
     if setup.get("notes"):  # what the figures show, added to the recorded setup row by whoever read them
         lines += ["", "## What it shows", "", *[f"{n}\n" for n in setup["notes"]]]

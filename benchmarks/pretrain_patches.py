@@ -26,7 +26,7 @@ pretrained the same way at its own patch size: the views are ``--model-patch`` p
 embedding each, and the file holds its trunk (``encoder.*`` keys), which ``model.weights`` loads with the same
 ``model.patch``:
 
-    python scripts/pretrain_patches.py --objective contrastive --model python:benchmarks.small_vit:small_vit \
+    python benchmarks/pretrain_patches.py --objective contrastive --model python:benchmarks.small_vit:small_vit \
         --model-patch 32 --patch 40 --out .cache/wsitrain/small_vit_simclr.pt
 """
 

@@ -6,7 +6,7 @@ VisionTransformer with 16 px tokens (4 per patch and a class token), width 64, 4
 on one CPU thread against 2.0 s with 8 px tokens (16 per patch; measured, plain autograd, torch 2.14.1), which keeps
 the benchmark's twelve runs within the hour on a 2-core CPU. UNI or Virchow2 have the same structure (patch
 embedding, class token, blocks, final norm) at ViT-L / ViT-H width; ``benchmarks/bench_foundation.py`` pretrains
-this one without labels (``scripts/pretrain_patches.py --objective contrastive``) to stand in for them.
+this one without labels (``benchmarks/pretrain_patches.py --objective contrastive``) to stand in for them.
 """
 
 from __future__ import annotations

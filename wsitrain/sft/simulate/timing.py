@@ -26,7 +26,7 @@ from wsitrain.sft.target import TargetDevice
 
 LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # Patch training as users run it (issue 57's reference): a batch of 256 patches of 224 px, the H200's measured case
-# (0.075 s a step, 172 Mpx/s for ResNet-50 in bf16, channels_last: docs/gpu_time_breakdown.md)
+# (0.075 s a step, 172 Mpx/s for ResNet-50 in bf16, channels_last: docs/benchmarks/gpu_time_breakdown.md)
 PATCHES, PATCH = 256, 224
 
 
@@ -119,7 +119,7 @@ def clock_patch_reference(
 ) -> tuple[ClockReading, float]:
     """Patch training's step on the simulated device (``patch_training_model``, ``patches`` images of ``patch`` px
     on the device) and its throughput in Mpx/s. The clock has no memory-format term: the channels_last the users'
-    step runs in is priced as NCHW (measured on the H200: 0.075 s; the clock's 0.081 s, docs/simulated-clock.md)."""
+    step runs in is priced as NCHW (measured on the H200: 0.075 s; the clock's 0.081 s, docs/research/simulated-clock.md)."""
     reading = clock_plain_step(patch_training_model(model), (patches, 3, patch, patch), speed, precision,
                                optimizer=optimizer)[0]  # fmt: skip
     return reading, patches * patch * patch / reading.seconds / 1e6
