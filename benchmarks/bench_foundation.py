@@ -25,8 +25,8 @@ the model ``python:benchmarks.small_vit:small_vit`` at ``model.patch: 32`` and a
 
 Reported per row: held-out ROC AUC (mean, std, each seed), accuracy, held-out loss against the chance loss, pointing
 game (the share of held-out positive slides whose highest attention patch lies in a lesion), wall time per run; and
-the CNN whole-slide rows of docs/benchmarks/bench_learning/pretrained_fresh (tiny_ln pretrained on the same kind of disjoint
-cohort, seeds 67-69) beside them. Every figure is *measured* on the machine that runs it. Writes
+the CNN whole-slide rows of docs/benchmarks/bench_learning/pretrained_fresh (tiny_ln pretrained on the same kind of
+disjoint cohort, seeds 67-69) beside them. Every figure is *measured* on the machine that runs it. Writes
 ``foundation-models.{jsonl,md}`` into ``--out``.
 """
 
@@ -272,9 +272,9 @@ def markdown(setup: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         lines += ["", "The CNN rows are the learning benchmark's (benchmarks/bench_learning.py, measured 2026-11-29 "
                   "on this kind of machine, the same cohort and protocol: 48 slides of 1024 px, 12 epochs, lr 3e-4) "
                   "with the tiny_ln trunk (4 convolutions with a LayerNorm, 32 channels) pretrained on a disjoint "
-                  "cohort by `benchmarks/pretrain_patches.py`: on patch labels (docs/benchmarks/bench_learning/pretrained_fresh, "
-                  "seeds 67-69) and without labels, SimCLR as the ViT here (docs/benchmarks/bench_learning/contrastive, seeds "
-                  "61-63). Their *frozen features* row embeds 64 px patches without the cache's augmentations."]
+                  "cohort by `benchmarks/pretrain_patches.py`: on patch labels "
+                  "(docs/benchmarks/bench_learning/pretrained_fresh, seeds 67-69) and without labels, SimCLR as the "
+                  "ViT here (docs/benchmarks/bench_learning/contrastive, seeds 61-63). Their *frozen features* row embeds 64 px patches without the cache's augmentations."]
     if setup.get("notes"):  # what the figures show, added to the recorded setup row by whoever read them
         lines += ["", "## What it shows", "", *[f"{n}\n" for n in setup["notes"]]]
     return "\n".join(lines).rstrip() + "\n"

@@ -536,8 +536,9 @@ def _stream_hint(cfg: WsiTrainConfig, model: nn.Module, bucket: tuple[int, int],
     """On CPU the whole uint8 image counts inside the budget; read tile by tile (data.stream_tiles) it does not. When
     that plan fits, the hint's first fix names it with its planned peak ("" otherwise: on CUDA the image is on the host
     already, and a plan that still does not fit, or whose first segment is not tiled, would read it whole anyway).
-    A hint, not a silent switch: streaming decodes each tile again in the backward recompute (docs/benchmarks/host_memory.md
-    measured it faster and leaner on CPU, but the read rate is the slide's own) and it excludes train.head_warmup."""
+    A hint, not a silent switch: streaming decodes each tile again in the backward recompute
+    (docs/benchmarks/host_memory.md measured it faster and leaner on CPU, but the read rate is the slide's own) and it
+    excludes train.head_warmup."""
     if dev == "cuda" or cfg.data.stream_tiles:
         return ""
     with_stream = cfg.model_copy(update={"data": cfg.data.model_copy(update={"stream_tiles": True})})

@@ -5,8 +5,8 @@ convolution it is one convolution: ``s = gamma / sqrt(var + eps)``, ``w' = w * s
 ``b' = beta + (b - mean) * s`` (``b`` = 0 without a bias). The engine computes ``w'`` and ``b'`` once per step from
 the original parameters, with autograd (``execution/folds.py``), so the convolution's weight and bias and the
 BatchNorm's weight and bias get their gradients through the fold, checkpoints keep the original parameters, and no
-BatchNorm kernel runs, forward or backward. Measured on an H200 (docs/benchmarks/gpu_time_breakdown.md): frozen BatchNorm took
-261 of the capped ResNet-50 step's 683 ms, in kernels at 0.13-0.17 of the card's bandwidth.
+BatchNorm kernel runs, forward or backward. Measured on an H200 (docs/benchmarks/gpu_time_breakdown.md): frozen
+BatchNorm took 261 of the capped ResNet-50 step's 683 ms, in kernels at 0.13-0.17 of the card's bandwidth.
 
 A pair folds when:
 - the convolution is a plain ``nn.Conv2d`` (its own forward, zero padding, no hooks) whose only reader is the

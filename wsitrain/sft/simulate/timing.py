@@ -119,7 +119,8 @@ def clock_patch_reference(
 ) -> tuple[ClockReading, float]:
     """Patch training's step on the simulated device (``patch_training_model``, ``patches`` images of ``patch`` px
     on the device) and its throughput in Mpx/s. The clock has no memory-format term: the channels_last the users'
-    step runs in is priced as NCHW (measured on the H200: 0.075 s; the clock's 0.081 s, docs/research/simulated-clock.md)."""
+    step runs in is priced as NCHW (measured on the H200: 0.075 s; the clock's 0.081 s,
+    docs/research/simulated-clock.md)."""
     reading = clock_plain_step(patch_training_model(model), (patches, 3, patch, patch), speed, precision,
                                optimizer=optimizer)[0]  # fmt: skip
     return reading, patches * patch * patch / reading.seconds / 1e6
