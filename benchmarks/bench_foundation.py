@@ -274,7 +274,8 @@ def markdown(setup: dict[str, Any], rows: list[dict[str, Any]]) -> str:
                   "with the tiny_ln trunk (4 convolutions with a LayerNorm, 32 channels) pretrained on a disjoint "
                   "cohort by `benchmarks/pretrain_patches.py`: on patch labels "
                   "(docs/benchmarks/bench_learning/pretrained_fresh, seeds 67-69) and without labels, SimCLR as the "
-                  "ViT here (docs/benchmarks/bench_learning/contrastive, seeds 61-63). Their *frozen features* row embeds 64 px patches without the cache's augmentations."]
+                  "ViT here (docs/benchmarks/bench_learning/contrastive, seeds 61-63). Their *frozen features* row "
+                  "embeds 64 px patches without the cache's augmentations."]
     if setup.get("notes"):  # what the figures show, added to the recorded setup row by whoever read them
         lines += ["", "## What it shows", "", *[f"{n}\n" for n in setup["notes"]]]
     return "\n".join(lines).rstrip() + "\n"
