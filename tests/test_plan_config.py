@@ -75,8 +75,9 @@ def test_a_config_plans_the_model_fit_builds(tmp_path: Path, model: dict) -> Non
     with torch.device("meta"):
         net = build_model(cfg.model, 2)
     budget = resolve_budget(None, "40MiB")
+    # the command plans the image as fit reads it (uint8; on CPU inside the budget), so the reference does too
     ref = plan_model(net, input_shape=(1, 3, 768, 512), memory_budget=budget.bytes, dtype=activation_dtype("fp32"),
-                     optimizer="sgd", device=budget.device, target=budget.target)  # fmt: skip
+                     optimizer="sgd", device=budget.device, target=budget.target, input_dtype=torch.uint8)  # fmt: skip
     assert out["plan"]["flops_sft"] == ref.flops_sft
     assert out["plan"]["estimated_peak_bytes"] == ref.estimated_peak_bytes
     # the default head of the same trunk plans less: the config's keys were not dropped on the way
