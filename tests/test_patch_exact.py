@@ -154,3 +154,23 @@ def test_background_chunks_skip_their_backward() -> None:
     torch.manual_seed(5)
     sft = compare(build(vit(depth=1), "gated"), tissue(), P)
     assert sft.last_stats.skipped_backward > 0
+
+
+def test_lora_adapters_are_exact() -> None:
+    """LoRA through peft (model.lora: adapters on qkv and the MLP's fc2, base weights frozen): the adapters' gradients,
+    the head's and the input's equal plain autograd's, tiled in chunks, with the tissue mask and an attention head."""
+    pytest.importorskip("peft", reason="model.lora is peft's")
+    from wsitrain.patch.lora import LoraSpec, add_lora
+
+    torch.manual_seed(5)
+    model = build(vit(depth=2), "gated")
+    assert add_lora(model, LoraSpec(rank=2, alpha=4, targets=("qkv", "fc2"))) == 4  # freezes the encoder's own
+    with torch.no_grad():  # adapters away from LoRA's zero start, so every adapter's gradient is non-trivial
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    model = model.double()
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert any("lora_A" in n for n in trained) and not any(n.startswith("features.encoder.blocks.0.attn.qkv.base")
+                                                           for n in trained)  # fmt: skip
+    compare(model, tissue(), 2 * P)
