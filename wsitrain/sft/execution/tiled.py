@@ -15,11 +15,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 from torch.autograd.profiler import record_function
 
 from wsitrain.sft.execution.autocast import AutocastState, TileContext
-from wsitrain.sft.execution.folds import FoldSlot
+from wsitrain.sft.execution.fold_slots import any_folded, leaves, segment_slots, values
 from wsitrain.sft.execution.hooks import ExecHooks, TileObserver
 from wsitrain.sft.execution.reuse import (
     BackwardValue,
@@ -49,11 +48,6 @@ JOIN = "sft.join"  # output tiles stored into the next checkpoint or folded into
 RECOMPUTE = "sft.recompute"  # a tile's forward again, with autograd, in backward
 TILE_BACKWARD = "sft.tile_backward"  # autograd through one recomputed tile
 OVERLAP_ADD = "sft.overlap_add"  # a tile's input gradient added into the segment's, parameter gradients summed
-
-
-def _bn_param(m: nn.Module | None, p: nn.Parameter) -> bool:
-    """Is ``p`` a BatchNorm's own weight or bias (folded into its convolution), not its activation's?"""
-    return isinstance(m, nn.BatchNorm2d) and (p is m.weight or p is m.bias)
 
 
 class TiledSegment(TileIO):
@@ -90,23 +84,9 @@ class TiledSegment(TileIO):
         self._borrowed: set[int] = set()
         self.names = {i: facts.nodes[i].name for i in self.nodes}
         # folded convolutions (ops/fold_bn.py): their folded weight and bias stand for their own and their
-        # BatchNorm's parameters; the step's values are looked up per step (execution/folds.py)
-        pairs = runner.graph.fold_pairs()
-        folded_bns = set(pairs.values())
-        slots: dict[object, nn.Parameter | FoldSlot] = {}
-        uses = 0
-        for i in self.nodes:
-            if i in pairs:
-                own: list[nn.Parameter | FoldSlot] = list(runner.folds.slots(i, pairs[i]))
-            elif i in folded_bns:  # a BatchNormAct's activation may have parameters (PReLU)
-                own = [p for p in runner.graph.trainable_params(i) if not _bn_param(runner.graph.module(i), p)]
-            else:
-                own = list(runner.graph.trainable_params(i))
-            for p in own:
-                slots.setdefault(p if isinstance(p, FoldSlot) else id(p), p)
-                uses += 1
-        self.slots = list(slots.values())
-        self._folded = any(isinstance(p, FoldSlot) for p in self.slots)
+        # BatchNorm's parameters; the step's values are looked up per step (execution/fold_slots.py)
+        self.slots, uses = segment_slots(runner.graph, runner.folds, self.nodes)
+        self._folded = any_folded(self.slots)
         # under autocast a sweep casts each weight once (autocast.py), unless two layers share one
         self.cast_once = uses == len(self.slots)
         self.last_user = {
@@ -127,19 +107,13 @@ class TiledSegment(TileIO):
     def params(self) -> list[torch.Tensor]:
         """The tensors a tile's backward differentiates against: the parameters, and this step's folded weights as
         detached leaves (``execution/folds.py``)."""
-        if not self._folded:
-            return list(self.slots)  # type: ignore[arg-type]
-        folds = self.runner.folds
-        return [folds.leaf(p) if isinstance(p, FoldSlot) else p for p in self.slots]
+        return leaves(self.runner.folds, self.slots) if self._folded else list(self.slots)  # type: ignore[arg-type]
 
     @property
     def step_params(self) -> list[torch.Tensor]:
         """The tensors the segment's autograd node takes as inputs, in ``params``' order: the parameters, and this
         step's folded weights through autograd (their gradients then flow back through the fold)."""
-        if not self._folded:
-            return list(self.slots)  # type: ignore[arg-type]
-        folds = self.runner.folds
-        return [folds.value(p) if isinstance(p, FoldSlot) else p for p in self.slots]
+        return values(self.runner.folds, self.slots) if self._folded else list(self.slots)  # type: ignore[arg-type]
 
     # ---- one tile ------------------------------------------------------------------------------
     def stand_in(self, u: int, rt: AxisTile, ct: AxisTile) -> Callable[..., torch.Tensor] | None:
