@@ -201,6 +201,16 @@ class ModelGraph:
             self._folds[key] = fold_pairs(self.gm, [g.fx_node for g in self.nodes])
         return self._folds[key]
 
+    def unfolded(self) -> ModelGraph:
+        """This graph with nothing folded: plain PyTorch as users run it (every BatchNorm its own kernel), what a
+        plan's baselines compare against. Shares the trace and its meta copy."""
+        if not self.fold_bn:
+            return self
+        g = copy.copy(self)
+        g.fold_bn = False
+        g._folds = {}
+        return g
+
     def mode_key(self) -> tuple[bool, ...]:
         """Train/eval flags of every module: plans are cached per mode (BatchNorm and Dropout change tileability)."""
         return tuple(m.training for m in self.gm.modules())

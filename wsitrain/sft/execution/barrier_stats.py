@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from wsitrain.sft.execution.fold_slots import any_folded, leaves, segment_slots
 from wsitrain.sft.execution.runner import NodeRunner
 from wsitrain.sft.ops.barriers import Barrier
 from wsitrain.sft.ops.grn import grn_normalizer
@@ -153,11 +154,14 @@ class SqueezeChain:
     def __init__(self, runner: NodeRunner, b: Barrier, shapes: Mapping[int, tuple[int, ...]]) -> None:
         self.runner, self.b, self.shapes = runner, b, shapes
         self.nodes = sorted(b.chain + b.shapes)  # execution order; they read the pool, shapes and one another
-        ps: dict[int, nn.Parameter] = {}
-        for i in b.chain:
-            for p in runner.graph.trainable_params(i):
-                ps.setdefault(id(p), p)
-        self.params = list(ps.values())
+        # a folded convolution of the chain runs on the step's leaves, as in a tile (execution/fold_slots.py)
+        self.slots, _ = segment_slots(runner.graph, runner.folds, b.chain)
+        self._folded = any_folded(self.slots)
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """What the chain differentiates against: the segment's tensors (``TiledSegment.params``) of its layers."""
+        return leaves(self.runner.folds, self.slots) if self._folded else list(self.slots)  # type: ignore[arg-type]
 
     def run(self, total: torch.Tensor, dtype: torch.dtype, keep_graph: bool) -> SEStat:
         """The pooled map from its sum (B, C, 1, 1) over the map, and the chain on it (with its graph when kept)."""
@@ -171,15 +175,17 @@ class SqueezeChain:
                 return env[v] if v in env else torch.empty(self.shapes[v], device="meta")
 
             for i in self.nodes:
-                env[i] = self.runner.run(i, env, out_of_place=True, fetch=fetch)
+                call = self.runner.folds.tile_call(i, False) if self._folded else None
+                env[i] = self.runner.run(i, env, out_of_place=True, fetch=fetch, call=call)
         return SEStat(leaf, {e: env[e] for e in self.b.exits}, h * w)
 
     def backward(self, st: SEStat, g_exits: list[torch.Tensor], chain_grads: dict[int, torch.Tensor]) -> torch.Tensor:
         """G_P: the exits' total gradients through the kept chain graph; adds the chain's parameter gradients."""
         outs = [st.exits[e] for e in self.b.exits]
         g_out = [g.to(o.dtype) for g, o in zip(g_exits, outs, strict=True)]
-        res = torch.autograd.grad(outs, [st.pooled, *self.params], g_out, allow_unused=True)
-        for p, g in zip(self.params, res[1:], strict=True):
+        params = self.params
+        res = torch.autograd.grad(outs, [st.pooled, *params], g_out, allow_unused=True)
+        for p, g in zip(params, res[1:], strict=True):
             if g is not None:
                 chain_grads[id(p)] = chain_grads[id(p)] + g if id(p) in chain_grads else g
         return res[0] if res[0] is not None else torch.zeros_like(st.pooled)

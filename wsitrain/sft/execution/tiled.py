@@ -15,26 +15,24 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 from torch.autograd.profiler import record_function
 
 from wsitrain.sft.execution.autocast import AutocastState, TileContext
-from wsitrain.sft.execution.folds import FoldSlot
-from wsitrain.sft.execution.hooks import ExecHooks, TileObserver
+from wsitrain.sft.execution.fold_slots import any_folded, leaves, segment_slots, values
+from wsitrain.sft.execution.hooks import ExecHooks
 from wsitrain.sft.execution.reuse import (
     BackwardValue,
     Key,
     ReuseCache,
     TileKeys,
     all_zero,
-    backward_hit,
     keep_backward,
     through,
     zero_tiles,
 )
 from wsitrain.sft.execution.runner import NodeRunner
 from wsitrain.sft.execution.staging import HostStager
-from wsitrain.sft.execution.tile_io import TileIO
+from wsitrain.sft.execution.tile_grads import TileGradSums
 from wsitrain.sft.facts import GraphFacts
 from wsitrain.sft.ops.fused_pool import Accumulator, PoolFusion, new_accumulator
 from wsitrain.sft.ops.pointwise_conv import PointwiseMatmul
@@ -51,12 +49,7 @@ TILE_BACKWARD = "sft.tile_backward"  # autograd through one recomputed tile
 OVERLAP_ADD = "sft.overlap_add"  # a tile's input gradient added into the segment's, parameter gradients summed
 
 
-def _bn_param(m: nn.Module | None, p: nn.Parameter) -> bool:
-    """Is ``p`` a BatchNorm's own weight or bias (folded into its convolution), not its activation's?"""
-    return isinstance(m, nn.BatchNorm2d) and (p is m.weight or p is m.bias)
-
-
-class TiledSegment(TileIO):
+class TiledSegment(TileGradSums):
     """Executes one tiled segment of a plan; holds its regions and layer list (no tensors)."""
 
     def __init__(
@@ -85,28 +78,13 @@ class TiledSegment(TileIO):
         self._pointwise = {u: PointwiseMatmul(runner.graph.module(u)) for u in seg.pointwise_matmul}
         # activations the plan runs in place: their input is this tile's own fresh map, read by them alone
         self.in_place = frozenset(seg.in_place)
-        # parameter sums still holding the gradient autograd returned for their first tile (add_tile_grads)
-        self._borrowed_for = 0
-        self._borrowed: set[int] = set()
+        self._borrowed_for = 0  # add_tile_grads' borrowed sums (tile_grads.py)
+        self._borrowed = set()
         self.names = {i: facts.nodes[i].name for i in self.nodes}
         # folded convolutions (ops/fold_bn.py): their folded weight and bias stand for their own and their
-        # BatchNorm's parameters; the step's values are looked up per step (execution/folds.py)
-        pairs = runner.graph.fold_pairs()
-        folded_bns = set(pairs.values())
-        slots: dict[object, nn.Parameter | FoldSlot] = {}
-        uses = 0
-        for i in self.nodes:
-            if i in pairs:
-                own: list[nn.Parameter | FoldSlot] = list(runner.folds.slots(i, pairs[i]))
-            elif i in folded_bns:  # a BatchNormAct's activation may have parameters (PReLU)
-                own = [p for p in runner.graph.trainable_params(i) if not _bn_param(runner.graph.module(i), p)]
-            else:
-                own = list(runner.graph.trainable_params(i))
-            for p in own:
-                slots.setdefault(p if isinstance(p, FoldSlot) else id(p), p)
-                uses += 1
-        self.slots = list(slots.values())
-        self._folded = any(isinstance(p, FoldSlot) for p in self.slots)
+        # BatchNorm's parameters; the step's values are looked up per step (execution/fold_slots.py)
+        self.slots, uses = segment_slots(runner.graph, runner.folds, self.nodes)
+        self._folded = any_folded(self.slots)
         # under autocast a sweep casts each weight once (autocast.py), unless two layers share one
         self.cast_once = uses == len(self.slots)
         self.last_user = {
@@ -127,19 +105,13 @@ class TiledSegment(TileIO):
     def params(self) -> list[torch.Tensor]:
         """The tensors a tile's backward differentiates against: the parameters, and this step's folded weights as
         detached leaves (``execution/folds.py``)."""
-        if not self._folded:
-            return list(self.slots)  # type: ignore[arg-type]
-        folds = self.runner.folds
-        return [folds.leaf(p) if isinstance(p, FoldSlot) else p for p in self.slots]
+        return leaves(self.runner.folds, self.slots) if self._folded else list(self.slots)  # type: ignore[arg-type]
 
     @property
     def step_params(self) -> list[torch.Tensor]:
         """The tensors the segment's autograd node takes as inputs, in ``params``' order: the parameters, and this
         step's folded weights through autograd (their gradients then flow back through the fold)."""
-        if not self._folded:
-            return list(self.slots)  # type: ignore[arg-type]
-        folds = self.runner.folds
-        return [folds.value(p) if isinstance(p, FoldSlot) else p for p in self.slots]
+        return values(self.runner.folds, self.slots) if self._folded else list(self.slots)  # type: ignore[arg-type]
 
     # ---- one tile ------------------------------------------------------------------------------
     def stand_in(self, u: int, rt: AxisTile, ct: AxisTile) -> Callable[..., torch.Tensor] | None:
@@ -167,12 +139,6 @@ class TiledSegment(TileIO):
     def reuse_cache(self) -> ReuseCache[Any]:
         """A sweep's background-tile cache (off when this segment does not reuse)."""
         return ReuseCache(self.reuse, self.specs[self.start].spatial_dims, self.hooks.on_sync)
-
-    def count(self, what: str) -> None:
-        """One more tile reused or skipped in this step's stats ("reused_forward", "reused_backward", ...)."""
-        if self.hooks.stats is not None:
-            st = self.hooks.stats.stats
-            setattr(st, what, getattr(st, what) + 1)
 
     def run_tile(self, region: torch.Tensor, rt: AxisTile, ct: AxisTile) -> torch.Tensor:
         """Run the segment's layers on one tile; returns the tile's exact output. (B, C, th, tw)."""
@@ -379,90 +345,6 @@ class TiledSegment(TileIO):
         if computed == 0:  # every tile skipped: plain autograd's gradients would be zeros, not missing
             grads = [torch.zeros_like(p) if p.requires_grad else None for p in self.params]
         return grad_x, grads
-
-    def add_cached(
-        self,
-        cache: ReuseCache[BackwardValue],
-        key: Key | None,
-        region: torch.Tensor,
-        g: torch.Tensor | None,
-        acc: Accumulator | None,
-        pooled_grad: torch.Tensor | None,
-        r: int,
-        c: int,
-        need_x: bool,
-        sink: TileObserver | None,
-        grad_x: torch.Tensor | None,
-        grads: list[torch.Tensor | None],
-    ) -> bool:
-        """Add tile (r, c)'s cached backward contribution when it may reuse one (``reuse.backward_hit``)."""
-        reg = self.regions
-        hit = backward_hit(cache, key, region, g, acc, pooled_grad, reg.rows_out[r], reg.cols_out[c])
-        if hit is None:
-            return False
-        self.add_tile_grads(hit.value[1], need_x, reg.rows[r], reg.cols[c], sink, grad_x, grads)
-        self.count("reused_backward")
-        return True
-
-    def add_tile_grads(
-        self,
-        res: tuple[torch.Tensor | None, ...],
-        need_x: bool,
-        rt: AxisTile,
-        ct: AxisTile,
-        sink: TileObserver | None,
-        grad_x: torch.Tensor | None,
-        grads: list[torch.Tensor | None],
-    ) -> None:
-        """Fold one tile's gradients (input region first when ``need_x``, then parameters) into the sums."""
-        if need_x:
-            gx = res[0]
-            if gx is not None:
-                rows, cols = rt.need[self.start], ct.need[self.start]
-                if sink is not None:
-                    sink(gx, rows, cols)
-                else:
-                    assert grad_x is not None
-                    dst = grad_x[:, :, rows[0] : rows[1], cols[0] : cols[1]]
-                    if self.in_on_host or grad_x.device != gx.device:
-                        # copied down on the side stream, added in tile order
-                        what = f"input-gradient tile rows {rows[0]}:{rows[1]} cols {cols[0]}:{cols[1]}"
-                        self.stager.accumulate(dst, gx, what)
-                    else:
-                        dst += gx
-            res = res[1:]
-        sums: list[torch.Tensor] = []
-        parts: list[torch.Tensor] = []
-        if self._borrowed_for != id(grads):  # a new sweep's sums (a stale set only makes a sum out of place)
-            self._borrowed_for, self._borrowed = id(grads), set()
-        firsts: list[int] = []
-        for k, gp in enumerate(res):
-            if gp is None:
-                continue
-            acc_k = grads[k]
-            if acc_k is None:
-                # never sum into a returned gradient in place: it may share memory with what autograd or the next
-                # tile still reads (seen as NaNs in bf16 weight gradients). Copy-free (issue 57): hold it as it is
-                # and make the second tile's sum out of place; else own a copy at once (a clone per parameter)
-                if self.hooks.copy_free:
-                    grads[k] = gp
-                    self._borrowed.add(k)
-                else:
-                    grads[k] = gp.clone()
-            elif k in self._borrowed:
-                firsts.append(k)
-            else:
-                sums.append(acc_k)
-                parts.append(gp)
-        if firsts:  # the same a + b as in place, into new tensors the sums then own
-            owned = torch._foreach_add([grads[k] for k in firsts], [res[k] for k in firsts])  # type: ignore[misc]
-            for k, t in zip(firsts, owned, strict=True):
-                grads[k] = t
-                self._borrowed.discard(k)
-        if sums:
-            # one multi-tensor launch per tile instead of one add per parameter (ResNet-50 at 8192 px capped: 606
-            # adds per step, measured by sft/simulate/host_time.py); each element is the same a + b either way
-            torch._foreach_add_(sums, parts)
 
     def _tick(self, r: int, c: int, phase: str) -> float:
         if self.hooks.on_tile is not None:

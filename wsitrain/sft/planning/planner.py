@@ -2,13 +2,12 @@
 
 The pieces, each in its own module: ``facts`` (the annotating pass), ``costs`` (FLOPs and memory
 terms), ``tile_memory`` (one tile), ``options`` (one segment), ``search`` (the dynamic program),
-``baselines`` (plain PyTorch and checkpoint_sequential, for comparison). This module only calls them
+``baselines`` (plain PyTorch and checkpoint_sequential, for comparison), ``host_transfers`` (what a plan stages
+through host memory). This module only calls them
 in order and records the result, including every tiled segment's regions.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -20,6 +19,7 @@ from wsitrain.sft.plan_types import Plan, SegmentPlan
 from wsitrain.sft.planning.baselines import baseline_peak, checkpoint_sequential_peak
 from wsitrain.sft.planning.conv_limit import beyond_limit
 from wsitrain.sft.planning.costs import TimeModel, device_kind, memory_terms
+from wsitrain.sft.planning.host_transfers import staging_bytes, transfer_bytes
 from wsitrain.sft.planning.options import PLAIN, TILED, SegOption, replay_path, segment_blocker
 from wsitrain.sft.planning.search import (
     CHEAPEST,
@@ -93,6 +93,17 @@ def build_plan(
         host_checkpoints, target, time_model, reuse_tiles, one_pass,
     )
     forced_cuts = _resolve_checkpoints(sess.facts, checkpoints) if checkpoints is not None else None
+
+    def plain_pytorch(s: PlanSession) -> PlanSession:
+        """Where the plan's plain-PyTorch figures come from (``_assemble``): the model as users run it, nothing
+        folded (ops/fold_bn.py); ``s`` itself when nothing folds."""
+        if not graph.fold_pairs():
+            return s
+        return new_session(
+            graph.unfolded(), input_shape, act_dtype, input_dtype, device, input_on_host, input_requires_grad,
+            optimizer, host_checkpoints, s.target, time_model, s.reuse_tiles, s.one_pass,
+        )
+
     state = fitting_plan(sess, budget, tile_size, forced_cuts)
     if state is None and (lifted := beyond_limit(sess.target)) is not None:  # conv_limit.py: none within 2^31
         again = new_session(graph, input_shape, act_dtype, input_dtype, device, input_on_host, input_requires_grad,
@@ -126,7 +137,8 @@ def build_plan(
             f"(more than {100 * MAX_EXTRA_COMPUTE:+.0f}%): not worth running; {_raise_to(least)}, train in "
             "bf16, or read the slide at a coarser resolution"
         )
-        return _assemble(sess, model_name, budget, state, False, notes, "one tile", least), sess.facts
+        plain = plain_pytorch(sess)
+        return _assemble(sess, plain, model_name, budget, state, False, notes, "one tile", least), sess.facts
     if state is None:
         blocker = _first_blocker(sess, budget, tile_size, forced_cuts)
         if blocker is not None:
@@ -155,8 +167,9 @@ def build_plan(
             "optimizer state and workspaces free (headroom for the memory model's error). What does not shrink with "
             f"tiling: {what}; the largest is the {limiting}"
         )
-        return _assemble(sess, model_name, budget, state, False, notes, limiting, least), sess.facts
-    return _assemble(sess, model_name, budget, state, True, notes, limiting), sess.facts
+        plain = plain_pytorch(sess)
+        return _assemble(sess, plain, model_name, budget, state, False, notes, limiting, least), sess.facts
+    return _assemble(sess, plain_pytorch(sess), model_name, budget, state, True, notes, limiting), sess.facts
 
 
 def _needs(least: tuple[int, bool]) -> str:
@@ -187,23 +200,6 @@ def _tiling(sess: PlanSession, segments: tuple[SegmentPlan, ...]) -> tuple[str, 
     return (f"{tiled} of {f.n} graph nodes run tiled in this plan; {report.lines()[0]}", *report.lines()[1:])
 
 
-def _staged_bytes(sess: PlanSession, segments: tuple[SegmentPlan, ...]) -> int:
-    """Bytes copied host -> device per step: the image's tiles with halo twice (forward and recompute), or once."""
-    if not sess.input_on_host or not segments:
-        return 0
-    first = segments[0]
-    if first.regions is None:
-        return sess.nbytes(0)  # a plain first segment copies the image once
-    b, c, h, w = sess.facts.input_shape
-    staged = 0
-    for reg in (first.sweep_regions, first.regions):  # forward, then recompute
-        assert reg is not None
-        rows = sum(t.need[0][1] - t.need[0][0] for t in reg.rows)
-        cols = sum(t.need[0][1] - t.need[0][0] for t in reg.cols)
-        staged += sess.nbytes(0) * rows * cols // max(1, h * w)
-    return staged
-
-
 def floor_parts(sess: PlanSession, state: State) -> dict[str, int]:
     """Memory of the smallest plan that no tile size shrinks, by part (the answer to "why does it not fit")."""
     fused = bool(state.path) and state.path[-1].fused
@@ -220,6 +216,7 @@ def floor_parts(sess: PlanSession, state: State) -> dict[str, int]:
 
 def _assemble(
     sess: PlanSession,
+    plain: PlanSession,
     model_name: str,
     budget: int,
     state: State,
@@ -229,13 +226,16 @@ def _assemble(
     least: tuple[int, bool] | None = None,
 ) -> Plan:
     f = sess.facts
-    base = baseline_peak(sess)
-    ck_peak, ck_segments = checkpoint_sequential_peak(sess)
+    # plain PyTorch's figures (baseline, checkpoint_sequential, FLOPs, time) on ``plain``: the model as users run
+    # it, every BatchNorm its own kernel and saved map (DarkNet-19 at 10240 px: 108 GiB measured, 61 GiB planned
+    # with the fold); the plan's own segments on ``sess``
+    base = baseline_peak(plain)
+    ck_peak, ck_segments = checkpoint_sequential_peak(plain)
     fused = bool(state.path) and state.path[-1].fused
     head_res, head_flops = sess.head_sim(fused)
     replayed = replay_path(sess, state.path).peak
     peak = sess.terms.scale_peak(replayed)
-    segments = _segment_plans(sess, state.path, base)
+    segments = _segment_plans(sess, state.path, base if plain is sess else baseline_peak(sess))  # the engine's own
     staging = staging_bytes(sess, segments)
     tiled = [s for s in segments if s.mode == TILED]
     breakdown = {
@@ -265,7 +265,7 @@ def _assemble(
         baseline_peak_bytes=int(base),
         checkpoint_peak_bytes=int(ck_peak),
         checkpoint_segments=ck_segments,
-        flops_plain=sess.plain_sim(0, f.trunk_end)[1] + head_flops,
+        flops_plain=plain.plain_sim(0, plain.facts.trunk_end)[1] + plain.head_sim(fused)[1],
         flops_sft=state.flops + head_flops,
         recomputed_tiles=sum(s.n_tiles for s in tiled if not s.one_pass),
         input_on_host=sess.input_on_host,
@@ -278,49 +278,15 @@ def _assemble(
         staging_bytes=staging,
         replayed_peak_bytes=int(replayed - sess.terms.runtime),
         tiling=_tiling(sess, segments),
-        time_plain=plain_time(sess),
+        time_plain=plain_time(plain),
         time_sft=plan_time(sess, state),
         time_tiles=sum(o.cost for o in state.path if o.mode == TILED) if sess.reuse_tiles else 0.0,
         reuse_tiles=sess.reuse_tiles,
-        transfer_bytes=_staged_bytes(sess, segments)
+        transfer_bytes=transfer_bytes(sess, segments)
         + sum(5 * s.checkpoint_bytes for s in segments if s.start and s.checkpoint_location == "host"),
         notes=tuple(notes),
         target=sess.target,
     )
-
-
-def staging_bytes(sess: PlanSession, segments: tuple[SegmentPlan, ...]) -> int:
-    """The stager's page-locked buffers (``execution/staging.py``): two per lane, each as large as its largest tile.
-
-    Lanes: "input" (input regions of segments whose input lives on the host), "grad" (output-gradient tiles of
-    segments whose output lives on the host), "down" (output tiles into a host checkpoint, input-gradient tiles of
-    a host checkpoint). Buffers grow to the largest tile and are kept across segments and steps.
-    """
-    f = sess.facts
-    lanes = {"input": 0, "grad": 0, "down": 0}
-
-    def elem(i: int) -> int:
-        return sess.nbytes(i) // max(1, math.prod(f.nodes[i].shape))
-
-    for s in segments:
-        if s.mode != TILED or s.regions is None:
-            continue
-        b, c_in = f.nodes[s.start].shape[:2]
-        c_out = f.nodes[s.end].shape[1]
-        region = b * c_in * s.staged_tile_shape[0] * s.staged_tile_shape[1]
-        reg = s.sweep_regions  # the forward sweep's output tiles are the larger
-        assert reg is not None
-        out_h = max(hi - lo for lo, hi in reg.rows_out)
-        out_w = max(hi - lo for lo, hi in reg.cols_out)
-        out_tile = b * c_out * out_h * out_w * elem(s.end)
-        if s.checkpoint_location == "host":
-            lanes["input"] = max(lanes["input"], region * elem(s.start))
-            if f.nodes[s.start].requires_grad:
-                lanes["down"] = max(lanes["down"], region * elem(s.start))
-        if s.output_location == "host":
-            lanes["grad"] = max(lanes["grad"], out_tile)
-            lanes["down"] = max(lanes["down"], out_tile)
-    return 2 * sum(lanes.values())
 
 
 def _segment_plans(sess: PlanSession, path: tuple[SegOption, ...], base_peak: int) -> tuple[SegmentPlan, ...]:
