@@ -24,6 +24,7 @@ SLOW_FILES = {
     "test_sft_multipass_regressions.py": 180,  # heavy: the 45% FBNetV3 and EfficientNetV2 cases (planning)
     "test_slurm_real.py": 140,  # a private two-node cluster: 100 s, and the heavy requeue case 30-50 s
     "test_fit_distributed.py": 120,  # a two-process fit; the heavy signal case alone 90 s under load
+    "test_sft_cpu_budget.py": 90,  # fresh processes measuring the CPU budget (a fresh-clone CI run, 2026-12-01)
     "test_plan_cmd.py": 80,
     "test_tasks_learn.py": 80,  # three task fits to their targets
     "test_tasks_cv.py": 80,  # a k-fold cv, and the heavy two-process cv (30-50 s)
