@@ -91,7 +91,10 @@ def ran_plan(engine: SFT, x: torch.Tensor) -> Plan:
 
 def budget_45(model: nn.Module, shape: tuple[int, ...]) -> int:
     """Fixed part (weights, gradients, runtime) plus 45% of plain's activation memory above it."""
-    probe = SFT(copy.deepcopy(model), memory_budget="64GiB").plan_for(shape)
+    # fold off, as the other budget-relative cases (test_sft_multipass.py): folded weights are one more copy that no
+    # tiling shrinks, so at 45% of the unfolded plain activations the folded plan does not fit (FBNetV3 needs 126 MiB
+    # of 115); the fold's exactness has its own tests (test_sft_fold_bn.py)
+    probe = SFT(copy.deepcopy(model), memory_budget="64GiB", fold_bn=False).plan_for(shape)
     fixed = sum(probe.breakdown[k] for k in ("parameters", "runtime", "gradients"))
     return int(fixed + 0.45 * (probe.baseline_peak_bytes - fixed))
 
@@ -190,7 +193,7 @@ def test_se_families_exact_at_45_percent(name: str, stages: int, shape: tuple[in
         assert spread(timm_cut(name, stages), x) > 10 * TOL
     model = scale_statistics(timm_cut(name, stages), x)
     budget = budget_45(model, shape)
-    err, engine = sft_error(model, x, memory_budget=budget)
+    err, engine = sft_error(model, x, memory_budget=budget, fold_bn=False)
     floor = spread(model, x)
     p = ran_plan(engine, x)
     assert floor < TOL / 3, f"{name}: plain autograd itself moves by {floor:.3g} (the model, not the engine)"
