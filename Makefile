@@ -27,29 +27,30 @@ demo: $(STAMP)
 	name=demo-$$(date +%Y%m%d-%H%M%S)-$$$$ && $(BIN)/wsitrain fit configs/demo.yaml --name $$name && \
 	$(BIN)/wsitrain report runs/$$name
 
-# One pytest-xdist worker per core (at most 4), one torch thread each (tests/conftest.py): on CI's 2 cores the suite
-# took 8 min against about 13 in one process (measured 2026-11-24); 1,305 tests took 14 min 55 s on a fresh clone (measured 2026-11-27; 16 min 40 s before six cases moved to test-heavy). loadfile keeps each file on one worker, so a
-# module's fixtures are built once: tests/test_slurm_real.py starts one private Slurm for the whole file (split
-# between workers, two clusters ran at once; xdist 3.8's loadgroup did not keep its group together, measured).
+# One pytest-xdist worker per core (at most 4), one torch thread each (tests/conftest.py), files dealt slowest first
+# (tests/xdist_order.py). loadfile keeps each file on one worker, so a module's fixtures are built once:
+# tests/test_slurm_real.py starts one private Slurm for the whole file (split between workers, two clusters ran at
+# once; xdist 3.8's loadgroup did not keep its group together, measured).
 PYTEST_WORKERS := -n auto --maxprocesses 4 --dist loadfile
 
+# Lint and the default suite: every case but the `heavy` ones (pyproject.toml: the issue-sized float64 cases and the
+# cases over about 5 s), within 10 minutes on a fresh clone of CI's 2 cores, venv install included (.ci/run times it).
 test: $(STAMP)
 	$(BIN)/ruff check $(LINT_PATHS)
 	$(BIN)/python -m pytest -q $(PYTEST_WORKERS)
 
-# Everything CI runs in one pytest session: the default run and the heavy cases share the workers, so no worker idles
-# at the end of one run while the other waits (the two runs one after the other took 14 min 55 s + 5 min 17 s on a
-# fresh clone; one session of both, 17 min 44 s on a warm venv, measured 2026-11-27 on 2 cores).
+# The `heavy` cases alone: the float64 exactness cases at the issues' own sizes (EfficientNetV2, FBNetV3 at 45%), the
+# model zoo's slower families, the simulated whole-slide models, the measured RSS and CPU-budget processes, Slurm's
+# jobs, the two-process fits and cv, the learning fits, the benchmark scripts' longer runs. CI runs them after
+# `make test` (.ci/run).
+test-heavy: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_WORKERS) -m heavy
+
+# Everything in one pytest session, the default run and the heavy cases sharing the workers: a little quicker than
+# the two one after the other, which CI runs instead so that it times `make test` on its own (.ci/run).
 test-all: $(STAMP)
 	$(BIN)/ruff check $(LINT_PATHS)
 	$(BIN)/python -m pytest -q $(PYTEST_WORKERS) -m 'heavy or not heavy'
-
-# The float64 exactness cases at the issues' own sizes (EfficientNetV2, FBNetV3 at 45%) and the twelve slowest cases
-# moved out of `make test` to keep it within 15 minutes (model zoo, simulated whole-slide models, VGG-16's RSS, the
-# signal and two-process runs, DenseNet-121's attention heads, bench's quick run); CI runs them (`make test-all`).
-# In one process: its two torch threads beat two one-thread workers on the 4 large cases (61 s against 86 s, measured).
-test-heavy: $(STAMP)
-	$(BIN)/python -m pytest -q -m heavy
 
 # The oldest versions pyproject.toml allows (constraints-oldest.txt: torch 2.6 with torchvision 0.21, the oldest
 # openslide-python, pydantic, typer and rich), in a venv of their own, on the engine, the CLI and a fit.

@@ -53,6 +53,7 @@ def pytest_configure(config: pytest.Config) -> None:
         config.option.loadscopereorder = False
 
 
+@pytest.hookimpl(trylast=True)  # after -m has deselected: the order is that of the tests that run
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The slowest files first (``xdist_order.py``: xdist's workers then end together); tests marked ``gpu`` are
     skipped, with the reason shown, where CUDA is not available."""

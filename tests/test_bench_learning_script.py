@@ -179,6 +179,7 @@ def test_the_baseline_freezes_the_runs_own_weights(bench: ModuleType, tmp_path: 
         assert torch.equal(v, trunk[k]), k
 
 
+@pytest.mark.heavy  # two runs of 4 units, each in a process of its own: 35-43 s (measured); CI runs it
 def test_jobs_run_each_unit_in_a_child_and_give_the_one_process_results(bench: ModuleType, tmp_path: Path) -> None:
     """Reference vs variant: ``--jobs 2`` runs each (seed, input, head) in its own process and the baselines after
     their seed's end-to-end runs, yet every metric equals the one-process run's, rows in the same order."""

@@ -44,7 +44,6 @@ def cal_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return folder
 
 
-@pytest.mark.slow
 def test_doctor_on_cpu_fast_reports_what_it_could_not_check(tmp_path: Path, cal_dir: Path) -> None:
     out = tmp_path / "report"
     res = runner.invoke(app, ["doctor", "--fast", "--cpu", "--calibrate", "--out", str(out)],
@@ -248,7 +247,6 @@ def test_simulated_peak_is_the_simulated_devices_steady_state_step() -> None:
     assert checks.simulated_peak("tiny", (1, 3, 64, 64), 2**30) == want > 0
 
 
-@pytest.mark.slow
 def test_figure8_pipeline_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """--figure8 in fast mode on a CPU: tiny model, 64 and 128 px, each configuration in its own process."""
     passed = checks.Check("exactness on cpu (float64, tiled vs plain)", "passed")

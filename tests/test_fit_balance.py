@@ -57,7 +57,7 @@ def _rows(run: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_two_ranks_train_balanced_steps_and_report_their_waiting(tmp_path: Path) -> None:
     for i, side in enumerate(SIDES):
         write_synthetic_slide(tmp_path / f"s{i}.svs", size=side, positive=bool(i % 2), seed=i)

@@ -64,7 +64,7 @@ def test_shard_pads_so_every_rank_runs_the_same_steps() -> None:
     assert shard(order, DistInfo()) == order
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_two_process_fit_equals_one_process_with_accumulation(tmp_path: Path) -> None:
     _six_train_two_val(tmp_path)
     mp.spawn(_fit_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)

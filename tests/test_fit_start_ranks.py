@@ -76,6 +76,7 @@ def _worker(rank: int, world: int, port: int, root: str, failing_rank: int, wher
     Path(root, f"rank{rank}.txt").write_text(outcome)
 
 
+@pytest.mark.heavy  # two processes started per case: 8-9 s each (measured); CI runs them (`make test-heavy`)
 @pytest.mark.parametrize(
     ("failing_rank", "where", "others_hear"),
     [(1, "checks", "another rank failed to start"), (0, "folder", "rank 0 could not create the run folder")],

@@ -28,11 +28,19 @@ def test_classify_names_the_parts_of_a_step() -> None:
     assert k._span_and_union([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)]) == (6.0, 4.0)  # idle: 6 - 4 = 2
 
 
-def test_cpu_quick_session_writes_the_tables(tmp_path: Path) -> None:
-    k = _kit()
-    code = k.main(["--device", "cpu", "--size", "128", "--quick", "--models", "tiny", "--budget", "13MiB",
-                   "--out", str(tmp_path)])  # fmt: skip
+@pytest.fixture(scope="module")
+def quick_session(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One quick CPU session with ``--fold-compare`` on a model with BatchNorm, which both tests below read: each ran
+    a session of its own before (12-13 s each, measured); the fold comparison's rows come after the session's own."""
+    out = tmp_path_factory.mktemp("gpu_session")
+    code = _kit().main(["--device", "cpu", "--size", "128", "--quick", "--models", "tiny_bn", "--budget", "13MiB",
+                        "--out", str(out), "--fold-compare"])  # fmt: skip
     assert code == 0
+    return out
+
+
+def test_cpu_quick_session_writes_the_tables(quick_session: Path) -> None:
+    k, tmp_path = _kit(), quick_session
     lines = [json.loads(x) for x in (tmp_path / "gpu_session.jsonl").read_text().splitlines()]
     rows = [x for x in lines if "breakdown" not in x]
     prof = next(x["breakdown"] for x in lines if "breakdown" in x)
@@ -147,14 +155,11 @@ def test_profile_all_profiles_every_models_capped_and_plain_steps() -> None:
     assert not any(isinstance(x, k.Profile) and x.case.model == "b" for x in plain)
 
 
-def test_fold_compare_runs_the_steps_without_the_fold_and_tables_them(tmp_path: Path) -> None:
+def test_fold_compare_runs_the_steps_without_the_fold_and_tables_them(quick_session: Path) -> None:
     """``--fold-compare`` (issue 57): the capped step once more without the BatchNorm fold and the copy-free tiles,
     the first model's uncapped step too; patch training with BatchNorm in training mode; the tables hold the share of
     patch training and a section with and without the fold."""
-    k = _kit()
-    code = k.main(["--device", "cpu", "--size", "128", "--quick", "--models", "tiny_bn", "--budget", "13MiB",
-                   "--out", str(tmp_path), "--fold-compare"])  # fmt: skip
-    assert code == 0
+    k, tmp_path = _kit(), quick_session
     rows = [json.loads(x) for x in (tmp_path / "gpu_session.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "breakdown" not in r]
     assert all(r["status"] == "ok" for r in rows), rows

@@ -10,9 +10,10 @@ with frozen statistics scaled to the input both are exact below 1e-12 (tests/tes
 
 Sizes are tiny so the zoo runs in minutes on one core: 1 x 3 x 64 x 96 (non-square: a swapped axis shows) with
 tiles forced to 16 px (every segment tiled; deep segments get tiles of 2 output pixels), BatchNorm in eval mode.
-A few families also run the budget-driven plan and train-mode BatchNorm (the multi-pass sweeps). The slower
-families are marked slow (the default run still runs them). `python -m pytest tests/test_model_zoo.py
---junitxml=zoo.xml` records each family's verdict, worst error and seconds as properties.
+A few families also run the budget-driven plan and train-mode BatchNorm (the multi-pass sweeps). The families over
+about 5 s on one core of CI's 2 are marked heavy: CI runs them (`make test-heavy`), `make test` does not.
+`python -m pytest tests/test_model_zoo.py --junitxml=zoo.xml` records each family's verdict, worst error and seconds
+as properties.
 """
 
 from __future__ import annotations
@@ -39,8 +40,7 @@ class Family:
     train_bn: bool = False
     batch: int = 1
     refused: str | None = None  # what the refusal must say (a regex: the layer and why)
-    slow: bool = False
-    heavy: bool = False  # 40-55 s each on CI's cores (measured): `make test-heavy` and CI run it, `make test` not
+    heavy: bool = False  # 5-55 s each on CI's cores (measured, --junitxml): CI runs it, `make test` does not
 
     @property
     def id(self) -> str:
@@ -58,27 +58,27 @@ FAMILIES = [
     Family("timm/resnest14d"),
     Family("timm/resnest14d", train_bn=True, batch=2),
     Family("timm/skresnet18"),
-    Family("timm/res2net50_14w_8s", slow=True),
+    Family("timm/res2net50_14w_8s", heavy=True),
     Family("timm/densenet121"),
     Family("timm/dpn48b"),
     Family("timm/dla34"),
     Family("timm/dla34", checks=("budget",)),
     Family("timm/dla46_c"),
     Family("timm/hrnet_w18_small"),
-    Family("timm/selecsls42b", size=(192, 128), slow=True),  # stride 64 and cut points only at both ends
-    Family("timm/xception41", slow=True),
+    Family("timm/selecsls42b", size=(192, 128), heavy=True),  # stride 64 and cut points only at both ends
+    Family("timm/xception41", heavy=True),
     Family("timm/inception_v3", size=(128, 160)),  # valid convolutions: 2 x 3 at the end
-    Family("timm/tresnet_m", slow=True),
+    Family("timm/tresnet_m", heavy=True),
     # timm: mobile and NAS families (depthwise, squeeze-excitation in multi-pass sweeps, hard-swish)
-    Family("timm/efficientnet_b0", slow=True),
+    Family("timm/efficientnet_b0", heavy=True),
     Family("timm/tinynet_e"),
     Family("timm/mobilenetv2_050"),
     Family("timm/mobilenetv3_small_050"),
-    Family("timm/mobilenetv3_small_050", checks=("budget",), slow=True),
+    Family("timm/mobilenetv3_small_050", checks=("budget",), heavy=True),
     Family("timm/mobilenetv4_conv_small"),
     Family("timm/mnasnet_small"),
     Family("timm/hardcorenas_a"),
-    Family("timm/mixnet_s", slow=True),
+    Family("timm/mixnet_s", heavy=True),
     Family("timm/lcnet_050"),
     Family("timm/ghostnet_050"),
     Family("timm/rexnet_100"),
@@ -97,7 +97,7 @@ FAMILIES = [
     # timm: ConvNeXt and its relatives (LayerNorm over channels, GRN, channel attention, star blocks)
     Family("timm/convnext_atto"),
     Family("timm/convnextv2_atto"),
-    Family("timm/convnextv2_atto", checks=("budget",), slow=True),
+    Family("timm/convnextv2_atto", checks=("budget",), heavy=True),
     Family("timm/inception_next_atto"),
     Family("timm/edgenext_xx_small"),
     Family("timm/starnet_s050"),
@@ -117,13 +117,12 @@ FAMILIES = [
     Family("torchvision/mobilenet_v3_small"),
     Family("torchvision/mnasnet0_5"),
     Family("torchvision/regnet_x_400mf"),
-    Family("torchvision/convnext_tiny", slow=True),
+    Family("torchvision/convnext_tiny", heavy=True),
 ]
 
 
 def _param(f: Family) -> object:
-    marks = [pytest.mark.slow] if f.slow else []
-    marks += [pytest.mark.heavy] if f.heavy else []
+    marks = [pytest.mark.heavy] if f.heavy else []
     return pytest.param(f, id=f.id, marks=marks)
 
 

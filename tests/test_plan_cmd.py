@@ -198,6 +198,8 @@ def test_run_budget_is_the_config_value_or_one_detection() -> None:
 
 
 # ---- --simulate -----------------------------------------------------------------------------------
+# The two real simulations below take 10-14 s each (measured): CI runs them (`make test-heavy`), `make test` does not.
+@pytest.mark.heavy
 def test_simulate_runs_one_step_and_reports_it_beside_the_plan() -> None:
     code, out = _run(True, model="tiny", size="4096", memory="200MiB", simulate=True)
     d = json.loads(out)
@@ -224,6 +226,7 @@ def test_simulate_refuses_what_it_cannot_simulate(kw: dict, message: str) -> Non
         _run(False, model="tiny", size="1024", simulate=True, **kw)
 
 
+@pytest.mark.heavy
 def test_simulate_bf16_times_the_bf16_plan_on_a_preset() -> None:
     """bf16 on a preset with speed constants: the bf16 plan's simulated time and plain's; memory said unsimulated."""
     code, out = _run(True, model="tiny", size="1024", gpu="h100", memory="170MiB", precision="bf16", simulate=True)

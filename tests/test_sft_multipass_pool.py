@@ -146,6 +146,7 @@ def test_fusion_lowers_the_planned_peak(monkeypatch: pytest.MonkeyPatch) -> None
     assert fused.estimated_peak_bytes <= joined.estimated_peak_bytes - last_map
 
 
+@pytest.mark.heavy  # ResNet-50 planned at slide size: 11 s (measured); CI runs it (`make test-heavy`)
 def test_resnet50_train_bn_at_slide_size_has_no_full_size_head() -> None:
     """ResNet-50 with train-mode BatchNorm at 100,000 px: before, the head was 149 GiB and its gradient 74.5 GiB."""
     with torch.device("meta"):

@@ -143,7 +143,7 @@ def timm_se_net() -> nn.Sequential:
 
 
 @pytest.mark.parametrize(
-    "how", [pytest.param("budget_45", marks=pytest.mark.slow), pytest.param("tile_24", marks=pytest.mark.heavy)]
+    "how", ["budget_45", pytest.param("tile_24", marks=pytest.mark.heavy)]
 )
 def test_timm_se_blocks_exact(how: str) -> None:
     """The structures issue 19 suspected, exact: at 45% a multi-pass SE segment between a tiled one and a plain

@@ -113,7 +113,7 @@ def test_budget_driven_whole_slide_plan_holds_when_simulated(name: str, size: in
     assert d["device_peak"]["largest"] and d["device_peak"]["where"] not in ("", "start")
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     ("name", "size", "budget"),
     [

@@ -125,7 +125,6 @@ def _engine(dtype: torch.dtype) -> SFT:
     return SFT(model, memory_budget="4GiB", tile_size=64)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("augment", ["none", "hed", "hsv"])
 def test_fit_step_and_predict_equal_the_whole_image(slide: Path, augment: str) -> None:
     """Logits, every parameter gradient (train) and the eval logits (predict) are bitwise those of the whole image."""
@@ -165,7 +164,6 @@ def _fit_cfg(root: Path, name: str, stream: bool) -> WsiTrainConfig:
     })  # fmt: skip
 
 
-@pytest.mark.slow
 def test_fit_with_streamed_tiles_trains_bitwise_the_same(tmp_path: Path) -> None:
     """Two epochs of fit (augmented, masked, odd sizes): every slide's loss and the final weights are bitwise those
     of the whole-image fit."""
@@ -260,7 +258,6 @@ def test_cache_keeps_the_first_regions_within_its_bound(slide: Path) -> None:
         src.close()
 
 
-@pytest.mark.slow
 def test_cached_recompute_gives_the_same_gradients(tmp_path: Path) -> None:
     """A training step whose recompute takes its regions from the cache: logits and every parameter gradient
     bitwise those of the step that decodes them again; each region the recompute takes from the cache is one

@@ -34,7 +34,6 @@ HOOK = Path(__file__).resolve().parent / "slurm_hook"
 JOB_TIMEOUT_S = 240.0
 PAUSE_AFTER_STEP = 1  # the requeue test's signal comes after this optimizer step; the ranks stop after the next
 
-pytestmark = pytest.mark.slow  # one private Slurm per run: make test's --dist loadfile keeps this file on one worker
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +123,7 @@ def one_node(cluster: LocalSlurm, config: Path, tmp_path_factory: pytest.TempPat
     return config.parent / "runs" / "one-node", log.read_text()
 
 
+@pytest.mark.heavy  # a private cluster's jobs: 13-18 s each (measured); CI runs them (`make test-heavy`)
 def test_one_node_two_ranks(one_node: tuple[Path, str]) -> None:
     run, out = one_node
     assert ": 1 node x 2 rank(s), config" in out and "; 2 ranks" in out, out  # the script's line, then wsitrain's
@@ -131,6 +131,7 @@ def test_one_node_two_ranks(one_node: tuple[Path, str]) -> None:
     assert json.loads((run / "summary.json").read_text())["epochs"] == 1
 
 
+@pytest.mark.heavy
 def test_two_nodes_one_rank_each(
     cluster: LocalSlurm, config: Path, one_node: tuple[Path, str], tmp_path: Path
 ) -> None:

@@ -78,7 +78,6 @@ def _files(folder: Path) -> dict[str, bytes]:
             for p in sorted(folder.iterdir())}  # fmt: skip
 
 
-@pytest.mark.slow
 def test_predict_and_heatmaps_streamed_equal_the_whole_read(
     slides: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

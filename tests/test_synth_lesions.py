@@ -58,6 +58,7 @@ def test_lesions_on_positives_only_one_to_three() -> None:
     assert counts[True] == {1, 2, 3}  # the range is used, not one fixed count
 
 
+@pytest.mark.heavy  # 9 s of rendering (measured); CI runs it (`make test-heavy`)
 def test_paired_puts_a_look_alike_on_every_slide() -> None:
     """``--lesions paired``: two or three structures on every slide, at least one a look-alike in both classes, so a
     look-alike's presence says nothing of the label; positives keep one or two lesions."""

@@ -36,7 +36,7 @@ def _cv(cfg: WsiTrainConfig, folds: int) -> tuple[Path, str]:
     return out, buf.getvalue()
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_cv_folds_summary_and_resume(tmp_path: Path) -> None:
     labels = write_task_dataset(tmp_path / "data", "survival", n=16, size=128, seed=0, slides_per_patient=2,
                                 test_fraction=0.25)  # fmt: skip

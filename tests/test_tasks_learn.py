@@ -56,7 +56,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("learn")
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.parametrize(("task", "metric", "floor"), [
     ("survival", "test_c_index", 0.75), ("regression", "test_r2", 0.6), ("multilabel", "test_macro_auc", 0.9),
 ])  # fmt: skip
@@ -70,7 +70,7 @@ def test_fit_learns_the_task_on_held_out_slides(root: Path, task: str, metric: s
     assert (run / f"{task}_validation.png").is_file() and (run / f"{task}_test.png").is_file()
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_task_run_outputs_predict_and_report(root: Path, tmp_path: Path) -> None:
     run = root / "runs" / "survival"
     if not (run / "best.pt").is_file():

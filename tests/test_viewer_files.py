@@ -144,7 +144,6 @@ def test_heatmap_tiff_reads_back_with_slide_geometry_tiles_pixel_size_and_hot_co
     assert (small[y0 // 2 + 1, x0 // 2 + 1] == hot).all() and (small[0, 0] == white).all()
 
 
-@pytest.mark.slow
 def test_predict_heatmaps_writes_and_indexes_viewer_files(tmp_path: Path) -> None:
     from wsitrain.train.fit import run_fit
     from wsitrain.train.predict import run_predict

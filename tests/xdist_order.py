@@ -5,10 +5,11 @@ few-case slow files (a private Slurm cluster, two-process fits, the heavy float6
 last, and one worker ran such a file alone at the end while the other had finished. Dealt longest first (the LPT
 rule), the last files to start are short ones and both workers end close together.
 
-``SLOW_FILES`` is about the seconds each file takes on one worker of 2 cores, heavy cases included: the default
-cases from the `--durations=60` of a full run on 2026-12-01 (*measured* at a load of 10, divided by 3.5, the slowdown
-test_model_zoo.py showed at that load), the heavy ones from their closing notes (2026-11-24 to 2026-11-27). Only the
-order matters, so a rough figure does. A file not listed keeps xdist's order after them: more tests first.
+``SLOW_FILES`` gives about the seconds each file's default cases and its ``heavy`` cases take on one worker of CI's 2
+cores (*measured* with --junitxml on two fresh-clone CI runs, 2026-12-01, the larger of the two): `make test` runs
+the first, `make test-heavy` the second, `make test-all` both, so a file's figure is the sum over the kinds its
+selected tests are. Only the order matters, so a rough figure does. A file not listed keeps xdist's order after
+them: more tests first.
 """
 
 from __future__ import annotations
@@ -18,34 +19,44 @@ from pathlib import Path
 
 import pytest
 
-SLOW_FILES = {
-    "test_model_zoo.py": 330,  # 59 default families (about 200 s of CPU) and 3 heavy ones of 40-55 s
-    "test_sft_simulate.py": 260,  # simulated whole-slide models and representative tiles; 2 heavy cases
-    "test_sft_multipass_regressions.py": 180,  # heavy: the 45% FBNetV3 and EfficientNetV2 cases (planning)
-    "test_slurm_real.py": 140,  # a private two-node cluster: 100 s, and the heavy requeue case 30-50 s
-    "test_fit_distributed.py": 120,  # a two-process fit; the heavy signal case alone 90 s under load
-    "test_sft_cpu_budget.py": 90,  # fresh processes measuring the CPU budget (a fresh-clone CI run, 2026-12-01)
-    "test_plan_cmd.py": 80,
-    "test_tasks_learn.py": 80,  # three task fits to their targets
-    "test_tasks_cv.py": 80,  # a k-fold cv, and the heavy two-process cv (30-50 s)
-    "test_sft_timm_families.py": 70,
-    "test_sft_clock.py": 60,
-    "test_sft_memory.py": 60,  # DarkNet-19's RSS, and VGG-16's (heavy)
-    "test_sft_multipass.py": 55,
-    "test_bench_throughput.py": 50,  # the heavy quick run 18-50 s
-    "test_sft_multipass_pool.py": 45,  # ResNet-50 planned at 100,000 px with train-mode BatchNorm
-    "test_synth_lesions.py": 45,
+SLOW_FILES: dict[str, tuple[float, float]] = {  # file: (default cases' seconds, heavy cases' seconds)
+    "test_model_zoo.py": (161, 147),  # 50 families in the default run, 13 heavy (5-55 s each)
+    "test_sft_simulate.py": (82, 120),  # simulated whole-slide models and representative tiles
+    "test_sft_cpu_budget.py": (20, 71),  # fresh processes measuring the CPU budget
+    "test_sft_memory.py": (0, 78),  # fresh processes measuring RSS: VGG-16 and DarkNet-19
+    "test_sft_attention.py": (49, 24),
+    "test_slurm_real.py": (0, 71),  # a private two-node cluster: its jobs and the requeue
+    "test_sft_multipass_regressions.py": (3, 47),  # the 45% FBNetV3 and EfficientNetV2 cases (planning)
+    "test_bench_learning_script.py": (5, 43),
+    "test_fit_distributed.py": (0, 45),  # two-process fits and the signal case
+    "test_tasks_learn.py": (0, 43),  # three task fits to their targets
+    "test_sft_timm_families.py": (13, 27),
+    "test_plan_cmd.py": (7, 24),
+    "test_synth_lesions.py": (21, 9),
+    "test_gpu_session.py": (27, 0),
+    "test_fit_train.py": (27, 0),
+    "test_bench_throughput.py": (0, 26),
+    "test_sft_multipass.py": (23, 0),
+    "test_slide_bn.py": (23, 0),
+    "test_fit_preempt.py": (20, 0),
+    "test_tasks_cv.py": (0, 19),
+    "test_fit_start_ranks.py": (0, 18),
 }
 
 
 def slowest_first(items: list[pytest.Item]) -> None:
-    """Reorder ``items`` in place: files in SLOW_FILES first (slowest first), then the rest by their number of tests;
-    each file's tests keep their order."""
+    """Reorder ``items`` (the selected tests: called after ``-m`` deselects) in place: files in SLOW_FILES first
+    (slowest first), then the rest by their number of tests; each file's tests keep their order."""
     per_file = Counter(Path(str(item.fspath)).name for item in items)
+    kinds: dict[str, set[bool]] = {}
+    for item in items:
+        kinds.setdefault(Path(str(item.fspath)).name, set()).add(item.get_closest_marker("heavy") is not None)
 
     def key(name: str) -> tuple[bool, float]:
-        seconds = SLOW_FILES.get(name)
-        return (seconds is None, -(seconds if seconds is not None else per_file[name]))
+        figures = SLOW_FILES.get(name)
+        if figures is None:
+            return (True, -per_file[name])
+        return (False, -sum(figures[heavy] for heavy in kinds[name]))
 
     first_seen = {name: i for i, name in reversed(list(enumerate(Path(str(it.fspath)).name for it in items)))}
     items.sort(key=lambda it: (*key(Path(str(it.fspath)).name), first_seen[Path(str(it.fspath)).name]))
