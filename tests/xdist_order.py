@@ -35,6 +35,7 @@ SLOW_FILES = {
     "test_bench_throughput.py": 50,  # the heavy quick run 18-50 s
     "test_sft_multipass_pool.py": 45,  # ResNet-50 planned at 100,000 px with train-mode BatchNorm
     "test_synth_lesions.py": 45,
+    "test_patch_tasks.py": 30,  # three tiny ViT fits, a 2-fold cv, and the heavy two-process fit (15 s)
 }
 
 
