@@ -89,6 +89,10 @@ def test_survival_target_with_a_patch_encoder(survival_labels: Path, root: Path)
     run = run_fit(_task_cfg(survival_labels, root / "runs", "survival", "attention"), console=_quiet(), quiet=True)
     ck = load_checkpoint(run / "last.pt")
     _check_task_run(run, "survival", len(ck["task"]["cuts"]) + 1, ["val_c_index", "test_c_index"])
+    # the time model's share of the work, counted per patch for a patch encoder (flat patches encoded once a chunk)
+    train = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"train"' in x]
+    shares = [r["tissue_tile_share"] for r in train]
+    assert shares and all(s is not None and 0 < s <= 1 for s in shares), shares
 
 
 def test_multilabel_target_with_a_patch_encoder(root: Path) -> None:
