@@ -28,7 +28,7 @@ def test_plan_prints_the_patch_view() -> None:
     assert "patch encoder: 32 px patches, 24-wide embeddings; 64 x 64 = 4,096 patches per slide" in out
     assert "patches recomputed and back-propagated at once" in out and "memory by part (planned)" in out
     assert "embedding map" in out and "forward + backward of all patches" in out
-    assert "2,048 of 4,096 patches hold tissue" in out
+    assert "2,048 of 4,096 patches hold tissue" in out and "with tissue in 50% of the patches" in out
 
 
 def test_plan_json_has_the_patch_view_and_the_chunk_follows_the_budget() -> None:

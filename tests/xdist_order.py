@@ -41,6 +41,7 @@ SLOW_FILES: dict[str, tuple[float, float]] = {  # file: (default cases' seconds,
     "test_fit_preempt.py": (20, 0),
     "test_tasks_cv.py": (0, 19),
     "test_fit_start_ranks.py": (0, 18),
+    "test_patch_tasks.py": (8, 15),  # tiny ViT fits and a 2-fold cv; the two-process fit (heavy)
 }
 
 

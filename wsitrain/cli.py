@@ -292,8 +292,8 @@ def plan(
         False, "--every-tile", help="With --simulate: visit every tile, not only one of each kind (same peaks, slower)."
     ),
     tissue: float | None = typer.Option(
-        None, "--tissue", min=0.0, max=1.0, help="Also predict the step time when this share of the tiles holds "
-        "tissue (masked background computed once), e.g. 0.4.",
+        None, "--tissue", min=0.0, max=1.0, help="Also predict the step time when this share of the tiles (of the "
+        "patches, for a patch encoder) holds tissue (masked background computed once), e.g. 0.4.",
     ),
     pool: str | None = typer.Option(
         None, "--pool", help="The head's pooling: avg (the default), max, attention, gated_attention or topk."

@@ -51,7 +51,7 @@ class PatchPlanSummary:
         lines = [
             f"patch encoder: {self.patch} px patches, {self.dim}-wide embeddings; {gh} x {gw} = {self.patches:,} "
             f"patches per slide" + (f", {math.ceil(tissue * self.patches):,} with tissue at {tissue:.0%} (background "
-                                    "patches masked: not pooled, their chunks not recomputed)" if tissue else ""),
+                                    "patches masked: not pooled, not encoded but one per chunk)" if tissue else ""),
             f"  chunk: {self.chunk} patches recomputed and back-propagated at once"
             + (" in forward (one pass: no forward sweep, no recompute)" if self.one_pass
                else f"; forward sweep {self.sweep_chunk} patches at once without autograd"),

@@ -7,7 +7,8 @@ tile of whole patches needs no halo. The engine's operator registry describes it
 (``patch_spec``), so the existing executor tiles it: the forward sweep keeps no activations, the head runs forward
 and backward on the embedding map (the segment's checkpoint), and each tile (a chunk of patches) is recomputed under
 autograd and its embedding gradient back-propagated. Every head, the tissue masks, background reuse, prediction
-heatmaps and torchrun come through the engine unchanged.
+heatmaps and torchrun come through the engine unchanged. Within a chunk, flat patches (a masked slide's background)
+are encoded once per colour, not each (``flat_cells.py``), exactly.
 
 Border rule: rows and columns past the last whole patch are not encoded (as a strided convolution drops them). The
 slide reader never leaves any: it pads the read region to whole patches with ``data.background``
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from wsitrain.patch.flat_cells import encode_distinct
 
 
 class PatchTrunk(nn.Module):
@@ -45,8 +48,8 @@ class PatchTrunk(nn.Module):
         # (B, C, gh, p, gw, p) -> (B, gh, gw, C, p, p) -> (B * gh * gw, C, p, p): patches in row-major order
         cells = x[:, :, : gh * p, : gw * p].reshape(b, c, gh, p, gw, p).permute(0, 2, 4, 1, 3, 5)
         cells = cells.reshape(b * gh * gw, c, p, p)
-        emb = self.encoder(cells)  # (B * gh * gw, D)
-        if emb.dim() != 2 or emb.shape[1] != self.dim:
+        emb = encode_distinct(self.encoder, cells)  # (B * gh * gw, D); a flat (background) patch once per colour
+        if emb.dim() != 2 or emb.shape != (cells.shape[0], self.dim):
             raise ValueError(
                 f"the patch encoder {type(self.encoder).__name__} gave {tuple(emb.shape)} for {tuple(cells.shape)}, "
                 f"not (N, {self.dim})"

@@ -591,8 +591,11 @@ def run_plan(
         # markup=False: the plan's "[conv1 .. pool4]" layer ranges are not rich markup tags.
         console.print(str(report), markup=False, highlight=False, soft_wrap=True)
         if tissue is not None:
+            where = ("of the patches (data.mask_background: a chunk encodes its tissue patches and one background "
+                     "patch, a chunk all background is computed once)" if report.patch is not None
+                     else "of the tiles (data.mask_background: background computed once)")  # fmt: skip
             console.print(
-                f"with tissue in {tissue:.0%} of the tiles (data.mask_background: background computed once): "
+                f"with tissue in {tissue:.0%} {where}: "
                 f"predicted step time vs plain {report.plan.slowdown_at(tissue):.2f}x "
                 f"(all tissue {report.plan.slowdown:.2f}x)"
                 + (f"; {math.ceil(tissue * report.patch.patches):,} of {report.patch.patches:,} patches hold tissue"

@@ -13,6 +13,7 @@ from rich.console import Console
 from wsitrain.config import LogConfig
 from wsitrain.precision import activation_dtype
 from wsitrain.sft import SFT, Plan
+from wsitrain.sft.ops.patch_grid import is_patch_module
 from wsitrain.sft.planning.tissue_share import tissue_tile_share
 from wsitrain.sft.source import is_source
 from wsitrain.slides.dataset import SlideRecord
@@ -30,6 +31,8 @@ class RunRecorder:
     def __init__(self, run_dir: Path | None, log: LogConfig, precision: str, engine: SFT, console: Console) -> None:
         self.run_dir = run_dir
         self.engine = engine
+        trunk = next((m for m in engine.model.modules() if is_patch_module(m)), None)
+        self._patch: int | None = None if trunk is None else int(trunk.patch)  # a patch encoder: shares per patch
         self.console = console
         self.tiles_mode = log.tiles
         self.full_plans = log.plans == "full"
@@ -104,7 +107,8 @@ class RunRecorder:
         # flat background, computed once): counted on the image at the first tiled segment's tiles
         plan = self._plans.get((1, *read.image.shape[-3:]))
         # (not counted on a slide read tile by tile: that would decode the whole slide once more)
-        tile_share = tissue_tile_share(read.image, plan) if plan is not None and not is_source(read.image) else None
+        tile_share = (tissue_tile_share(read.image, plan, self._patch) if plan is not None
+                      and not is_source(read.image) else None)  # fmt: skip
         predicted = plan.slowdown_at(1.0 if tile_share is None else tile_share) if plan is not None else None
         if computed_share is not None:
             self._times["computed_tile_share"].append(computed_share)
