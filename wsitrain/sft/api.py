@@ -99,6 +99,7 @@ class SFT(nn.Module):
         spill_dir: str | None = None,
         one_pass: bool = True,
         fold_bn: bool = True,
+        keep_prefix: str = "auto",
     ) -> None:
         super().__init__()
         self.model = model
@@ -115,6 +116,8 @@ class SFT(nn.Module):
         # tile computed, the reference the reuse tests compare against bitwise
         self.reuse_tiles = reuse_tiles
         self.one_pass = one_pass
+        # a patch encoder's frozen prefix output kept for the recompute: "auto" (by the budget), "always", "never"
+        self.keep_prefix = keep_prefix
         self.target = target  # the device's planning facts; None: detected (the simulated device: a preset's)
         self._budget_bytes: int | None = None if memory_budget is None else parse_bytes(memory_budget, "memory_budget")
         self.fold_bn = fold_bn
@@ -211,7 +214,7 @@ class SFT(nn.Module):
                 self._graph, _model_name(self.model), shape, budget, act, in_dtype, self._plan_device(device),
                 on_host, x_grad, tile_size=self.tile_size, checkpoints=self.checkpoints, optimizer=self.optimizer,
                 host_checkpoints=self.host_checkpoints, time_model=self.time_model, reuse_tiles=self.reuse_tiles,
-                one_pass=self.one_pass,
+                one_pass=self.one_pass, keep_prefix=self.keep_prefix,
                 target=self.target or target_for(detection_device(device, self._plan_device(device))),
             )  # fmt: skip
             p = place_host(p, self.host_memory)  # which host checkpoints stay in RAM, which spill to disk
