@@ -77,7 +77,10 @@ class SFT(nn.Module):
     gradients up to rounding); False: always recompute. ``fold_bn``: a frozen (eval-mode) BatchNorm after a convolution
     folds into the convolution's weight and bias, recomputed from the original parameters every step
     (``ops/fold_bn.py``: no BatchNorm kernel runs, the same outputs and gradients up to rounding); False: every
-    BatchNorm runs as itself.
+    BatchNorm runs as itself. ``keep_prefix``: a patch encoder's frozen stem and leading blocks
+    (``model.freeze.last_blocks`` on a timm ViT) run forward once per step, their output kept from the forward sweep
+    for the chunks' recompute, where the plan says so: "auto" (its peak and step time decide,
+    ``planning/kept_prefix.py``), "always" (wherever it can), "never" (recomputed in each chunk); exact either way.
     """
 
     def __init__(
