@@ -46,10 +46,11 @@ def test_plan_json_has_the_patch_view_and_the_chunk_follows_the_budget() -> None
 
 
 def test_freezing_the_patch_embedding_shrinks_backward() -> None:
-    res = invoke("plan", "--model", MODEL, "--size", "1024", "--memory", "96MiB", "--pool", "attention",
+    res = invoke("plan", "--model", MODEL, "--size", "1024", "--memory", "24MiB", "--pool", "attention",
                  "--no-max-size", "--freeze", "features.encoder.patch_embed")  # fmt: skip
     assert res.exit_code == 0, res.output
-    assert "frozen:" in res.output and "first trainable block's input is recomputed" in res.output
+    # the position embedding and class token still train: no frozen stem to keep (wsitrain/patch/prefix.py)
+    assert "frozen:" in res.output and "first trainable block's input: recomputed: the frozen layers" in res.output
 
 
 def _encoder_with(layer: nn.Module) -> nn.Module:
@@ -92,3 +93,43 @@ def test_the_chunk_keeps_every_tensor_within_the_element_limit(monkeypatch: pyte
     assert chunk() == 256  # the whole grid fits at once
     monkeypatch.setattr(target_mod, "CONV_ELEMENTS_LIMIT", 20 * largest)
     assert 1 <= chunk() <= 20
+
+
+def test_lora_plans_the_adapters_as_trained_and_the_base_weights_as_frozen(tmp_path) -> None:
+    """``model.lora``: the plan's gradients and optimizer state are the adapters' and the head's (what requires a
+    gradient in the peft-wrapped model fit builds), its weights every parameter; without LoRA every parameter trains."""
+    pytest.importorskip("peft", reason="model.lora is peft's")
+    import io
+
+    import yaml
+    from rich.console import Console
+
+    from wsitrain.config import load_config
+    from wsitrain.plan.command import PLAN_NUM_CLASSES, run_plan
+    from wsitrain.train.engine import build_model
+
+    figures, counts = {}, {}
+    for name, lora in (("plain", None), ("lora", {"rank": 4, "alpha": 8, "targets": ["qkv", "fc2"]})):
+        model = {"name": MODEL, "patch": 32, "pool": "attention", **({"lora": lora} if lora else {})}
+        cfg = tmp_path / f"{name}.yaml"
+        cfg.write_text(yaml.safe_dump({"data": {"synthetic": {"n": 8, "size": 512}}, "model": model,
+                                       "train": {"optimizer": "adamw"}}))  # fmt: skip
+        buf = io.StringIO()
+        code = run_plan(config=cfg, model=None, size=None, gpu=None, memory="256MiB", batch=1, precision=None,
+                        tile=None, with_max_size=False, as_json=True,
+                        console=Console(file=buf, width=250, color_system=None))  # fmt: skip
+        assert code == 0, buf.getvalue()
+        figures[name] = json.loads(buf.getvalue())
+        net = build_model(load_config(cfg).model, PLAN_NUM_CLASSES, with_weights=False)
+        counts[name] = (sum(p.numel() for p in net.parameters()), sum(p.numel() for p in net.parameters()
+                                                                      if p.requires_grad))  # fmt: skip
+    adapters = counts["lora"][0] - counts["plain"][0]
+    assert adapters == (4 * 24 + 72 * 4) + (4 * 96 + 24 * 4)  # qkv (24 -> 72) and fc2 (96 -> 24), rank 4
+    for name, (every, trained) in counts.items():
+        out = figures[name]
+        bd, patch = out["plan"]["breakdown"], out["patch"]
+        assert patch["weights_bytes"] == 4 * every
+        assert bd["gradients"] == patch["gradient_bytes"] == 4 * trained
+        assert bd["optimizer"] == patch["optimizer_bytes"] == 2 * 4 * trained  # adamw: two states per parameter
+    assert counts["plain"][1] == counts["plain"][0]  # without LoRA every parameter trains
+    assert counts["lora"][1] == adapters + counts["plain"][0] - figures["lora"]["patch"]["frozen"]

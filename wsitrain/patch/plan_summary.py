@@ -40,6 +40,14 @@ class PatchPlanSummary:
     trainable: int  # encoder parameters trained
     frozen: int  # encoder parameters frozen
     backward_share: float  # the encoder's backward FLOPs over a fully trained encoder's (frozen blocks skipped)
+    # the frozen stem and leading blocks' output for every patch (the first trainable block's input): its bytes, and
+    # whether the plan keeps it from the forward sweep for the recompute (sft/planning/kept_prefix.py); 0: no such
+    # prefix (nothing frozen, or an encoder the engine cannot split: wsitrain/patch/prefix.py)
+    prefix_bytes: int = 0
+    prefix_kept: bool = False
+    prefix_blocks: int = 0
+    prefix_why: str = ""  # why it is recomputed (the plan's reason)
+    plain: bool = False  # the whole grid runs with plain autograd (no tiled segment): nothing is recomputed
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -68,10 +76,20 @@ class PatchPlanSummary:
             f"  planned step time: {self.slowdown:.2f}x forward + backward of all patches with plain autograd",
         ]  # fmt: skip
         if self.frozen:
+            if self.plain:
+                how = "not recomputed (the patch grid runs with plain autograd at this size)"
+            elif self.prefix_kept:
+                how = (f"kept ({format_bytes(self.prefix_bytes)}, planned): the stem and {self.prefix_blocks} frozen "
+                       "blocks run forward once per step, the recompute starts after them")
+            elif self.prefix_bytes:
+                how = (f"recomputed (would need {format_bytes(self.prefix_bytes)}, planned; {self.prefix_why}): the "
+                       f"stem and {self.prefix_blocks} frozen blocks run forward again in each chunk, keeping nothing")
+            else:
+                how = ("recomputed: the frozen layers run forward again in each chunk, keeping nothing (kept only "
+                       "for a timm ViT whose stem and leading blocks are frozen)")
             lines.append(
                 f"  frozen: {self.frozen:,} of {self.trainable + self.frozen:,} encoder parameters; backward runs "
-                f"{self.backward_share:.0%} of a fully trained encoder's; the first trainable block's input is "
-                "recomputed in each chunk (the frozen blocks run forward again, keeping nothing for backward)"
+                f"{self.backward_share:.0%} of a fully trained encoder's; the first trainable block's input: {how}"
             )
         return "\n".join(lines)
 
@@ -122,5 +140,7 @@ def summarize(model: nn.Module, plan: Plan, act_dtype: torch.dtype, optimizer_st
         embedding_map_bytes=b * dim * grid[0] * grid[1] * act_dtype.itemsize,
         weights_bytes=sum(q.numel() * q.element_size() for q in model.parameters()), gradient_bytes=train_bytes,
         optimizer_bytes=int(optimizer_state * train_bytes), slowdown=plan.slowdown, trainable=trainable, frozen=frozen,
-        backward_share=share,
+        backward_share=share, prefix_bytes=seg.prefix_bytes if seg is not None else 0,
+        prefix_kept=seg is not None and seg.kept_prefix, prefix_blocks=seg.prefix_blocks if seg is not None else 0,
+        plain=seg is None, prefix_why=seg.prefix_why if seg is not None else "",
     )  # fmt: skip

@@ -42,19 +42,28 @@ class PatchTrunk(nn.Module):
         self.dim = int(dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cells, grid = self.cells(x)
+        # a flat (background) patch encoded once per colour (flat_cells.py)
+        return self.embedding_map(encode_distinct(self.encoder, cells), grid)  # (B, D, gh, gw)
+
+    def cells(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """(B, C, H, W) -> its whole patches (B * gh * gw, C, p, p) in row-major order, and (B, gh, gw)."""
         b, c, h, w = x.shape
         p = self.patch
         gh, gw = h // p, w // p
         # (B, C, gh, p, gw, p) -> (B, gh, gw, C, p, p) -> (B * gh * gw, C, p, p): patches in row-major order
         cells = x[:, :, : gh * p, : gw * p].reshape(b, c, gh, p, gw, p).permute(0, 2, 4, 1, 3, 5)
-        cells = cells.reshape(b * gh * gw, c, p, p)
-        emb = encode_distinct(self.encoder, cells)  # (B * gh * gw, D); a flat (background) patch once per colour
-        if emb.dim() != 2 or emb.shape != (cells.shape[0], self.dim):
+        return cells.reshape(b * gh * gw, c, p, p), (b, gh, gw)
+
+    def embedding_map(self, emb: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        """The encoder's (B * gh * gw, D) embeddings as the (B, D, gh, gw) map."""
+        if emb.dim() != 2 or emb.shape != (grid[0] * grid[1] * grid[2], self.dim):
             raise ValueError(
-                f"the patch encoder {type(self.encoder).__name__} gave {tuple(emb.shape)} for {tuple(cells.shape)}, "
-                f"not (N, {self.dim})"
+                f"the patch encoder {type(self.encoder).__name__} gave {tuple(emb.shape)} for "
+                f"{grid[0] * grid[1] * grid[2]} patches, not (N, {self.dim})"
             )
-        return emb.reshape(b, gh, gw, self.dim).permute(0, 3, 1, 2)  # (B, D, gh, gw)
+        b, gh, gw = grid
+        return emb.reshape(b, gh, gw, self.dim).permute(0, 3, 1, 2)
 
     def extra_repr(self) -> str:
         return f"patch={self.patch}, dim={self.dim}"

@@ -77,7 +77,10 @@ class SFT(nn.Module):
     gradients up to rounding); False: always recompute. ``fold_bn``: a frozen (eval-mode) BatchNorm after a convolution
     folds into the convolution's weight and bias, recomputed from the original parameters every step
     (``ops/fold_bn.py``: no BatchNorm kernel runs, the same outputs and gradients up to rounding); False: every
-    BatchNorm runs as itself.
+    BatchNorm runs as itself. ``keep_prefix``: a patch encoder's frozen stem and leading blocks
+    (``model.freeze.last_blocks`` on a timm ViT) run forward once per step, their output kept from the forward sweep
+    for the chunks' recompute, where the plan says so: "auto" (its peak and step time decide,
+    ``planning/kept_prefix.py``), "always" (wherever it can), "never" (recomputed in each chunk); exact either way.
     """
 
     def __init__(
@@ -99,6 +102,7 @@ class SFT(nn.Module):
         spill_dir: str | None = None,
         one_pass: bool = True,
         fold_bn: bool = True,
+        keep_prefix: str = "auto",
     ) -> None:
         super().__init__()
         self.model = model
@@ -115,6 +119,8 @@ class SFT(nn.Module):
         # tile computed, the reference the reuse tests compare against bitwise
         self.reuse_tiles = reuse_tiles
         self.one_pass = one_pass
+        # a patch encoder's frozen prefix output kept for the recompute: "auto" (by the budget), "always", "never"
+        self.keep_prefix = keep_prefix
         self.target = target  # the device's planning facts; None: detected (the simulated device: a preset's)
         self._budget_bytes: int | None = None if memory_budget is None else parse_bytes(memory_budget, "memory_budget")
         self.fold_bn = fold_bn
@@ -211,7 +217,7 @@ class SFT(nn.Module):
                 self._graph, _model_name(self.model), shape, budget, act, in_dtype, self._plan_device(device),
                 on_host, x_grad, tile_size=self.tile_size, checkpoints=self.checkpoints, optimizer=self.optimizer,
                 host_checkpoints=self.host_checkpoints, time_model=self.time_model, reuse_tiles=self.reuse_tiles,
-                one_pass=self.one_pass,
+                one_pass=self.one_pass, keep_prefix=self.keep_prefix,
                 target=self.target or target_for(detection_device(device, self._plan_device(device))),
             )  # fmt: skip
             p = place_host(p, self.host_memory)  # which host checkpoints stay in RAM, which spill to disk

@@ -40,6 +40,7 @@ def plan(
     input_requires_grad: bool = False,
     one_pass: bool = True,
     fold_bn: bool = True,
+    keep_prefix: str = "auto",
 ) -> Plan:
     """Plan ``model`` on ``input_shape`` (B, C, H, W) within ``memory_budget``, on shapes only.
 
@@ -74,6 +75,7 @@ def plan(
             target=target,
             time_model=time_model,
             one_pass=one_pass,
+            keep_prefix=keep_prefix,
         )
     return p
 

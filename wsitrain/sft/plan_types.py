@@ -51,6 +51,13 @@ class SegmentPlan:
     forward_regions: SegmentRegions | None = field(default=None, repr=False, compare=False)
     # each tile's forward and backward together, in forward (planning/one_pass.py): no forward sweep, no recompute
     one_pass: bool = False
+    # a patch trunk's frozen prefix (wsitrain/patch/prefix.py; planning/kept_prefix.py): the first trainable block's
+    # input for every patch, ``prefix_bytes`` in all; kept from the forward sweep for the recompute when
+    # ``kept_prefix``, else recomputed in each chunk. 0 / False: no frozen prefix to keep
+    prefix_bytes: int = 0
+    kept_prefix: bool = False
+    prefix_blocks: int = 0  # the frozen leading blocks (with the stem) the prefix is
+    prefix_why: str = ""  # why it is recomputed, when it is
 
     @property
     def n_tiles(self) -> int:

@@ -56,12 +56,14 @@ class TiledFunction(torch.autograd.Function):
         ctx.masks = seg.runner.masks.current  # the recompute replays this step's drop masks
         ctx.folds = seg.runner.folds.current  # and this step's folded weights (execution/folds.py)
         ctx.held = None
+        ctx.kept = None
         if seg.head is not None:  # one pass: every tile's backward along the head's direction, now (one_pass.py)
             need_x = isinstance(x, torch.Tensor) and x.requires_grad
             with abandon_on_error(seg):
                 out, ctx.pool, ctx.held = forward_one_pass(seg, x, need_x, ctx.autocast)
             return out
-        with torch.no_grad(), ctx.autocast.forward_sweep(seg.cast_once), abandon_on_error(seg):
+        ctx.kept = {} if seg.prefix is not None else None  # this step's frozen prefix per chunk (kept_prefix.py)
+        with torch.no_grad(), ctx.autocast.forward_sweep(seg.cast_once), abandon_on_error(seg), seg.keeping(ctx.kept):
             out, ctx.pool = seg.forward_all(x)
         return out
 
@@ -77,8 +79,11 @@ class TiledFunction(torch.autograd.Function):
             ctx.seg.count("one_pass_fallbacks")
         x = _saved_input(ctx)
         runner = ctx.seg.runner
-        with runner.masks.replaying(ctx.masks), runner.folds.replaying(ctx.folds), abandon_on_error(ctx.seg):
+        kept, ctx.kept = ctx.kept, None  # read by the recompute, freed with it
+        with runner.masks.replaying(ctx.masks), runner.folds.replaying(ctx.folds), abandon_on_error(ctx.seg), \
+                ctx.seg.keeping(kept):
             grad_x, grads = ctx.seg.backward_all(x, grad_out, ctx.needs_input_grad[1], ctx.autocast, ctx.pool)
+        del kept
         return (None, grad_x, *grads)
 
 

@@ -11,6 +11,7 @@ The executor reads plans (``SegmentPlan`` with its ``regions``) and frozen facts
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,7 @@ from torch.autograd.profiler import record_function
 from wsitrain.sft.execution.autocast import AutocastState, TileContext
 from wsitrain.sft.execution.fold_slots import any_folded, leaves, segment_slots, values
 from wsitrain.sft.execution.hooks import ExecHooks
+from wsitrain.sft.execution.kept_prefix import PrefixKeeper, Store
 from wsitrain.sft.execution.reuse import (
     BackwardValue,
     Key,
@@ -35,6 +37,7 @@ from wsitrain.sft.execution.staging import HostStager
 from wsitrain.sft.execution.tile_grads import TileGradSums
 from wsitrain.sft.facts import GraphFacts
 from wsitrain.sft.ops.fused_pool import Accumulator, PoolFusion, new_accumulator
+from wsitrain.sft.ops.patch_grid import PATCH_PREFIX
 from wsitrain.sft.ops.pointwise_conv import PointwiseMatmul
 from wsitrain.sft.ops.registry import WINDOW
 from wsitrain.sft.ops.space import check_tile_extent, crop, spatial_extent
@@ -100,6 +103,13 @@ class TiledSegment(TileGradSums):
         self._keys = TileKeys(self.start, self.nodes, self.inputs, self.specs, self.sizes)
         # the forward sweep's own tiles' keys (tile_io.sweeping), kept apart so neither sweep recomputes the other's
         self._sweep_keys = TileKeys(self.start, self.nodes, self.inputs, self.specs, self.sizes)
+        # a patch trunk's frozen prefix kept from the sweep for the recompute, where the plan says so (kept_prefix.py)
+        self.prefix = next((PrefixKeeper(u, runner.graph.module(u), seg.prefix_blocks) for u in self.nodes
+                            if seg.kept_prefix and PATCH_PREFIX in self.specs[u].extra), None)  # fmt: skip
+
+    def keeping(self, store: Store | None) -> contextlib.AbstractContextManager[None]:
+        """Chunks run in this context keep (sweep) or read (recompute) their frozen prefix in ``store``."""
+        return self.prefix.active(store) if self.prefix is not None else contextlib.nullcontext()
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -118,6 +128,11 @@ class TiledSegment(TileGradSums):
         """What this tile runs in node ``u``'s place (``OpSpec.extra[TILE_CALL]``, or a 1x1 layer's matrix product
         where the plan allows it), or None for the layer itself; a stand-in placed on the tile reads where the crop of
         the node's first input lies in the map."""
+        if self.prefix is not None and u == self.prefix.node:
+            v = self.inputs[u][0]
+            kept = self.prefix.call((rt.req[(u, v)], ct.req[(u, v)]))  # keyed by the image pixels the chunk reads
+            if kept is not None:
+                return kept
         if u not in self._stand_ins:
             folded = self.runner.folds.tile_call(u, u in self._pointwise) if self._folded else None
             return folded or self._pointwise.get(u)

@@ -22,9 +22,12 @@ from wsitrain.sft.ops.types import DROPOUT_WHY, OPAQUE, WINDOW, OpSpec, Window, 
 
 if TYPE_CHECKING:
     from wsitrain.patch.cost import PatchCost
+    from wsitrain.patch.prefix import PrefixCost
 
 # OpSpec.extra key: fn(activation dtype) -> PatchCost, one patch's bytes and FLOPs (measured once per dtype)
 PATCH_COST = "patch_cost"
+# OpSpec.extra key: fn(activation dtype) -> PrefixCost | None, the frozen prefix a chunk's recompute may start after
+PATCH_PREFIX = "patch_prefix"
 
 
 def is_patch_module(m: nn.Module) -> bool:
@@ -69,6 +72,27 @@ class _CostMemo:
         return self.memo[key]
 
 
+class _PrefixMemo(_CostMemo):
+    """The encoder's frozen prefix per (dtype, trainable parameters, modes) (``wsitrain.patch.prefix``)."""
+
+    def __call__(self, act_dtype: torch.dtype) -> PrefixCost | None:  # type: ignore[override]
+        from wsitrain.patch.prefix import measure_prefix
+
+        enc = self.trunk.encoder
+        key = (act_dtype, tuple(p.requires_grad for p in enc.parameters()), tuple(m.training for m in enc.modules()))
+        if key not in self.memo:
+            self.memo[key] = measure_prefix(enc, self.trunk.patch, act_dtype)  # type: ignore[assignment]
+        return self.memo[key]  # type: ignore[return-value]
+
+
+def prefix_memo(trunk: nn.Module) -> Callable[[torch.dtype], PrefixCost | None]:
+    """The trunk's memo of its frozen prefix's per-patch cost, kept on the trunk as ``cost_memo``'s."""
+    memo = trunk.__dict__.get("_sft_prefix")
+    if memo is None:
+        memo = trunk.__dict__["_sft_prefix"] = _PrefixMemo(trunk)
+    return memo
+
+
 def cost_memo(trunk: nn.Module) -> Callable[[torch.dtype], PatchCost]:
     """The trunk's memo of its per-patch costs, kept on the trunk (one measurement per dtype for every plan)."""
     memo = trunk.__dict__.get("_sft_cost")
@@ -87,13 +111,19 @@ def patch_spec(m: nn.Module) -> OpSpec:
     win = Window(p, p, 0, 1)
     return OpSpec(
         WINDOW, name, windows=(win, win), saves_input=False,  # the encoder's own saved copy of its patches is measured
-        has_params=any(True for _ in m.parameters()), extra={PATCH_COST: cost_memo(m), "dim": int(m.dim)},
+        has_params=any(True for _ in m.parameters()),
+        extra={PATCH_COST: cost_memo(m), PATCH_PREFIX: prefix_memo(m), "dim": int(m.dim)},
     )  # fmt: skip
 
 
 def patch_cost(spec: OpSpec) -> Callable[[torch.dtype], PatchCost] | None:
     """The per-patch cost of a patch-trunk spec; None for any other operator."""
     return spec.extra.get(PATCH_COST)
+
+
+def prefix_cost(spec: OpSpec) -> Callable[[torch.dtype], PrefixCost | None] | None:
+    """The frozen-prefix cost of a patch-trunk spec; None for any other operator."""
+    return spec.extra.get(PATCH_PREFIX)
 
 
 def patches_in(spec: OpSpec, numel_out: float) -> float:

@@ -20,6 +20,8 @@ from wsitrain.sft.planning.baselines import baseline_peak, checkpoint_sequential
 from wsitrain.sft.planning.conv_limit import beyond_limit
 from wsitrain.sft.planning.costs import TimeModel, device_kind, memory_terms
 from wsitrain.sft.planning.host_transfers import staging_bytes, transfer_bytes
+from wsitrain.sft.planning.kept_prefix import keep_prefix as kept
+from wsitrain.sft.planning.kept_prefix import prefix_room
 from wsitrain.sft.planning.options import PLAIN, TILED, SegOption, replay_path, segment_blocker
 from wsitrain.sft.planning.search import (
     CHEAPEST,
@@ -84,8 +86,10 @@ def build_plan(
     time_model: TimeModel | None = None,
     reuse_tiles: bool = True,
     one_pass: bool = True,
+    keep_prefix: str = "auto",
 ) -> tuple[Plan, GraphFacts]:
-    """Plan ``graph`` on ``input_shape`` within ``budget`` bytes; also returns the facts it planned on."""
+    """Plan ``graph`` on ``input_shape`` within ``budget`` bytes; also returns the facts it planned on.
+    ``keep_prefix``: a patch encoder's frozen prefix output kept for the recompute (planning/kept_prefix.py)."""
     if tile_size is not None and tile_size <= 0:
         raise PlanError(f"tile_size {tile_size} must be a positive number of pixels", hint="engine.tile_size")
     sess = new_session(
@@ -138,7 +142,8 @@ def build_plan(
             "bf16, or read the slide at a coarser resolution"
         )
         plain = plain_pytorch(sess)
-        return _assemble(sess, plain, model_name, budget, state, False, notes, "one tile", least), sess.facts
+        p = _assemble(sess, plain, model_name, budget, state, False, notes, "one tile", least)
+        return kept(sess, p, budget, keep_prefix), sess.facts
     if state is None:
         blocker = _first_blocker(sess, budget, tile_size, forced_cuts)
         if blocker is not None:
@@ -168,8 +173,16 @@ def build_plan(
             f"tiling: {what}; the largest is the {limiting}"
         )
         plain = plain_pytorch(sess)
-        return _assemble(sess, plain, model_name, budget, state, False, notes, limiting, least), sess.facts
-    return _assemble(sess, plain_pytorch(sess), model_name, budget, state, True, notes, limiting), sess.facts
+        p = _assemble(sess, plain, model_name, budget, state, False, notes, limiting, least)
+        return kept(sess, p, budget, keep_prefix), sess.facts
+    plain = plain_pytorch(sess)
+    p = kept(sess, _assemble(sess, plain, model_name, budget, state, True, notes, limiting), budget, keep_prefix)
+    room = prefix_room(p)  # a frozen prefix the budget did not hold beside the plan: plan again leaving room for it
+    if room and keep_prefix == "auto" and (again := fitting_plan(sess, budget - room, tile_size, forced_cuts)):
+        q = kept(sess, _assemble(sess, plain, model_name, budget, again, True, notes, limiting), budget, keep_prefix)
+        if worth_running(sess, again, tile_size) and q.fits and q.time_sft < p.time_sft:
+            p = q  # smaller tiles and the prefix kept: the faster step
+    return p, sess.facts
 
 
 def _needs(least: tuple[int, bool]) -> str:
