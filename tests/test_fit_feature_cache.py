@@ -118,10 +118,15 @@ def test_each_slide_and_view_is_embedded_once(labels: Path, tmp_path: Path, patc
 
 def test_one_step_on_the_cache_equals_the_step_end_to_end(labels: Path, tmp_path: Path,
                                                           patches_encoded: list[int]) -> None:  # fmt: skip
-    # four training slides, one optimizer step of their mean gradient, each in the flips and turns drawn for it
-    cached = _fit(_cfg(labels, tmp_path, "auto", accumulate=4))
+    # four training slides, one optimizer step of their mean gradient, each in the flips and turns drawn for it; a
+    # patient column (a patient per slide) validates through the task path, the one the test split takes too
+    rows = list(csv.DictReader(labels.open()))
+    per_patient = labels.with_name("patients.csv")
+    per_patient.write_text("slide,label,patient\n" + "".join(f"{r['slide']},{r['label']},p{i}\n"
+                                                              for i, r in enumerate(rows)))  # fmt: skip
+    cached = _fit(_cfg(per_patient, tmp_path, "auto", accumulate=4))
     embedded = patches_encoded[0]
-    e2e = _fit(_cfg(labels, tmp_path, "off", accumulate=4))
+    e2e = _fit(_cfg(per_patient, tmp_path, "off", accumulate=4))
     assert patches_encoded[0] > embedded  # off: the engine ran the encoder
     assert not any("feature_cache" in r for r in _rows(e2e, "train"))
     a, b = _rows(cached, "train"), _rows(e2e, "train")
@@ -136,7 +141,10 @@ def test_one_step_on_the_cache_equals_the_step_end_to_end(labels: Path, tmp_path
         torch.testing.assert_close(wa[k], wb[k], msg=lambda m, k=k: f"{k}: {m}")
     first = load_checkpoint(cached / "last.pt")  # the head moved: the comparison is not of two untouched heads
     assert first["global_step"] == 1
-    torch.testing.assert_close(_rows(cached, "val")[0]["loss"], _rows(e2e, "val")[0]["loss"])
+    va, vb = _rows(cached, "val")[0], _rows(e2e, "val")[0]
+    assert va["n_patients"] == vb["n_patients"] == va["n"] > 0
+    for key in ("loss", "patient_roc_auc", "patient_accuracy"):
+        torch.testing.assert_close(va[key], vb[key])
 
     # predict on the cached run's folder runs the whole model through the engine: the validation's probabilities
     out = run_predict(load_config(cached / "config.yaml"), checkpoint=cached / "best.pt", slides=labels.parent,
