@@ -14,6 +14,10 @@ turns ``data.augment`` draws for (seed, epoch, slide) (``DIHEDRAL`` views at mos
 optimizer, schedule, accumulation, class balance, checkpoints (the whole model's weights: ``predict`` and ``report``
 read the run folder unchanged), resume and metrics.jsonl are the fit's own.
 
+The bags are embedded in float32 whatever ``train.precision`` (the head's steps take it), with the encoder in eval
+mode (as CLAM extracts features); so in bf16 / fp16, or with an encoder whose frozen layers behave differently in
+training mode (dropout, stochastic depth), the cached run is not the end-to-end run's arithmetic, only its recipe.
+
 Not cached (end to end, with a note saying why): colour jitter (a new image each draw), the instance loss,
 ``train.head_warmup``, tasks other than classification, ``data.stream_tiles`` and torchrun ranks.
 """

@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -494,9 +494,10 @@ class FitRecipe:
         self._resumed_losses = []
         window_start = start
         todo = order[start:]
-        loader = PrefetchLoader(self.train_ds, todo) if cfg.data.prefetch else _in_order(self.train_ds, todo)
         if self.cached is not None:  # (bag, label, record, (view, seconds embedding it)) from the feature cache
-            loader = _cached_items(self.cached, self.data.train, epoch, todo)
+            loader: Iterable[Any] = _cached_items(self.cached, self.data.train, epoch, todo)
+        else:
+            loader = PrefetchLoader(self.train_ds, todo) if cfg.data.prefetch else _in_order(self.train_ds, todo)
         self.waits.start_epoch()
         t_wait = time.perf_counter()
         for j, (image, label, record, read) in enumerate(loader, start=start):
@@ -525,8 +526,8 @@ class FitRecipe:
                 st.global_step += 1
                 window_start = j + 1
             if self.cached is not None:  # read: (the view drawn, the seconds embedding it took, None on a hit)
-                self.recorder.metrics.write(self.cached.row(epoch, step_no, j, record, step, *read, lr,
-                                                            opt.grad_norm if opt is not None else None))  # fmt: skip
+                row = self.cached.row(epoch, step_no, j, record, step, *read, lr, opt.grad_norm if opt else None)
+                self.recorder.head_slide(row, opt.seconds if opt is not None else None, wait_s)
             else:
                 self.recorder.slide(epoch, step_no, j, record, step, read, wait_s, lr, opt)
             progress.end_slide(step.loss, step.peak_bytes)
