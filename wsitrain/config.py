@@ -531,6 +531,9 @@ class TrainConfig(Section):
     # Before the first epoch of a new run, the head alone learns on the initial trunk's patch features (the attention
     # head then no longer starts uniform: docs/research/plateau.md section 6). None: end to end from the first step.
     head_warmup: HeadWarmupConfig | None = None
+    # A patch encoder frozen whole: "auto" trains the head on embeddings cached once per slide and augmentation under
+    # <log.dir>/feature_cache (the CLAM / TRIDENT pipeline, wsitrain.train.cached_head); "off": end to end always.
+    feature_cache: Literal["auto", "off"] = "auto"
     val_every: int = Field(1, ge=1)
     # Also write last.pt every N optimizer steps (not only at each epoch's end), so a killed run loses little.
     checkpoint_every: int | None = Field(None, ge=1)

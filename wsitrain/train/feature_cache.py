@@ -65,14 +65,27 @@ class FeatureCache:
         ``image()`` ((1, 3, H, W) float in [0, 1], read only on a miss) and written there."""
         from wsitrain.train.frozen_mil import patch_features
 
-        path = self.path(slide, aug)
-        if path.is_file():
-            self.hits += 1
-            return safe_torch_load(path, "feature cache file")
+        feats = self.load(slide, aug)
+        if feats is not None:
+            return feats
         feats = patch_features(self.model, dihedral(image(), aug), self.patch)  # (N, D)
+        self.store(slide, aug, feats)
+        return feats
+
+    def load(self, slide: str, aug: int, kind: str = "") -> torch.Tensor | None:
+        """The stored tensor (``kind``: a companion file's suffix, e.g. the bag's grid), None when not stored; a
+        bag's read counts as a hit."""
+        path = self.path(slide, aug).with_suffix(f"{kind}.pt")
+        if not path.is_file():
+            return None
+        self.hits += not kind
+        return safe_torch_load(path, "feature cache file")
+
+    def store(self, slide: str, aug: int, value: torch.Tensor, kind: str = "") -> None:
+        """Write ``value`` (a bag, or with ``kind`` its companion), atomically; a bag counts as computed."""
+        path = self.path(slide, aug).with_suffix(f"{kind}.pt")
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # then renamed: a parallel reader never sees half
-        torch.save(feats.contiguous(), tmp)
+        torch.save(value.contiguous(), tmp)
         tmp.replace(path)
-        self.computed += 1
-        return feats
+        self.computed += not kind

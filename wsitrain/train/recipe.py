@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -38,6 +38,7 @@ from wsitrain.train.attention_mask import tissue_masked
 from wsitrain.train.balance.cost import slide_costs
 from wsitrain.train.balance.deal import Balance
 from wsitrain.train.balance.waiting import RankWaits
+from wsitrain.train.cached_head import CachedHead, why_end_to_end
 from wsitrain.train.checkpoint import load_checkpoint, rng_states, save_checkpoint, set_rng_states
 from wsitrain.train.class_balance import class_weights, loss_weight, sampled_slides
 from wsitrain.train.class_balance import describe as describe_balance
@@ -267,6 +268,14 @@ class FitRecipe:
         self.test_ds = (
             SlideDataset(self.data.test, rk, None, cfg.seed, stream=stream, spill=spill) if self.data.test else None
         )
+        # train.feature_cache: the encoder frozen whole, the head trains on cached bags (None: end to end)
+        self.cached: CachedHead | None = None
+        self.cache_note = why_end_to_end(cfg, self.model, self.objective, self.dist)
+        if self.cache_note is None:
+            plain = SlideDataset(self.data.train, rk, None, cfg.seed, spill=spill)  # misses read un-augmented
+            assert cfg.model.patch is not None
+            self.cached = CachedHead(Path(cfg.log.dir) / "feature_cache", self.model, cfg.model.patch, rk, plain,
+                                     augment_settings(cfg), cfg.seed)  # fmt: skip
         self.test_metrics: dict[str, float] = {}
         self._best_weights: dict[str, torch.Tensor] | None = None  # best.pt's weights, for the test evaluation
         return ckpt, resume_dir
@@ -416,6 +425,10 @@ class FitRecipe:
             markup=False,
         )
         self.out.print(masking_note(cfg), markup=False, highlight=False)
+        if self.cached is not None:
+            self.out.print(self.cached.describe(), markup=False)
+        elif self.cache_note:
+            self.say.print(f"[yellow]{escape(self.cache_note)}[/yellow]")
 
     # ---- train
     def train(self) -> None:
@@ -481,20 +494,27 @@ class FitRecipe:
         self._resumed_losses = []
         window_start = start
         todo = order[start:]
-        loader = PrefetchLoader(self.train_ds, todo) if cfg.data.prefetch else _in_order(self.train_ds, todo)
+        if self.cached is not None:  # (bag, label, record, (view, seconds embedding it)) from the feature cache
+            loader: Iterable[Any] = _cached_items(self.cached, self.data.train, epoch, todo)
+        else:
+            loader = PrefetchLoader(self.train_ds, todo) if cfg.data.prefetch else _in_order(self.train_ds, todo)
         self.waits.start_epoch()
         t_wait = time.perf_counter()
         for j, (image, label, record, read) in enumerate(loader, start=start):
             wait_s = time.perf_counter() - t_wait
             window = min(t.accumulate, len(order) - window_start)
-            with self._plan_errors_named(record.slide_id):
-                self.recorder.plan_if_new(image, record.slide_id)
-                progress.start_slide(record.slide_id, self.recorder.tiles_total(image))
-                target = label if self.objective is None else self.objective.target(record)
-                with tissue_masked(self.model, read):
-                    weight = loss_weight(t.class_balance, self.class_w, label)
-                    step = self.oom.train_slide(image, target, weight / window, record.slide_id)
-                self.recorder.plan_if_new(image, record.slide_id)  # logs the new plan after an out-of-memory re-plan
+            weight = loss_weight(t.class_balance, self.class_w, label)
+            if self.cached is not None:  # image: the slide's cached bag (Bag)
+                progress.start_slide(record.slide_id, 0)
+                step = self.cached.train_step(trainer, image, label, weight / window)
+            else:
+                with self._plan_errors_named(record.slide_id):
+                    self.recorder.plan_if_new(image, record.slide_id)
+                    progress.start_slide(record.slide_id, self.recorder.tiles_total(image))
+                    target = label if self.objective is None else self.objective.target(record)
+                    with tissue_masked(self.model, read):
+                        step = self.oom.train_slide(image, target, weight / window, record.slide_id)
+                    self.recorder.plan_if_new(image, record.slide_id)  # the new plan after an out-of-memory re-plan
             losses.append(step.loss)
             lr = trainer.lr
             closes = j + 1 - window_start == window
@@ -505,7 +525,11 @@ class FitRecipe:
             if closes:
                 st.global_step += 1
                 window_start = j + 1
-            self.recorder.slide(epoch, step_no, j, record, step, read, wait_s, lr, opt)
+            if self.cached is not None:  # read: (the view drawn, the seconds embedding it took, None on a hit)
+                row = self.cached.row(epoch, step_no, j, record, step, *read, lr, opt.grad_norm if opt else None)
+                self.recorder.head_slide(row, opt.seconds if opt is not None else None, wait_s)
+            else:
+                self.recorder.slide(epoch, step_no, j, record, step, read, wait_s, lr, opt)
             progress.end_slide(step.loss, step.peak_bytes)
             if closes:
                 if st.global_step % cfg.log.every == 0:
@@ -615,9 +639,14 @@ class FitRecipe:
         t0 = time.perf_counter()
         watch = DecisionWatch(self.engine)  # max pooling: is each class decided on the tissue?
         for i in mine:
-            image, label, record, read = self.val_ds[i]
-            with self._plan_errors_named(record.slide_id), tissue_masked(self.model, read), watch.slide(image, read):
-                r = self.trainer.eval_slide(image, label)
+            if self.cached is not None:
+                record = self.data.val[i]
+                label, r = record.label, self.cached.eval_step(self.trainer, self.val_ds, i, record.label)
+            else:
+                image, label, record, read = self.val_ds[i]
+                with (self._plan_errors_named(record.slide_id), tissue_masked(self.model, read),
+                      watch.slide(image, read)):  # fmt: skip
+                    r = self.trainer.eval_slide(image, label)
             results.append((int(label), r.loss, r.probs.numpy(), record.slide_id, str(record.path), watch.last))
         results = [x for part in D.gather_objects(results, self.dist) for x in part]
         labels = np.array([r[0] for r in results])
@@ -656,10 +685,14 @@ class FitRecipe:
         rows = []
         t0 = time.perf_counter()
         for i in mine:
-            image, label, record, read = ds[i]
-            target = label if objective is None else objective.target(record)
-            with self._plan_errors_named(record.slide_id), tissue_masked(self.model, read):
-                r = self.trainer.eval_slide(image, target)
+            if self.cached is not None:  # classification only (cached_head.why_end_to_end)
+                record = ds.records[i]
+                label, r = record.label, self.cached.eval_step(self.trainer, ds, i, record.label)
+            else:
+                image, label, record, read = ds[i]
+                target = label if objective is None else objective.target(record)
+                with self._plan_errors_named(record.slide_id), tissue_masked(self.model, read):
+                    r = self.trainer.eval_slide(image, target)
             truth = [float(label)] if objective is None else list(record.target)
             rows.append({"slide": record.slide_id, "path": str(record.path), "patient": record.patient,
                          "target": truth, "loss": r.loss, "outputs": [float(v) for v in r.probs.tolist()]})  # fmt: skip
@@ -792,6 +825,15 @@ def _task_metrics(objective: Objective | None, targets: np.ndarray, outputs: np.
 def _in_order(ds: SlideDataset, order: list[int]) -> Iterator[Item]:
     for i in order:
         yield ds[i]
+
+
+def _cached_items(cached: CachedHead, records: list[SlideRecord], epoch: int,
+                  order: list[int]) -> Iterator[tuple[Any, int, SlideRecord, tuple[int, float | None]]]:  # fmt: skip
+    """The epoch's training items from the feature cache: (bag, label, record, (view, seconds embedding it or None
+    when read back))."""
+    for i in order:
+        bag, embed_s = cached.train_bag(epoch, i)
+        yield bag, int(records[i].label), records[i], (cached.view(epoch, i), embed_s)
 
 
 def _gather_flat(values: list[float], dist: D.DistInfo) -> list[float]:

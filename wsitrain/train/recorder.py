@@ -142,6 +142,21 @@ class RunRecorder:
             self.tb.add_scalar("train/lr", lr, step)
             self.tb.add_scalar("time/step_s", step_s, step)
 
+    def head_slide(self, row: dict[str, Any], optimizer_s: float | None, wait_s: float) -> None:
+        """A training slide's row on the feature cache (wsitrain.train.cached_head: no read, no tiles); ``wait_s``
+        includes reading (or embedding) its bag."""
+        step_s = row["forward_s"] + row["backward_s"] + (optimizer_s or 0.0) + wait_s
+        row = {**row, "optimizer_s": optimizer_s, "wait_s": wait_s, "step_s": step_s}
+        for key in ("forward_s", "backward_s", "optimizer_s", "step_s", "wait_s"):
+            if row[key] is not None:
+                self._times[key].append(row[key])
+        self._last_train_loss = row["loss"]
+        self.metrics.write(row)
+        if self.tb is not None and optimizer_s is not None:
+            self.tb.add_scalar("train/loss", row["loss"], row["step"])
+            self.tb.add_scalar("train/lr", row["lr"], row["step"])
+            self.tb.add_scalar("time/step_s", step_s, row["step"])
+
     def validation(self, epoch: int, step: int, metrics: dict[str, float]) -> None:
         self._last_val = dict(metrics)
         self.metrics.write({"kind": "val", "epoch": epoch + 1, "step": step, **metrics})
