@@ -92,10 +92,13 @@ constraints: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINT_PATHS)
 
-# Line coverage of wsitrain/ over the default run (pytest-cov): the figure issue 54 asked not to fall (95.1% before
-# round 5's changes, 17,122 of 17,998 statements; measured 2026-12-01). Report in the terminal and coverage.json.
+# Line coverage of wsitrain/ over everything CI runs (the default run and the heavy cases; pytest-cov): the figure
+# issue 54 asked not to fall. 95.13% before round 5's changes (the default run, 17,122 of 17,998 statements, measured
+# 2026-12-01 at 20827c8); 95.17% after (18,842 of 19,799 at 17fb018, the default run alone 94.47%: the cases moved to
+# `heavy` carry the rest). Report in the terminal and coverage.json.
 coverage: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_WORKERS) --cov=wsitrain --cov-report=term --cov-report=json:coverage.json
+	$(BIN)/python -m pytest -q $(PYTEST_WORKERS) -m 'heavy or not heavy' --cov=wsitrain --cov-report=term \
+	  --cov-report=json:coverage.json
 
 # The documentation site (mkdocs.yml, docs/) into site/; --strict makes a broken link or anchor an error.
 docs: $(STAMP)
