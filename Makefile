@@ -94,7 +94,7 @@ lint: $(STAMP)
 
 # Line coverage of wsitrain/ over everything CI runs (the default run and the heavy cases; pytest-cov): the figure
 # issue 54 asked not to fall. 95.13% before round 5's changes (the default run, 17,122 of 17,998 statements, measured
-# 2026-12-01 at 20827c8); 95.17% after (18,842 of 19,799 at 17fb018, the default run alone 94.47%: the cases moved to
+# 2026-12-01 at 20827c8); 95.17% after (18,842 of 19,799 at 5ac8c3a, the default run alone 94.47%: the cases moved to
 # `heavy` carry the rest). Report in the terminal and coverage.json.
 coverage: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_WORKERS) -m 'heavy or not heavy' --cov=wsitrain --cov-report=term \
