@@ -15,12 +15,12 @@ LINT_PATHS := $(wildcard wsitrain tests scripts benchmarks)
 # WSITRAIN_UNCONSTRAINED=1 installs whatever pip resolves within pyproject.toml's bounds instead.
 CONSTRAINTS := $(if $(WSITRAIN_UNCONSTRAINED),,-c constraints.txt)
 
-# Re-installs when pyproject.toml or the constraints change (the stamp is older than them). --no-compile: pip would
-# byte-compile all 13,700 .py files of the venv (about 40 s of one core, measured: 7.5 s for torch's 2,352), most of
-# which no wsitrain command imports; Python compiles what it imports on first use instead.
+# Re-installs when pyproject.toml or the constraints change (the stamp is older than them). pip byte-compiles every
+# file (about 50 s of the install): tried without (--no-compile), the install took 55-68 s against 104-118 s, but CI's
+# heavy cases, which start many fresh interpreters, took 9.2-9.6 min against 6.5 (measured 2026-12-01, fresh clones).
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --no-compile $(CONSTRAINTS) -e ".[test]"
+	$(BIN)/python -m pip install $(CONSTRAINTS) -e ".[test]"
 	touch $(STAMP)
 
 # The run name carries date, time and process id, so it never collides with an earlier run folder; the last
@@ -65,7 +65,7 @@ OLDEST_TESTS := tests/test_sft_exact.py tests/test_sft_ops.py tests/test_sft_ops
 
 $(OLD_STAMP): pyproject.toml constraints-oldest.txt
 	test -x $(OLD_VENV)/bin/python || $(PYTHON) -m venv $(OLD_VENV)
-	$(OLD_VENV)/bin/python -m pip install --no-compile -c constraints-oldest.txt -e ".[test]"
+	$(OLD_VENV)/bin/python -m pip install -c constraints-oldest.txt -e ".[test]"
 	touch $(OLD_STAMP)
 
 # The oldest versions' venv alone: .ci/run builds it in the background while the suite runs (its install is mostly
