@@ -74,6 +74,16 @@ def step(model: nn.Module, x: torch.Tensor, mask: torch.Tensor | None) -> tuple:
     return y.detach(), [p.grad for p in inner.parameters()], xr.grad
 
 
+def assert_same_output_and_grads(model: nn.Module, got: tuple, ref: tuple) -> None:
+    """``step``'s output and every parameter gradient of ``model`` equal (None where the reference has none)."""
+    torch.testing.assert_close(got[0], ref[0])
+    names = [n for n, _ in model.named_parameters()]
+    for n, a, b in zip(names, got[1], ref[1], strict=True):
+        assert (a is None) == (b is None), n
+        if a is not None:
+            torch.testing.assert_close(a, b, msg=lambda m, n=n: f"{n}: {m}")
+
+
 def compare(model: nn.Module, mask: torch.Tensor | None, tile: int, shape: tuple[int, ...] = SHAPE) -> SFT:
     torch.manual_seed(1)
     x = torch.randn(*shape, dtype=torch.float64)
@@ -81,12 +91,7 @@ def compare(model: nn.Module, mask: torch.Tensor | None, tile: int, shape: tuple
     ref = step(model, x, mask)
     sft = SFT(twin, tile_size=tile, memory_budget="1GiB")
     got = step(sft, x, mask)
-    torch.testing.assert_close(got[0], ref[0])
-    names = [n for n, _ in model.named_parameters()]
-    for n, a, b in zip(names, got[1], ref[1], strict=True):
-        assert (a is None) == (b is None), n
-        if a is not None:
-            torch.testing.assert_close(a, b, msg=lambda m, n=n: f"{n}: {m}")
+    assert_same_output_and_grads(model, got, ref)
     torch.testing.assert_close(got[2], ref[2])
     seg = sft.plan_for(tuple(x.shape), input_dtype=torch.float64).segments[-1]
     assert seg.mode == "tiled" and seg.n_tiles > 1, "the patch grid must really be tiled"

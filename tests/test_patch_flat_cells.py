@@ -11,7 +11,7 @@ import copy
 
 import pytest
 import torch
-from test_patch_exact import SHAPE, P, build, tissue, vit
+from test_patch_exact import SHAPE, P, assert_same_output_and_grads, build, tissue, vit
 from torch import nn
 
 from wsitrain.patch.flat_cells import couples_patches, encode_distinct
@@ -71,12 +71,7 @@ def test_flat_patches_encoded_once_are_exact(head: str, masked: bool) -> None:
     model.features.encoder.register_forward_hook(lambda m, i, o: seen.append(i[0].shape[0]) if has_content(i[0])
                                                  else None)  # fmt: skip
     got = step(sft, x, mask)
-    torch.testing.assert_close(got[0], ref[0])
-    names = [n for n, _ in model.named_parameters()]
-    for n, a, b in zip(names, got[1], ref[1], strict=True):
-        assert (a is None) == (b is None), n
-        if a is not None:
-            torch.testing.assert_close(a, b, msg=lambda m, n=n: f"{n}: {m}")
+    assert_same_output_and_grads(model, got, ref)
     seg = sft.plan_for(tuple(x.shape), input_dtype=torch.float64).segments[-1]
     assert seg.mode == "tiled" and seg.n_tiles > 1, "the patch grid must really be tiled"
     # chunks of 2 x 2 patches (batch 2: 8 cells): none encodes more than its tissue patches and one background patch
