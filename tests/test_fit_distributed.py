@@ -48,9 +48,9 @@ def _fit_worker(rank: int, world: int, port: int, root: str) -> None:
     run_fit(_cfg(Path(root), "ddp", accumulate=1), console=Console(file=io.StringIO()), quiet=True)
 
 
-def _six_train_two_val(root: Path) -> None:
-    """root/slides: 8 synthetic slides of 256 px; root/labels.csv: 6 to train (3 per rank), 2 to validate."""
-    rows = list(csv.DictReader(write_synthetic_dataset(root / "slides", n=8, size=256, seed=0).open()))
+def _six_train_two_val(root: Path, size: int = 256) -> None:
+    """root/slides: 8 synthetic slides of ``size`` px; root/labels.csv: 6 to train (3 per rank), 2 to validate."""
+    rows = list(csv.DictReader(write_synthetic_dataset(root / "slides", n=8, size=size, seed=0).open()))
     with (root / "labels.csv").open("w") as f:
         f.write("slide,label,split\n")
         for i, r in enumerate(rows):

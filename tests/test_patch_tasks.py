@@ -6,7 +6,6 @@ Tiny cohorts of 128 px slides (a 4 x 4 patch grid), tiled in chunks of 2 x 2 pat
 
 from __future__ import annotations
 
-import csv
 import io
 import json
 import math
@@ -19,9 +18,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from rich.console import Console
+from test_fit_distributed import _six_train_two_val
 
 from wsitrain.config import WsiTrainConfig
-from wsitrain.slides.synth import write_synthetic_dataset
 from wsitrain.slides.synth.targets import write_task_dataset
 from wsitrain.train.checkpoint import load_checkpoint
 from wsitrain.train.cv import run_cv
@@ -140,12 +139,7 @@ def _fit_worker(rank: int, world: int, port: int, root: str) -> None:
 
 @pytest.mark.heavy  # two spawned interpreters importing torch and timm: 8.6 s alone, 15 s wall (measured, 2 cores)
 def test_two_rank_fit_equals_one_process_with_accumulation(tmp_path: Path) -> None:
-    # 6 slides of 128 px to train (3 per rank), 2 to validate
-    rows = list(csv.DictReader(write_synthetic_dataset(tmp_path / "slides", n=8, size=128, seed=0).open()))
-    with (tmp_path / "labels.csv").open("w") as f:
-        f.write("slide,label,split\n")
-        for i, r in enumerate(rows):
-            f.write(f"{r['slide']},{r['label']},{'val' if i >= 6 else 'train'}\n")
+    _six_train_two_val(tmp_path, size=128)  # 6 slides of 128 px to train (3 per rank), 2 to validate
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
