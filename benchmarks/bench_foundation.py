@@ -61,20 +61,23 @@ RUNS: dict[str, list[str]] = {
 }
 ORDER = (FROZEN, ALL, LAST2, LORA)
 KEYS = {"frozen": FROZEN, "all": ALL, "last2": LAST2, "lora": LORA}  # --rows
+# the scripts it runs in its own process: the learning benchmark (cohort, split, fit) and the pretraining
+BENCH_LEARNING = Path(__file__).with_name("bench_learning.py")
+PRETRAIN = Path(__file__).with_name("pretrain_patches.py")
 
 
 def bench_learning() -> Any:
-    """benchmarks/bench_learning.py (or benchmarks/, where the docs move it) as a module: its cohort, split, fit run and
+    """benchmarks/bench_learning.py as a module: its cohort, split, fit run and
     localisation are this benchmark's too."""
-    for path in (Path(__file__).with_name("bench_learning.py"), ROOT / "scripts" / "bench_learning.py"):
-        if path.is_file():
-            spec = importlib.util.spec_from_file_location("bench_learning", path)
-            assert spec is not None and spec.loader is not None
-            module = importlib.util.module_from_spec(spec)
-            sys.modules["bench_learning"] = module
-            spec.loader.exec_module(module)
-            return module
-    raise SystemExit("error: bench_learning.py is neither in benchmarks/ nor in scripts/")
+    path = BENCH_LEARNING
+    if path.is_file():
+        spec = importlib.util.spec_from_file_location("bench_learning", path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["bench_learning"] = module
+        spec.loader.exec_module(module)
+        return module
+    raise SystemExit(f"error: {path} is missing")
 
 
 def pretrain(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
@@ -83,7 +86,7 @@ def pretrain(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
     if args.encoder is not None:
         return args.encoder, {"encoder": str(args.encoder), "pretrained_here": False}
     out = args.work / "small_vit_simclr.pt"
-    spec = importlib.util.spec_from_file_location("pretrain_patches", ROOT / "scripts" / "pretrain_patches.py")
+    spec = importlib.util.spec_from_file_location("pretrain_patches", PRETRAIN)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -49,3 +49,11 @@ def test_bad_input_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
     assert "--rows everything: choose from frozen, all, last2, lora" in capsys.readouterr().err
     assert bf.main(["--out", str(tmp_path), "--encoder", str(tmp_path / "none.pt")]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_the_scripts_it_runs_are_beside_it() -> None:
+    """The pretraining and the learning benchmark are loaded by path: a move that leaves them behind fails here, not
+    six minutes into the documented run (it did once, after scripts/ became benchmarks/)."""
+    bf = _bench()
+    assert bf.PRETRAIN.is_file() and bf.BENCH_LEARNING.is_file()
+    assert callable(bf.bench_learning().run_one)
