@@ -15,12 +15,18 @@ LINT_PATHS := $(wildcard wsitrain tests scripts benchmarks)
 # WSITRAIN_UNCONSTRAINED=1 installs whatever pip resolves within pyproject.toml's bounds instead.
 CONSTRAINTS := $(if $(WSITRAIN_UNCONSTRAINED),,-c constraints.txt)
 
-# Re-installs when pyproject.toml or the constraints change (the stamp is older than them). pip byte-compiles every
-# file (about 50 s of the install): tried without (--no-compile), the install took 55-68 s against 104-118 s, but CI's
-# heavy cases, which start many fresh interpreters, took 9.2-9.6 min against 6.5 (measured 2026-12-01, fresh clones).
+# Re-installs when pyproject.toml or the constraints change (the stamp is older than them). Every file is
+# byte-compiled, as pip does by default, but on every core (COMPILE_ALL): pip compiles one file after another, about
+# 50 s of the install on CI's 2 cores. Left uncompiled (--no-compile alone), the install took 55-68 s against 104-118 s
+# but CI's heavy cases, which start many fresh interpreters, took 9.2-9.6 min against 6.5: under
+# PYTHONDONTWRITEBYTECODE (set on this project's machines) each of them compiled torch's modules again (measured
+# 2026-12-01, fresh clones). compileall's errors (a few test files that third-party wheels ship for other Pythons)
+# are pip's to ignore too.
+COMPILE_ALL = -m compileall -q -j 0
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install $(CONSTRAINTS) -e ".[test]"
+	$(BIN)/python -m pip install --no-compile $(CONSTRAINTS) -e ".[test]"
+	$(BIN)/python $(COMPILE_ALL) $(VENV)/lib >/dev/null || true
 	touch $(STAMP)
 
 # The run name carries date, time and process id, so it never collides with an earlier run folder; the last
@@ -65,11 +71,12 @@ OLDEST_TESTS := tests/test_sft_exact.py tests/test_sft_ops.py tests/test_sft_ops
 
 $(OLD_STAMP): pyproject.toml constraints-oldest.txt
 	test -x $(OLD_VENV)/bin/python || $(PYTHON) -m venv $(OLD_VENV)
-	$(OLD_VENV)/bin/python -m pip install -c constraints-oldest.txt -e ".[test]"
+	$(OLD_VENV)/bin/python -m pip install --no-compile -c constraints-oldest.txt -e ".[test]"
+	$(OLD_VENV)/bin/python $(COMPILE_ALL) $(OLD_VENV)/lib >/dev/null || true
 	touch $(OLD_STAMP)
 
-# The oldest versions' venv alone: .ci/run builds it in the background while the suite runs (its install is mostly
-# a download of torch 2.6's CUDA wheels from PyPI).
+# The oldest versions' venv alone: .ci/run builds it beside the suite's own venv where the disk has room (its install
+# is a download of torch 2.6's CUDA wheels from PyPI, 2.9 GB in 19 s here, and their unpacking on one core).
 old-venv: $(OLD_STAMP)
 
 test-oldest: $(OLD_STAMP)

@@ -75,12 +75,13 @@ def test_a_steady_cpu_step_stays_within_the_budget(classes: int, size: int, dtyp
     assert m["peaks"][1] <= budget, {**m, "budget": budget}
 
 
+# The issue's size only: a 4096 px case beside it (17-29 s on CI's cores, measured) ran the same path, one plan and one
+# step in a fresh process, that the 8192 px case and the steady-step cases above already hold to their budgets.
 @pytest.mark.heavy
-@pytest.mark.parametrize("size", [4096, 8192])
-def test_the_issues_snippet_holds_its_budget_in_the_first_step(size: int) -> None:
+def test_the_issues_snippet_holds_its_budget_in_the_first_step() -> None:
     """The issue's snippet as it measured it (one step in a fresh process, planning inside it): before, 680 MiB at
-    8192 px for 512 MiB; now within the budget with the image counted (4096 px: 47 s, 8192 px: 270 s, measured)."""
-    m = measure(2, size, "uint8", 512 * MiB, steps=1)
+    8192 px for 512 MiB; now within the budget with the image counted (8192 px: 51-56 s on CI's cores, measured)."""
+    m = measure(2, 8192, "uint8", 512 * MiB, steps=1)
     assert m["image_inside"] and m["peaks"][0] <= 512 * MiB, m
 
 

@@ -22,8 +22,8 @@ import pytest
 SLOW_FILES: dict[str, tuple[float, float]] = {  # file: (default cases' seconds, heavy cases' seconds)
     "test_model_zoo.py": (161, 147),  # 50 families in the default run, 13 heavy (5-55 s each)
     "test_sft_simulate.py": (82, 120),  # simulated whole-slide models and representative tiles
-    "test_sft_cpu_budget.py": (20, 71),  # fresh processes measuring the CPU budget
-    "test_sft_memory.py": (0, 78),  # fresh processes measuring RSS: VGG-16 and DarkNet-19
+    "test_sft_cpu_budget.py": (20, 52),  # fresh processes measuring the CPU budget
+    "test_sft_memory.py": (0, 58),  # fresh processes measuring RSS: VGG-16 (tiled) and DarkNet-19
     "test_sft_attention.py": (49, 24),
     "test_slurm_real.py": (0, 71),  # a private two-node cluster: its jobs and the requeue
     "test_sft_multipass_regressions.py": (3, 47),  # the 45% FBNetV3 and EfficientNetV2 cases (planning)
