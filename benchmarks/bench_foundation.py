@@ -21,7 +21,9 @@ the model ``python:benchmarks.small_vit:small_vit`` at ``model.patch: 32`` and a
   the cache is shared by the seeds (the same encoder), so only the first seed pays for the features;
 - **end-to-end, all blocks**: ``wsitrain fit`` over every patch of every slide, exact (the SFT engine's patch trunk);
 - **end-to-end, last two blocks**: ``model.freeze: {last_blocks: 2}`` (stem and blocks 0-1 fixed, forward only);
-- **LoRA**: ``model.lora: {rank: 4, alpha: 8, targets: [qkv, proj]}`` (the encoder's own weights fixed).
+- **LoRA**: ``model.lora: {rank: 4, alpha: 8, targets: [qkv, proj]}`` (the encoder's own weights fixed);
+- **LP-FT**: all blocks end to end after ``train.head_warmup`` (the head trained alone on the frozen encoder's patch
+  embeddings first, as linear-probe-then-fine-tune recipes do).
 
 Reported per row: held-out ROC AUC (mean, std, each seed), accuracy, held-out loss against the chance loss, pointing
 game (the share of held-out positive slides whose highest attention patch lies in a lesion), wall time per run; and
@@ -53,14 +55,19 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL = "python:benchmarks.small_vit:small_vit"
 PATCH = 32
 FROZEN, ALL, LAST2, LORA = "frozen features", "end-to-end, all blocks", "end-to-end, last two blocks", "LoRA"
-# row -> the config overrides of its end-to-end run (FROZEN is not a fit: wsitrain.train.frozen_mil)
+LPFT = "end-to-end, all blocks, head first (LP-FT)"
+# row -> the config overrides of its end-to-end run (FROZEN is not a fit: wsitrain.train.frozen_mil). LP-FT (linear
+# probe, then fine-tune; Kumar et al. 2022): the head is trained alone on the frozen encoder's patch embeddings first
+# (train.head_warmup, as many head steps as the frozen row's head gets at most), then everything end to end, so the
+# encoder is fine-tuned from a head that already points at what its features carry.
 RUNS: dict[str, list[str]] = {
     ALL: [],
     LAST2: ["model.freeze={last_blocks: 2}"],
     LORA: ["model.lora={rank: 4, alpha: 8, targets: [qkv, proj]}"],
+    LPFT: [f"train.head_warmup={{steps: 2000, patch: {PATCH}}}"],
 }
-ORDER = (FROZEN, ALL, LAST2, LORA)
-KEYS = {"frozen": FROZEN, "all": ALL, "last2": LAST2, "lora": LORA}  # --rows
+ORDER = (FROZEN, ALL, LAST2, LORA, LPFT)
+KEYS = {"frozen": FROZEN, "all": ALL, "last2": LAST2, "lora": LORA, "lpft": LPFT}  # --rows
 # the scripts it runs in its own process: the learning benchmark (cohort, split, fit) and the pretraining
 BENCH_LEARNING = Path(__file__).with_name("bench_learning.py")
 PRETRAIN = Path(__file__).with_name("pretrain_patches.py")
@@ -263,7 +270,8 @@ def markdown(setup: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         "training slides, the slide itself for held-out ones) into the frozen-feature cache and read back from disk "
         "by later seeds; the head trained on the bags within the seed's mean end-to-end wall time. *Last two "
         "blocks*: `model.freeze: {last_blocks: 2}`. *LoRA*: `model.lora: {rank: 4, alpha: 8, targets: [qkv, "
-        "proj]}`. *Chance loss*: always answering the training set's class shares. *Pointing game*: the share of "
+        f"proj]}}`. *LP-FT*: `train.head_warmup: {{steps: 2000, patch: {PATCH}}}`, then all blocks. "
+        "*Chance loss*: always answering the training set's class shares. *Pointing game*: the share of "
         "held-out positive slides whose highest attention patch lies in a lesion box.",
     ]
     if len(setup["seeds"]) < 3 or setup["n"] < 48 or setup["epochs"] < 12:

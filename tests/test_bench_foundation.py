@@ -46,7 +46,7 @@ def test_bad_input_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
     assert bf.main(["--out", str(tmp_path), "--write-only"]) == 2
     assert "run the benchmark first" in capsys.readouterr().err
     assert bf.main(["--out", str(tmp_path), "--rows", "all,everything"]) == 2
-    assert "--rows everything: choose from frozen, all, last2, lora" in capsys.readouterr().err
+    assert "--rows everything: choose from frozen, all, last2, lora, lpft" in capsys.readouterr().err
     assert bf.main(["--out", str(tmp_path), "--encoder", str(tmp_path / "none.pt")]) == 2
     assert "no such file" in capsys.readouterr().err
 
