@@ -165,3 +165,27 @@ def test_the_planned_share_counts_the_patches_the_sweep_encodes() -> None:
     assert sum(swept) == 16 + 1, swept
     all_tissue = torch.randn(3, 8 * P, 8 * P, dtype=torch.float64)
     assert tissue_tile_share(all_tissue, plan, P) == 1.0
+
+
+def test_the_balance_costs_count_the_patches_on_the_preflight_grid() -> None:
+    """Reference vs variant: ``distributed.balance: time`` ranks slides by the share counted on the preflight's coarse
+    tissue grid (``wsitrain.train.balance.cost``); for a patch encoder it counts patches, as the pixels' count does,
+    wherever the grid's cells fall within patches (1, 2 or 4 cells a side per patch). Counted per chunk instead it
+    would be 12 of 16 here; per patch it is 16 of 64, on a ragged slide (9 x 8 patches) too."""
+    from wsitrain.train.balance.cost import tile_share
+
+    torch.manual_seed(6)
+    model = build(vit(depth=1), "gated")
+    for rows in (8, 9):
+        cells = torch.zeros(rows, 8, dtype=torch.bool)
+        for r, c in ((0, 0), (1, 5), (6, 6), (7, 2)):
+            cells[r, c] = True
+        pixels = cells.repeat_interleave(P, 0).repeat_interleave(P, 1)  # (rows P, 8 P)
+        x = torch.where(pixels, torch.rand(3, rows * P, 8 * P, dtype=torch.float64) + 2, BACKGROUND.view(3, 1, 1))
+        plan = SFT(model, tile_size=2 * P, memory_budget="1GiB").plan_for((1, *x.shape), input_dtype=torch.float64)
+        expected = tissue_tile_share(x, plan, P)
+        assert expected is not None and expected < tissue_tile_share(x, plan)  # type: ignore[operator]
+        for per_patch in (1, 2, 4):
+            grid = cells.repeat_interleave(per_patch, 0).repeat_interleave(per_patch, 1).numpy()
+            assert tile_share(grid, plan, P) == expected, (rows, per_patch)
+            assert tile_share(grid, plan) == tissue_tile_share(x, plan)  # chunks, for a CNN's tiles

@@ -26,6 +26,7 @@ from wsitrain.config import WsiTrainConfig, check_run_name, config_to_dict
 from wsitrain.errors import PlanError, WsiTrainError
 from wsitrain.gpus import Budget, run_budget
 from wsitrain.memory import tune_owned_process
+from wsitrain.patch.plan_summary import patch_trunk
 from wsitrain.preflight import PreflightReport, check_run
 from wsitrain.report.curves import write_curves
 from wsitrain.report.decision import DecisionWatch
@@ -369,7 +370,9 @@ class FitRecipe:
             costs, buckets = list(saved["costs"]), list(saved["buckets"])
         else:
             assert report is not None  # fit has slides, so the preflight ran
-            costs, buckets = D.broadcast_object(slide_costs(report, self.data.train), self.dist)
+            trunk = patch_trunk(self.model)  # a patch encoder: its slides' costs count patches, not chunks
+            patch = None if trunk is None else int(trunk.patch)
+            costs, buckets = D.broadcast_object(slide_costs(report, self.data.train, patch), self.dist)
         return Balance(mode, cfg.seed, self.dist.world_size, cfg.train.accumulate, tuple(costs), tuple(buckets))
 
     def _fine_tuning(self) -> dict[str, Any]:
