@@ -125,7 +125,9 @@ def _dist_cfg(root: Path, name: str, accumulate: int) -> WsiTrainConfig:
         "model": {**MODEL, "pool": "attention"},
         "engine": ENGINE,
         "train": {"epochs": 1, "optimizer": "sgd", "lr": 0.05, "accumulate": accumulate},
-        "distributed": {"backend": "gloo", "bucket_mb": 0.05},  # 50 KB buckets: the ViT's gradients take several
+        # 50 KB buckets: the ViT's gradients take several. round_robin: these slides' tissue differs, so their predicted
+        # costs (patches encoded) differ and balance: time would group them into other steps than the one process's
+        "distributed": {"backend": "gloo", "bucket_mb": 0.05, "balance": "round_robin"},
         "log": {"dir": str(root / "runs"), "tiles": "off"},
     })  # fmt: skip
 
