@@ -79,9 +79,12 @@ $(OLD_STAMP): pyproject.toml constraints-oldest.txt
 # is a download of torch 2.6's CUDA wheels from PyPI, 2.9 GB in 19 s here, and their unpacking on one core).
 old-venv: $(OLD_STAMP)
 
+# Without test_sft_multipass.py's three squeeze-excitation nets at 45% (20 s of CPU, nearly all of it the planner's
+# search in Python, measured 2026-12-01): the default suite runs them; here the squeeze-excitation blocks' own exact
+# cases carry the multi-pass path on the oldest torch.
 test-oldest: $(OLD_STAMP)
 	$(OLD_VENV)/bin/python -m pip list 2>/dev/null | grep -iE '^(torch|torchvision|openslide-python|pydantic|typer|rich|numpy) '
-	$(OLD_VENV)/bin/python -m pytest -q $(PYTEST_WORKERS) $(OLDEST_TESTS)
+	$(OLD_VENV)/bin/python -m pytest -q $(PYTEST_WORKERS) $(OLDEST_TESTS) -k "not nets_eval_at_45_percent"
 
 # The sdist and the wheel built (python -m build), the wheel installed into a clean venv and its CLI run from outside
 # the checkout: --help, --version, plan --model tiny --size 2048 (.ci/wheel-check says how; WHEEL_CHECK_DEPS=pypi
