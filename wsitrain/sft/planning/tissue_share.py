@@ -13,6 +13,7 @@ computing chunk's non-flat patches and one flat patch where it has any, over all
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from wsitrain.sft.plan_types import Plan
@@ -55,15 +56,24 @@ def _patch_share(img: torch.Tensor, reg: SegmentRegions, p: int) -> float:
         return 1.0
     cells = img[:, : gh * p, : gw * p].reshape(c, gh, p, gw, p)
     flat = (cells == cells[:, :, :1, :, :1]).all(4).all(2).all(0)  # (gh, gw) one colour per channel
+    return patches_encoded((~flat).numpy(), reg, (h, w), p) / (gh * gw)
+
+
+def patches_encoded(tissue: np.ndarray, reg: SegmentRegions, hw: tuple[int, int], p: int) -> int:
+    """Patches a patch encoder encodes over ``reg``'s chunks of an (h, w) image whose ``p`` px patches are
+    ``tissue`` (gh, gw; False: flat background): a chunk all background and off the image border is the sweep's
+    cached chunk (none), a chunk that computes encodes its tissue patches and one background patch where it has any.
+    Counted on the pixels here and on the preflight's tissue grid by ``wsitrain.train.balance.cost``."""
+    h, w = hw
     encoded = 0
     for rt in reg.rows:
         r0, r1 = rt.need[0]
         for ct in reg.cols:
             c0, c1 = ct.need[0]
-            part = flat[r0 // p : r1 // p, c0 // p : c1 // p]
-            n_flat = int(part.sum())
+            part = tissue[r0 // p : r1 // p, c0 // p : c1 // p]
+            n_tissue = int(part.sum())
             border = r0 <= 0 or c0 <= 0 or r1 >= h or c1 >= w
-            if n_flat == part.numel() and not border:
+            if n_tissue == 0 and not border:
                 continue  # all background: the sweep's cached chunk
-            encoded += part.numel() - n_flat + int(n_flat > 0)
-    return encoded / (gh * gw)
+            encoded += n_tissue + int(n_tissue < part.size)
+    return encoded

@@ -23,6 +23,7 @@ import numpy as np
 
 from wsitrain.preflight import PreflightReport, SlideShape
 from wsitrain.sft.plan_types import Plan
+from wsitrain.sft.planning.tissue_share import patches_encoded
 from wsitrain.slides.dataset import SlideRecord
 
 
@@ -95,18 +96,7 @@ def _patch_share(acc: np.ndarray, plan: Plan, p: int) -> float:
     cols = np.array([_cell_span(j * p, (j + 1) * p, w, cw) for j in range(gw)])  # (gw, 2)
     a, b, c, d = rows[:, :1], rows[:, 1:], cols[:, 0][None], cols[:, 1][None]
     tissue = acc[b, d] - acc[a, d] - acc[b, c] + acc[a, c] > 0  # (gh, gw)
-    encoded = 0
-    for rt in reg.rows:
-        r0, r1 = rt.need[0]
-        for ct in reg.cols:
-            c0, c1 = ct.need[0]
-            part = tissue[r0 // p : r1 // p, c0 // p : c1 // p]
-            n_tissue = int(part.sum())
-            border = r0 <= 0 or c0 <= 0 or r1 >= h or c1 >= w
-            if n_tissue == 0 and not border:
-                continue  # all background: the sweep's cached chunk
-            encoded += n_tissue + int(n_tissue < part.size)
-    return encoded / (gh * gw)
+    return patches_encoded(tissue, reg, (h, w), p) / (gh * gw)
 
 
 def _cell_span(start: int, stop: int, extent: int, cells: int) -> tuple[int, int]:
