@@ -15,18 +15,18 @@ LINT_PATHS := $(wildcard wsitrain tests scripts benchmarks)
 # WSITRAIN_UNCONSTRAINED=1 installs whatever pip resolves within pyproject.toml's bounds instead.
 CONSTRAINTS := $(if $(WSITRAIN_UNCONSTRAINED),,-c constraints.txt)
 
-# Re-installs when pyproject.toml or the constraints change (the stamp is older than them). Every file is
-# byte-compiled, as pip does by default, but on every core (COMPILE_ALL): pip compiles one file after another, about
-# 50 s of the install on CI's 2 cores. Left uncompiled (--no-compile alone), the install took 55-68 s against 104-118 s
-# but CI's heavy cases, which start many fresh interpreters, took 9.2-9.6 min against 6.5: under
-# PYTHONDONTWRITEBYTECODE (set on this project's machines) each of them compiled torch's modules again (measured
-# 2026-12-01, fresh clones). compileall's errors (a few test files that third-party wheels ship for other Pythons)
-# are pip's to ignore too.
-COMPILE_ALL = -m compileall -q -j 0
+# Re-installs when pyproject.toml or the constraints change (the stamp is older than them). pip's own byte-compiling is
+# off (--no-compile): it compiles one file after another, about 50 s of the install on CI's 2 cores, mostly modules no
+# test imports. Python writes a module's bytecode the first time it imports it, so nothing more is needed, unless
+# PYTHONDONTWRITEBYTECODE is set (this project's machines set it; .ci/run unsets it): then every fresh interpreter
+# compiled torch's modules again (CI's heavy cases, which start many, took 9.2-9.6 min against 6.5, measured
+# 2026-12-01), so under it every file is compiled at install, on every core (compile_all). compileall's errors (a few
+# test files that third-party wheels ship for other Pythons) are pip's to ignore too.
+compile_all = $(if $(PYTHONDONTWRITEBYTECODE),$(1)/bin/python -m compileall -q -j 0 $(1)/lib >/dev/null || true)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --no-compile $(CONSTRAINTS) -e ".[test]"
-	$(BIN)/python $(COMPILE_ALL) $(VENV)/lib >/dev/null || true
+	$(call compile_all,$(VENV))
 	touch $(STAMP)
 
 # The run name carries date, time and process id, so it never collides with an earlier run folder; the last
@@ -72,7 +72,7 @@ OLDEST_TESTS := tests/test_sft_exact.py tests/test_sft_ops.py tests/test_sft_ops
 $(OLD_STAMP): pyproject.toml constraints-oldest.txt
 	test -x $(OLD_VENV)/bin/python || $(PYTHON) -m venv $(OLD_VENV)
 	$(OLD_VENV)/bin/python -m pip install --no-compile -c constraints-oldest.txt -e ".[test]"
-	$(OLD_VENV)/bin/python $(COMPILE_ALL) $(OLD_VENV)/lib >/dev/null || true
+	$(call compile_all,$(OLD_VENV))
 	touch $(OLD_STAMP)
 
 # The oldest versions' venv alone: .ci/run builds it beside the suite's own venv where the disk has room (its install

@@ -64,13 +64,15 @@ def within(m: dict) -> None:
     assert abs(m["planned"] - m["measured"]) / m["measured"] < 0.25, m
 
 
-# Fresh processes measuring RSS: VGG-16 at 512 px 53-89 s, DarkNet-19 at 448 px 19-35 s (measured, CI's 2 cores); CI
+# Fresh processes measuring RSS: VGG-16 at 512 px 10 s alone, DarkNet-19 at 448 px 19-35 s in CI (measured); CI
 # runs them (`make test-heavy`), `make test` does not (the planner's figures: test_sft_simulate.py,
 # test_sft_cpu_budget.py). The untiled step is measured on DarkNet-19 only: on VGG-16 it was the same check of the
-# plain plan, one more full step at 512 px (about 40% of the case's time), while the tiled step is VGG-16's own.
+# plain plan, one more full step at 512 px, while the tiled step is VGG-16's own. VGG-16 runs at half its plain peak:
+# two tiled segments, 10 s alone, where at 35% (one segment of 16x16 tiles, +138% compute) it took 20 s alone and
+# 52-54 s in CI (measured 2026-12-02, the 2-core CPU).
 @pytest.mark.heavy
 @pytest.mark.parametrize(
-    ("name", "size", "frac", "plain"), [("vgg16", 512, 0.35, False), ("darknet19", 448, 0.6, True)]
+    ("name", "size", "frac", "plain"), [("vgg16", 512, 0.5, False), ("darknet19", 448, 0.6, True)]
 )
 def test_planned_peak_matches_measured_rss(name: str, size: int, frac: float, plain: bool) -> None:
     """The measured peak lies within 15% of the plan: above the tensors replayed, below the estimate with slack."""
