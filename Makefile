@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all test-heavy test-oldest old-venv wheel-check lint docs coverage constraints clean distclean
+.PHONY: demo test test-all test-heavy test-portable test-oldest old-venv wheel-check lint docs coverage constraints clean distclean
 
 # Folders ruff checks; $(wildcard) skips one that a fresh clone does not have (git keeps no empty folders). research/
 # (probes kept as records of docs/research/) is left out, as are its tests (`make test` runs tests/ only).
@@ -53,6 +53,13 @@ test: $(STAMP)
 # `make test` (.ci/run).
 test-heavy: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_WORKERS) -m heavy
+
+# The tests that compare against PyTorch's own CPU kernels, again on the kernels' portable (non-vectorized) path: it
+# rounds where the AVX2 / AVX-512 loops fuse multiply-adds, as another build or CPU may (test_sft_ops_stretch.py).
+PORTABLE_TESTS := tests/test_sft_ops_stretch.py tests/test_sft_ops_pad.py tests/test_sft_ops_resample.py \
+	tests/test_sft_ops.py
+test-portable: $(STAMP)
+	ATEN_CPU_CAPABILITY=default $(BIN)/python -m pytest -q $(PYTEST_WORKERS) $(PORTABLE_TESTS)
 
 # Everything in one pytest session, the default run and the heavy cases sharing the workers: a little quicker than
 # the two one after the other, which CI runs instead so that it times `make test` on its own (.ci/run).
